@@ -1,0 +1,1 @@
+"""Distributed K-FAC preconditioner (placeholder until the K-FAC issue lands)."""

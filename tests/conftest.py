@@ -1,0 +1,31 @@
+"""Suite-wide fixtures, and the guard that keeps collective tests from hanging.
+
+Under ``mpiexec -n N python -m pytest --with-mpi`` a rank whose test fails would go on to the
+next test while the other ranks wait for it in a collective: the job would hang. So a failure
+on any rank of an MPI test prints the report and calls MPI_Abort, which ends every rank at once
+with a non-zero exit. pytest-timeout (pyproject) is the backstop for a test stuck in MPI.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+
+def _mpi_size() -> int:
+    if "mpi4py.MPI" not in sys.modules:
+        return 1
+    return sys.modules["mpi4py.MPI"].COMM_WORLD.Get_size()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not report.failed or _mpi_size() < 2:
+        return
+    MPI = sys.modules["mpi4py.MPI"]
+    rank = MPI.COMM_WORLD.Get_rank()
+    sys.stderr.write(f"\n[rank {rank}] {report.nodeid} failed ({report.when}); aborting every rank\n")
+    sys.stderr.write(report.longreprtext + "\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,79 @@
+"""Helpers for tests that involve MPI: launching jobs safely and collective verdicts.
+
+Two kinds of MPI tests live in this suite:
+- in-process collective tests, marked ``@pytest.mark.mpi(min_size=2)``, run by
+  ``mpiexec -n 4 python -m pytest --with-mpi``; they use :func:`assert_all_ranks`;
+- tests that start a whole job with :func:`run_mpi` (a subprocess ``mpirun`` under a timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for an Open MPI job here: root allowed, more ranks than cores allowed."""
+    env = dict(os.environ)
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        PYTHONUNBUFFERED="1",
+    )
+    # A job started from inside a pytest-mpi rank must not inherit that rank's MPI identity.
+    for key in list(env):
+        if key.startswith(("OMPI_COMM_WORLD", "PMIX_", "OMPI_MCA_ess", "OMPI_MCA_orte", "OMPI_MCA_pmix")):
+            env.pop(key)
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(
+    nprocs: int,
+    args: Sequence[str],
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``mpirun -np N python ARGS...`` and return its result; never hangs past ``timeout``.
+
+    On timeout the whole process group is killed and the returned result has returncode 124
+    and the output gathered so far, so a hang shows up as a failed assertion, not a stuck suite.
+    """
+    mpirun = shutil.which("mpirun") or "mpirun"
+    cmd = [mpirun, "-np", str(nprocs), "--bind-to", "none", PYTHON, *args]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=mpi_env(env),
+        cwd=cwd or REPO,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, 124, out, err + f"\n[run_mpi] killed after {timeout} s\n")
+
+
+def assert_all_ranks(ok: bool, message: str = "") -> None:
+    """Collective verdict: every rank fails if any rank failed, so no rank is left waiting."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    verdicts = comm.allgather((bool(ok), message))
+    failed = [(rank, msg) for rank, (good, msg) in enumerate(verdicts) if not good]
+    assert not failed, "failed on ranks: " + "; ".join(f"{r}: {m}" for r, m in failed)
