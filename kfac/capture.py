@@ -1,0 +1,83 @@
+"""Hooks that collect one layer's factor statistics while the model runs forward and backward.
+
+A forward hook adds the input's Σ a aᵀ and registers a hook on the output tensor; that hook
+adds Σ g gᵀ of the gradient reaching the output. When every forward call of the step has seen
+its gradient the layer is complete and ``on_complete`` is called, still inside backward, so
+that its allreduce can overlap the rest of backward. A layer whose output never receives a
+gradient (an unused branch) simply never completes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from kfac.factors import BatchStatistics
+from kfac.layers import KFACLayer
+
+
+class LayerCapture:
+    """Accumulates one layer's statistics for the current step."""
+
+    def __init__(
+        self,
+        layer: KFACLayer,
+        is_capturing: Callable[[], bool],
+        per_example_scale: bool,
+        on_complete: Callable[["LayerCapture"], None],
+    ) -> None:
+        self.layer = layer
+        self._is_capturing = is_capturing
+        self._per_example_scale = per_example_scale
+        self._on_complete = on_complete
+        self._handle: RemovableHandle = layer.module.register_forward_hook(self._forward_hook)
+        self.reset()
+
+    def reset(self) -> None:
+        self.a_sum: Tensor | None = None
+        self.a_count = 0.0
+        self.g_sum: Tensor | None = None
+        self.g_count = 0.0
+        self.forwards = 0
+        self.backwards = 0
+        self.launched = False
+
+    @property
+    def complete(self) -> bool:
+        return self.forwards > 0 and self.forwards == self.backwards
+
+    def statistics(self) -> BatchStatistics | None:
+        """This step's sums, or None when the layer did not get through forward and backward."""
+        if not self.complete:
+            return None
+        assert self.a_sum is not None and self.g_sum is not None
+        return BatchStatistics(self.a_sum, self.a_count, self.g_sum, self.g_count)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def _forward_hook(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if not (module.training and torch.is_grad_enabled() and self._is_capturing()):
+            return
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        with torch.no_grad():
+            moment, count = self.layer.a_moment(inputs[0].detach())
+        self.a_sum = moment if self.a_sum is None else self.a_sum.add_(moment)
+        self.a_count += count
+        self.forwards += 1
+        output.register_hook(self._gradient_hook)
+
+    def _gradient_hook(self, grad_output: Tensor) -> None:
+        with torch.no_grad():
+            moment, count = self.layer.g_moment(grad_output)
+            if self._per_example_scale:  # the per-example gradient of a mean-reduced loss
+                moment.mul_(float(self.layer.examples(grad_output)) ** 2)
+        self.g_sum = moment if self.g_sum is None else self.g_sum.add_(moment)
+        self.g_count += count
+        self.backwards += 1
+        if self.complete:
+            self._on_complete(self)

@@ -1,0 +1,202 @@
+"""The collectives K-FAC needs, for one process or for a Horovod job.
+
+Three operations: an asynchronous sum-allreduce over all ranks (the factors, started during
+backward), and an asynchronous in-place broadcast inside a group of ranks (decompositions and
+preconditioned gradients). Groups come from :meth:`Communicator.groups`, which every rank calls
+with the same partition of the ranks at construction time.
+
+Inside a Horovod job, groups are Horovod process sets; adding them after ``hvd.init`` needs
+``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment before Horovod starts. Without it, groups
+fall back to mpi4py sub-communicators (the same ranks Horovod uses), with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+Handle = Any
+
+
+class Group(ABC):
+    """The ranks of one group that this rank belongs to."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = tuple(ranks)
+
+    @abstractmethod
+    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
+        """Start overwriting ``tensor`` with the root's (``root`` is a global rank in this group)."""
+
+    @abstractmethod
+    def wait(self, handle: Handle) -> None:
+        """Finish a broadcast started by :meth:`broadcast_async`."""
+
+
+class Communicator(ABC):
+    rank: int = 0
+    size: int = 1
+
+    @abstractmethod
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
+        """Start summing ``tensor`` in place over all ranks."""
+
+    @abstractmethod
+    def wait(self, handle: Handle) -> Tensor:
+        """Finish an allreduce and return the summed tensor."""
+
+    @abstractmethod
+    def groups(self, partition: Sequence[Sequence[int]]) -> Group:
+        """Collective: set up every group of ``partition`` (all ranks, same order); return this rank's."""
+
+
+class _SoloGroup(Group):
+    """A group of one: broadcasting is a no-op."""
+
+    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
+        return None
+
+    def wait(self, handle: Handle) -> None:
+        return None
+
+
+class SingleProcess(Communicator):
+    """No distribution: sums and broadcasts over one rank change nothing."""
+
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
+        return tensor
+
+    def wait(self, handle: Handle) -> Tensor:
+        return handle
+
+    def groups(self, partition: Sequence[Sequence[int]]) -> Group:
+        return _SoloGroup((0,))
+
+
+# Horovod refuses to add a process set twice; several preconditioners in one job share them.
+_PROCESS_SETS: dict[tuple[int, ...], Any] = {}
+_WARNED_NO_PROCESS_SETS = False
+
+
+class _HorovodGroup(Group):
+    def __init__(self, ranks: Sequence[int], hvd: Any, process_set: Any) -> None:
+        super().__init__(ranks)
+        self._hvd = hvd
+        self._process_set = process_set
+
+    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
+        return self._hvd.broadcast_async_(tensor, root, name=name, process_set=self._process_set)
+
+    def wait(self, handle: Handle) -> None:
+        self._hvd.synchronize(handle)
+
+
+class _MpiGroup(Group):
+    """A group as an mpi4py sub-communicator; tensors go through host memory."""
+
+    def __init__(self, ranks: Sequence[int], comm: Any) -> None:
+        super().__init__(ranks)
+        self._comm = comm
+
+    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
+        host = tensor.detach().cpu() if tensor.device.type != "cpu" else tensor
+        request = self._comm.Ibcast(host.numpy(), root=self.ranks.index(root))
+        return request, tensor, host
+
+    def wait(self, handle: Handle) -> None:
+        request, tensor, host = handle
+        request.Wait()
+        if host is not tensor:
+            tensor.copy_(host)
+
+
+class HorovodCommunicator(Communicator):
+    """Collectives of a running Horovod job (``hvd.init`` done, more than one rank)."""
+
+    def __init__(self, hvd: Any) -> None:
+        self._hvd = hvd
+        self.rank = hvd.rank()
+        self.size = hvd.size()
+
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
+        return self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Sum), tensor
+
+    def wait(self, handle: Handle) -> Tensor:
+        hvd_handle, tensor = handle
+        self._hvd.synchronize(hvd_handle)
+        return tensor
+
+    def groups(self, partition: Sequence[Sequence[int]]) -> Group:
+        partition = [tuple(sorted(group)) for group in partition]
+        mine = next(group for group in partition if self.rank in group)
+        if len(mine) == 1 and all(len(group) == 1 for group in partition):
+            return _SoloGroup(mine)
+        if len(mine) == self.size:
+            return _HorovodGroup(mine, self._hvd, self._hvd.global_process_set)
+        sets = self._process_sets(partition)
+        if sets is not None:
+            return _HorovodGroup(mine, self._hvd, sets[mine])
+        return self._mpi_group(partition, mine)
+
+    def _process_sets(self, partition: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any] | None:
+        """Horovod process sets for every group, or None when Horovod cannot add them now."""
+        global _WARNED_NO_PROCESS_SETS
+        try:
+            for group in partition:
+                if group not in _PROCESS_SETS:
+                    _PROCESS_SETS[group] = self._hvd.add_process_set(list(group))
+        except ValueError as error:  # same on every rank: dynamic sets off, or a set someone else added
+            if not _WARNED_NO_PROCESS_SETS and self.rank == 0:
+                warnings.warn(
+                    f"K-FAC uses mpi4py sub-communicators for its rank groups ({error}); set "
+                    "HOROVOD_DYNAMIC_PROCESS_SETS=1 before Horovod starts to use Horovod process sets",
+                    stacklevel=3,
+                )
+            _WARNED_NO_PROCESS_SETS = True
+            return None
+        return {group: _PROCESS_SETS[group] for group in partition}
+
+    def _mpi_group(self, partition: list[tuple[int, ...]], mine: tuple[int, ...]) -> Group:
+        from mpi4py import MPI
+
+        color = partition.index(mine)
+        return _MpiGroup(mine, MPI.COMM_WORLD.Split(color, key=self.rank))
+
+
+def default_communicator() -> Communicator:
+    """Horovod's when this process is part of an initialised Horovod job of several ranks, else a single process.
+
+    Horovod is only looked at if it has been imported already: a job that uses it has imported it.
+    """
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is None or not hasattr(hvd, "is_initialized") or not hvd.is_initialized():
+        return SingleProcess()
+    if hvd.size() == 1:
+        return SingleProcess()
+    return HorovodCommunicator(hvd)
+
+
+def tensors_to_buffer(tensors: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Concatenate flattened tensors into one buffer (an empty one for no tensors)."""
+    if not tensors:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+def buffer_to_tensors(buffer: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
+    """The inverse of :func:`tensors_to_buffer` for tensors of the given shapes."""
+    out, offset = [], 0
+    for shape in shapes:
+        numel = 1
+        for size in shape:
+            numel *= size
+        out.append(buffer[offset : offset + numel].view(*shape))
+        offset += numel
+    if offset != buffer.numel():
+        raise ValueError(f"buffer holds {buffer.numel()} numbers, shapes need {offset}")
+    return out

@@ -1,0 +1,77 @@
+"""Running Kronecker factors, and how a batch's statistics travel between ranks.
+
+Each rank adds up Σ a aᵀ and Σ g gᵀ over its own batch. One flat buffer per layer carries the
+upper triangles of both sums and their counts; summed over all ranks it gives the global batch
+average however the batch was split, which is why a 4-rank run equals a 1-rank run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+
+@lru_cache(maxsize=None)
+def _upper_indices(n: int) -> tuple[Tensor, Tensor]:
+    rows, cols = torch.triu_indices(n, n)
+    return rows, cols
+
+
+def pack_upper(matrix: Tensor) -> Tensor:
+    """The upper triangle (diagonal included) of a symmetric matrix as a vector: n(n+1)/2 numbers."""
+    rows, cols = _upper_indices(matrix.shape[0])
+    return matrix[rows.to(matrix.device), cols.to(matrix.device)]
+
+
+def unpack_upper(vector: Tensor, n: int) -> Tensor:
+    """The symmetric matrix whose upper triangle is ``vector``."""
+    rows, cols = _upper_indices(n)
+    rows, cols = rows.to(vector.device), cols.to(vector.device)
+    matrix = vector.new_zeros(n, n)
+    matrix[rows, cols] = vector
+    matrix[cols, rows] = vector
+    return matrix
+
+
+def upper_size(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+@dataclass
+class BatchStatistics:
+    """One layer's sums over one step's batch, before they are averaged into factors."""
+
+    a_sum: Tensor
+    a_count: float
+    g_sum: Tensor
+    g_count: float
+
+    def pack(self) -> Tensor:
+        """[triu(Σ a aᵀ), triu(Σ g gᵀ), a_count, g_count] as one buffer for a single allreduce."""
+        counts = self.a_sum.new_tensor([self.a_count, self.g_count])
+        return torch.cat([pack_upper(self.a_sum), pack_upper(self.g_sum), counts])
+
+    @classmethod
+    def unpack(cls, buffer: Tensor, a_dim: int, g_dim: int) -> "BatchStatistics":
+        na, ng = upper_size(a_dim), upper_size(g_dim)
+        return cls(
+            a_sum=unpack_upper(buffer[:na], a_dim),
+            a_count=float(buffer[na + ng]),
+            g_sum=unpack_upper(buffer[na : na + ng], g_dim),
+            g_count=float(buffer[na + ng + 1]),
+        )
+
+    @staticmethod
+    def empty_buffer(a_dim: int, g_dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A rank whose layer saw no data this step still joins the allreduce, with zero counts."""
+        return torch.zeros(upper_size(a_dim) + upper_size(g_dim) + 2, dtype=dtype, device=device)
+
+
+def running_average(old: Tensor | None, new: Tensor, decay: float) -> Tensor:
+    """F ← ξF + (1−ξ)F_batch; the first batch starts the average."""
+    if old is None:
+        return new.clone()
+    return old.mul_(decay).add_(new, alpha=1.0 - decay)

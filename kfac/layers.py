@@ -1,0 +1,179 @@
+"""Which modules K-FAC preconditions, and how each turns its tensors into factor statistics.
+
+A :class:`KFACLayer` knows three things about its module: the sum of a aᵀ over its inputs
+(with the count it is an average over), the same for g gᵀ over the gradients of its outputs,
+and how to read and write its gradient as one matrix (out x in, bias as the last column).
+The conventions (what counts as an example, how convolution positions are averaged) are
+written out in docs/kfac.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from typing import Iterable, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from kfac.patches import ConvGeometry, bordered_moment, patch_moment
+
+SkipSpec = Union[str, type]
+
+
+def factor_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Factors are float64 for a float64 model and float32 otherwise (half precision included)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class KFACLayer(ABC):
+    """One preconditioned module: its factor statistics and its gradient as a matrix."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module = module
+        self.has_bias = getattr(module, "bias", None) is not None
+        self.dtype = factor_dtype(module.weight.dtype)
+
+    @property
+    @abstractmethod
+    def a_dim(self) -> int:
+        """Size of the A factor (inputs, plus one for the bias)."""
+
+    @property
+    @abstractmethod
+    def g_dim(self) -> int:
+        """Size of the G factor (outputs)."""
+
+    @abstractmethod
+    def a_moment(self, x: Tensor) -> tuple[Tensor, float]:
+        """Σ a aᵀ over this batch's rows or patches, and the count that turns it into A."""
+
+    @abstractmethod
+    def g_moment(self, grad_output: Tensor) -> tuple[Tensor, float]:
+        """Σ δ δᵀ over the rows or positions of ``grad_output`` (unscaled), and the count for G."""
+
+    @abstractmethod
+    def examples(self, grad_output: Tensor) -> int:
+        """How many examples a mean-reduced loss averaged over: the per-example gradient scale."""
+
+    def parameters(self) -> list[Tensor]:
+        return [self.module.weight] + ([self.module.bias] if self.has_bias else [])
+
+    def grad_matrix(self, dtype: torch.dtype) -> Tensor | None:
+        """The gradient as (out, in[+1]) in ``dtype``; None when the weight has no gradient."""
+        weight_grad = self.module.weight.grad
+        if weight_grad is None:
+            return None
+        matrix = weight_grad.reshape(weight_grad.shape[0], -1).to(dtype)
+        if self.has_bias:
+            bias_grad = self.module.bias.grad
+            column = torch.zeros_like(matrix[:, :1]) if bias_grad is None else bias_grad.to(dtype)[:, None]
+            matrix = torch.cat([matrix, column], dim=1)
+        return matrix
+
+    def set_grad(self, matrix: Tensor) -> None:
+        """Write a preconditioned gradient matrix back into the parameters' .grad."""
+        weight = self.module.weight
+        weight_part = matrix[:, :-1] if self.has_bias else matrix
+        if weight.grad is not None:
+            weight.grad.copy_(weight_part.reshape(weight.shape))
+        if self.has_bias and self.module.bias.grad is not None:
+            self.module.bias.grad.copy_(matrix[:, -1])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, A {self.a_dim}x{self.a_dim}, G {self.g_dim}x{self.g_dim})"
+
+
+class LinearLayer(KFACLayer):
+    """nn.Linear: every row of the input (all leading dimensions) is one example."""
+
+    @property
+    def a_dim(self) -> int:
+        return self.module.in_features + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.out_features
+
+    def a_moment(self, x: Tensor) -> tuple[Tensor, float]:
+        rows = x.reshape(-1, x.shape[-1]).to(self.dtype)
+        moment = rows.T @ rows
+        if self.has_bias:
+            moment = bordered_moment(moment, rows.sum(0), float(rows.shape[0]))
+        return moment, float(rows.shape[0])
+
+    def g_moment(self, grad_output: Tensor) -> tuple[Tensor, float]:
+        rows = grad_output.reshape(-1, grad_output.shape[-1]).to(self.dtype)
+        return rows.T @ rows, float(rows.shape[0])
+
+    def examples(self, grad_output: Tensor) -> int:
+        return grad_output.numel() // grad_output.shape[-1]
+
+
+class Conv2dLayer(KFACLayer):
+    """nn.Conv2d after KFC: A sums over output positions, G averages over them (docs/kfac.md)."""
+
+    def __init__(self, name: str, module: nn.Conv2d) -> None:
+        super().__init__(name, module)
+        self.geometry = ConvGeometry.of(module)
+
+    @property
+    def a_dim(self) -> int:
+        kh, kw = self.module.kernel_size
+        return self.module.in_channels * kh * kw + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.out_channels
+
+    def a_moment(self, x: Tensor) -> tuple[Tensor, float]:
+        if x.dim() == 3:  # unbatched input (C, H, W)
+            x = x.unsqueeze(0)
+        return patch_moment(x.to(self.dtype), self.geometry, self.has_bias), float(x.shape[0])
+
+    def g_moment(self, grad_output: Tensor) -> tuple[Tensor, float]:
+        if grad_output.dim() == 3:
+            grad_output = grad_output.unsqueeze(0)
+        per_channel = grad_output.transpose(0, 1).reshape(grad_output.shape[1], -1).to(self.dtype)
+        return per_channel @ per_channel.T, float(per_channel.shape[1])
+
+    def examples(self, grad_output: Tensor) -> int:
+        return 1 if grad_output.dim() == 3 else grad_output.shape[0]
+
+
+def _matches(name: str, module: nn.Module, skip: Iterable[SkipSpec]) -> bool:
+    for spec in skip:
+        if isinstance(spec, type):
+            if isinstance(module, spec):
+                return True
+        elif name == spec or name.startswith(spec + ".") or type(module).__name__.lower() == spec.lower():
+            return True
+    return False
+
+
+def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = ()) -> list[KFACLayer]:
+    """The Linear and Conv2d modules of ``model`` that K-FAC will precondition, in model order.
+
+    ``skip_layers`` holds module names (a name also skips everything under it), class names
+    (case-insensitive) or classes. Grouped and depthwise convolutions are skipped with a warning:
+    their Fisher block is not one Kronecker product of the shapes used here.
+    """
+    layers: list[KFACLayer] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Conv2d)) or _matches(name, module, skip_layers):
+            continue
+        if not module.weight.requires_grad:
+            continue
+        if isinstance(module, nn.Conv2d):
+            if module.groups != 1:
+                warnings.warn(
+                    f"K-FAC skips {name or 'the model'} (Conv2d with groups={module.groups}): grouped and "
+                    "depthwise convolutions are left to the optimizer as they are",
+                    stacklevel=2,
+                )
+                continue
+            layers.append(Conv2dLayer(name, module))
+        else:
+            layers.append(LinearLayer(name, module))
+    return layers

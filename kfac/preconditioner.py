@@ -1,0 +1,365 @@
+"""KFACPreconditioner: the user-facing object that ties capture, factors, assignment and solves together.
+
+Call it between backward and the optimizer's step::
+
+    pre = KFACPreconditioner(model)
+    loss.backward(); pre.step(); optimizer.step()
+
+Each ``step()`` (1) averages this step's factor statistics over all ranks into the running
+factors (every ``factor_update_freq`` steps), (2) recomputes the decompositions of the factors
+this rank owns and shares them with the layer's gradient workers (every ``inv_update_freq``
+steps), and (3) replaces every preconditioned layer's gradient by its K-FAC direction, scaled
+by the KL clip. Gradients are expected to be the same on every rank already (Horovod's
+DistributedOptimizer after ``synchronize()``). docs/kfac.md has the conventions and defaults.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from kfac import solve
+from kfac.assignment import WorkAssignment, assign_work
+from kfac.capture import LayerCapture
+from kfac.comm import Communicator, Handle, buffer_to_tensors, default_communicator, tensors_to_buffer
+from kfac.factors import BatchStatistics, running_average
+from kfac.layers import KFACLayer, SkipSpec, find_layers
+
+Schedule = Union[float, Callable[[int], float]]
+
+
+def _value(schedule: Schedule, step: int) -> float:
+    return float(schedule(step)) if callable(schedule) else float(schedule)
+
+
+def _check_schedule(name: str, schedule: Schedule, low: float, high: float, include_low: bool) -> None:
+    if callable(schedule):
+        return
+    value = float(schedule)
+    ok = (value >= low if include_low else value > low) and value < high
+    if not ok:
+        bracket = "[" if include_low else "("
+        raise ValueError(f"{name} must be in {bracket}{low}, {high}) or a callable of the step, got {schedule}")
+
+
+class KFACPreconditioner:
+    """Distributed K-FAC (Martens & Grosse 2015; KFC for convolutions; KAISA's work layout).
+
+    Args:
+        model: the model whose nn.Linear and nn.Conv2d layers are preconditioned.
+        factor_update_freq: steps between factor updates (the statistics are only captured then).
+        inv_update_freq: steps between eigendecompositions (or inverses) of the factors.
+        damping: λ of the solve (G ⊗ A + λI)⁻¹, in the units of the per-example Fisher (docs/kfac.md).
+        factor_decay: ξ of the running average F ← ξF + (1−ξ)F_batch.
+        kl_clip: scales the step by min(1, sqrt(kl_clip / Σ lr²|v·g|)); None turns clipping off.
+        lr: the optimizer's learning rate, used only by the KL clip.
+        grad_worker_fraction: KAISA's trade-off, from 1/world (memory-optimal) to 1 (communication-optimal).
+        method: 'eigen' (default) or 'inverse' (factored Tikhonov damping).
+        eigen_dtype: dtype of the decompositions, float32 at least (torch.float64 for more accuracy).
+        loss_reduction: 'mean' when the loss averages over the batch, 'sum' when it adds up.
+        skip_layers: module names, class names or classes to leave to the optimizer.
+        colocate_factors: decompose a layer's A and G on the same rank.
+        grad_scaler: the torch GradScaler of an AMP run; its scale is divided out of G.
+        communicator: the collectives to use; by default Horovod's when it is initialised with
+            several ranks, else none.
+
+    ``damping``, ``factor_decay``, ``kl_clip`` and ``lr`` may be callables of the step number.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        factor_update_freq: int = 1,
+        inv_update_freq: int = 10,
+        damping: Schedule = 0.003,
+        factor_decay: Schedule = 0.95,
+        kl_clip: Schedule | None = 0.001,
+        lr: Schedule = 0.1,
+        grad_worker_fraction: float = 1.0,
+        *,
+        method: str = "eigen",
+        eigen_dtype: torch.dtype = torch.float32,
+        loss_reduction: str = "mean",
+        skip_layers: Sequence[SkipSpec] = (),
+        colocate_factors: bool = True,
+        grad_scaler: Any = None,
+        communicator: Communicator | None = None,
+    ) -> None:
+        for name, freq in (("factor_update_freq", factor_update_freq), ("inv_update_freq", inv_update_freq)):
+            if not isinstance(freq, int) or freq < 1:
+                raise ValueError(f"{name} must be a positive integer, got {freq!r}")
+        _check_schedule("damping", damping, 0.0, float("inf"), include_low=False)
+        _check_schedule("factor_decay", factor_decay, 0.0, 1.0, include_low=True)
+        if kl_clip is not None:
+            _check_schedule("kl_clip", kl_clip, 0.0, float("inf"), include_low=False)
+        if method not in solve.METHODS:
+            raise ValueError(f"method must be one of {solve.METHODS}, got {method!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if eigen_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"eigen_dtype must be torch.float32 or torch.float64, got {eigen_dtype}")
+
+        self.factor_update_freq = factor_update_freq
+        self.inv_update_freq = inv_update_freq
+        self.damping = damping
+        self.factor_decay = factor_decay
+        self.kl_clip = kl_clip
+        self.lr = lr
+        self.grad_worker_fraction = grad_worker_fraction
+        self.method = method
+        self.eigen_dtype = eigen_dtype
+        self.loss_reduction = loss_reduction
+        self.grad_scaler = grad_scaler
+        self.steps = 0
+        self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, for benchmarks
+
+        self.layers: list[KFACLayer] = find_layers(model, skip_layers)
+        if not self.layers:
+            warnings.warn("K-FAC found no nn.Linear or nn.Conv2d layer to precondition", stacklevel=2)
+        self.comm = communicator if communicator is not None else default_communicator()
+        self.assignment: WorkAssignment = assign_work(
+            [layer.a_dim for layer in self.layers],
+            [layer.g_dim for layer in self.layers],
+            self.comm.size,
+            grad_worker_fraction,
+            colocate_factors,
+        )
+        # Collective set-up of the rank groups, identical on every rank.
+        self._worker_group = self.comm.groups(self.assignment.worker_groups())
+        self._receiver_block = self.comm.groups(self.assignment.receiver_blocks())
+
+        n = len(self.layers)
+        self.a_factors: list[Tensor | None] = [None] * n
+        self.g_factors: list[Tensor | None] = [None] * n
+        self._decompositions: list[tuple[solve.Decomposition, solve.Decomposition] | None] = [None] * n
+        self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
+        self._pending: dict[int, list[Handle]] = defaultdict(list)
+        self._captures = [
+            LayerCapture(layer, self._capturing, loss_reduction == "mean", self._launcher(index))
+            for index, layer in enumerate(self.layers)
+        ]
+
+    # ------------------------------------------------------------------ public API
+    def step(self) -> None:
+        """Precondition the gradients in place (after backward, before the optimizer's step)."""
+        step = self.steps
+        if step % self.factor_update_freq == 0:
+            with self._timed("factors"):
+                self._update_factors(step)
+        stale = [
+            i
+            for i in range(len(self.layers))
+            if self.a_factors[i] is not None and (step % self.inv_update_freq == 0 or not self._decomposed[i])
+        ]
+        if stale:
+            with self._timed("decompositions"):
+                self._update_decompositions(stale, step)
+        with self._timed("precondition"):
+            self._precondition(step)
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running factors and the step count; decompositions are recomputed after loading."""
+        return {
+            "steps": self.steps,
+            "layers": [layer.name for layer in self.layers],
+            "a_factors": [None if f is None else f.detach().clone() for f in self.a_factors],
+            "g_factors": [None if f is None else f.detach().clone() for f in self.g_factors],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        names = [layer.name for layer in self.layers]
+        if list(state["layers"]) != names:
+            raise ValueError(f"K-FAC state is for layers {list(state['layers'])}, this model has {names}")
+        for i, layer in enumerate(self.layers):
+            for factors, key, dim in ((self.a_factors, "a_factors", layer.a_dim), (self.g_factors, "g_factors", layer.g_dim)):
+                saved = state[key][i]
+                if saved is not None and tuple(saved.shape) != (dim, dim):
+                    raise ValueError(f"K-FAC state for {layer.name}: {key} has shape {tuple(saved.shape)}, expected {(dim, dim)}")
+                device = layer.module.weight.device
+                factors[i] = None if saved is None else saved.detach().to(device=device, dtype=layer.dtype).clone()
+        self.steps = int(state["steps"])
+        self._decompositions = [None] * len(self.layers)
+        self._decomposed = [False] * len(self.layers)
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (its forward and backward no longer feed the factors)."""
+        for capture in self._captures:
+            capture.remove()
+
+    # ------------------------------------------------------------------ factors
+    def _capturing(self) -> bool:
+        return self.steps % self.factor_update_freq == 0
+
+    def _launcher(self, index: int) -> Callable[[LayerCapture], None]:
+        def launch(capture: LayerCapture) -> None:
+            stats = capture.statistics()
+            assert stats is not None
+            name = f"kfac.factors.{index}.{len(self._pending[index])}"
+            self._pending[index].append(self.comm.allreduce_sum_async(stats.pack(), name))
+            capture.reset()  # a later forward in the same step (gradient accumulation) starts afresh
+
+        return launch
+
+    def _update_factors(self, step: int) -> None:
+        decay = _value(self.factor_decay, step)
+        loss_scale = self._loss_scale()
+        if self.comm.size > 1:  # a layer that saw no data here still joins the others' allreduce
+            for index, layer in enumerate(self.layers):
+                if not self._pending[index]:
+                    device = layer.module.weight.device
+                    empty = BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, device)
+                    self._pending[index].append(self.comm.allreduce_sum_async(empty, f"kfac.factors.{index}.0"))
+        for index, layer in enumerate(self.layers):
+            handles = self._pending.pop(index, [])
+            self._captures[index].reset()
+            if not handles:
+                continue
+            total = self.comm.wait(handles[0])
+            for handle in handles[1:]:
+                total = total + self.comm.wait(handle)
+            if not bool(torch.isfinite(total).all()):  # an AMP overflow step: keep the old factors
+                continue
+            stats = BatchStatistics.unpack(total, layer.a_dim, layer.g_dim)
+            if stats.a_count == 0 or stats.g_count == 0:
+                continue
+            a_batch = stats.a_sum / stats.a_count
+            g_batch = stats.g_sum / (stats.g_count * loss_scale**2)
+            self.a_factors[index] = running_average(self.a_factors[index], a_batch, decay)
+            self.g_factors[index] = running_average(self.g_factors[index], g_batch, decay)
+
+    def _loss_scale(self) -> float:
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.get_scale())
+
+    # ------------------------------------------------------------------ decompositions
+    def _decompose(self, index: int, kind: str, damping: float) -> solve.Decomposition:
+        a, g = self.a_factors[index], self.g_factors[index]
+        assert a is not None and g is not None
+        factor = a if kind == "A" else g
+        dtype = torch.promote_types(self.eigen_dtype, factor.dtype)
+        if self.method == "eigen":
+            return solve.eigen_decomposition(factor, dtype)
+        pi = solve.tikhonov_pi(a, g)
+        gamma = damping**0.5 * (pi if kind == "A" else 1.0 / pi)
+        return solve.damped_inverse(factor, gamma, dtype)
+
+    def _decomposition_shapes(self, index: int, kind: str) -> tuple[tuple[int, ...], ...]:
+        layer = self.layers[index]
+        n = layer.a_dim if kind == "A" else layer.g_dim
+        return solve.eigen_shapes(n) if self.method == "eigen" else solve.inverse_shapes(n)
+
+    def _update_decompositions(self, stale: list[int], step: int) -> None:
+        rank, damping = self.comm.rank, _value(self.damping, step)
+        todo = set(stale)
+        results: dict[tuple[int, str], solve.Decomposition] = {
+            (i, kind): self._decompose(i, kind, damping)
+            for i, kind in self.assignment.owned_factors(rank)
+            if i in todo
+        }
+        group = self._worker_group
+        if len(group.ranks) > 1:
+            transfers = []
+            for root in group.ranks:
+                items = [(i, kind) for i, kind in self.assignment.owned_factors(root) if i in todo]
+                shapes = [shape for i, kind in items for shape in self._decomposition_shapes(i, kind)]
+                if not shapes:
+                    continue
+                dtype, device = self._decomposition_dtype(items[0][0]), self.layers[items[0][0]].module.weight.device
+                if root == rank:
+                    buffer = tensors_to_buffer([t for item in items for t in results[item]], dtype, device)
+                else:
+                    buffer = torch.empty(sum(_numel(s) for s in shapes), dtype=dtype, device=device)
+                handle = group.broadcast_async(buffer, root, f"kfac.decompositions.{root}")
+                transfers.append((items, shapes, buffer, handle))
+            for items, shapes, buffer, handle in transfers:
+                group.wait(handle)
+                tensors = iter(buffer_to_tensors(buffer, shapes))
+                for item in items:
+                    count = len(self._decomposition_shapes(*item))
+                    results[item] = tuple(next(tensors) for _ in range(count))
+        for i in stale:
+            if self.assignment.is_grad_worker(i, rank):
+                self._decompositions[i] = (results[(i, "A")], results[(i, "G")])
+            self._decomposed[i] = True
+
+    def _decomposition_dtype(self, index: int) -> torch.dtype:
+        return torch.promote_types(self.eigen_dtype, self.layers[index].dtype)
+
+    # ------------------------------------------------------------------ preconditioning
+    def _precondition(self, step: int) -> None:
+        rank, damping = self.comm.rank, _value(self.damping, step)
+        grads: dict[int, Tensor] = {}
+        directions: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if not self._decomposed[i]:
+                continue
+            grad = layer.grad_matrix(self._decomposition_dtype(i))
+            if grad is None:
+                if self.comm.size == 1:
+                    continue  # nothing to precondition; with several ranks zeros keep the buffers aligned
+                grad = torch.zeros(layer.g_dim, layer.a_dim, dtype=self._decomposition_dtype(i), device=layer.module.weight.device)
+            grads[i] = grad
+            if self.assignment.is_grad_worker(i, rank):
+                a, g = self._decompositions[i]  # type: ignore[misc]
+                if self.method == "eigen":
+                    directions[i] = solve.precondition_eigen(grad, a, g, damping)
+                else:
+                    directions[i] = solve.precondition_inverse(grad, a, g)
+        self._share_directions(grads, directions)
+
+        if self.kl_clip is not None and directions:
+            lr = _value(self.lr, step)
+            vg = sum(float((directions[i] * grads[i]).sum()) for i in directions)
+            scale = solve.kl_clip_scale(abs(vg) * lr**2, _value(self.kl_clip, step))
+        else:
+            scale = 1.0
+        for i, direction in directions.items():
+            if scale != 1.0:
+                direction = direction.mul_(scale)
+            self.layers[i].set_grad(direction)
+
+    def _share_directions(self, grads: dict[int, Tensor], directions: dict[int, Tensor]) -> None:
+        """Each layer's grad worker in this receiver block broadcasts its direction to the block."""
+        block = self._receiver_block
+        if len(block.ranks) == 1:
+            return
+        transfers = []
+        for root in block.ranks:
+            layers = [i for i in grads if self.assignment.gradient_source(i, root) == root]
+            if not layers:
+                continue
+            shapes = [tuple(grads[i].shape) for i in layers]
+            first = grads[layers[0]]
+            if root == self.comm.rank:
+                buffer = tensors_to_buffer([directions[i] for i in layers], first.dtype, first.device)
+            else:
+                buffer = torch.empty(sum(_numel(s) for s in shapes), dtype=first.dtype, device=first.device)
+            transfers.append((layers, shapes, buffer, block.broadcast_async(buffer, root, f"kfac.directions.{root}")))
+        for layers, shapes, buffer, handle in transfers:
+            block.wait(handle)
+            for i, tensor in zip(layers, buffer_to_tensors(buffer, shapes)):
+                directions.setdefault(i, tensor)  # the root keeps its own
+
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[phase] += time.perf_counter() - start
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
