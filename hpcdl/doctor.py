@@ -1,0 +1,268 @@
+"""Environment doctor: the check to run before burning an allocation.
+
+    python -m hpcdl.doctor                      # one process: versions, builds, MPI, devices
+    mpirun -np 4 python -m hpcdl.doctor         # plus one row per rank (host, ranks, device)
+    srun -n 8 --mpi=pmix python -m hpcdl.doctor --expect-gpu
+
+Exits 0 when the environment can run hpcdl, otherwise non-zero with a one-line reason and the fix.
+Each check is a small function returning facts or raising Problem, so tests can call them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+SETUP_HINT = "bash scripts/setup.sh"
+THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
+
+
+class Problem(Exception):
+    """A broken environment: a one-line reason and the fix."""
+
+    def __init__(self, reason: str, fix: str) -> None:
+        super().__init__(f"{reason} -- fix: {fix}")
+        self.reason = reason
+        self.fix = fix
+
+
+@dataclass
+class Row:
+    name: str
+    value: str
+
+
+def version_of(module: str) -> str:
+    """The module's __version__, or 'missing'."""
+    try:
+        return str(importlib.import_module(module).__version__)
+    except Exception:
+        return "missing"
+
+
+def horovod_build() -> dict[str, list[str]]:
+    """What Horovod was built with, as `horovodrun --check-build` reports it.
+
+    Raises Problem in the silent failure case: `import horovod.torch` works but its compiled
+    extension is absent (it only prints "MPI libs are missing"), so hvd.init does not exist.
+    """
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise Problem(f"Horovod is not installed ({exc})", SETUP_HINT) from exc
+    if not hasattr(hvd, "init"):
+        raise Problem(
+            "Horovod's compiled extension is missing (import prints 'MPI libs are missing')",
+            f"rebuild Horovod against this torch and MPI: {SETUP_HINT}",
+        )
+    controllers = [name for name, built in (("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built())) if built]
+    operations = [
+        name
+        for name, built in (
+            ("NCCL", hvd.nccl_built()),
+            ("MPI", hvd.mpi_built()),
+            ("Gloo", hvd.gloo_built()),
+            ("CCL", hvd.ccl_built()),
+        )
+        if built
+    ]
+    return {"controllers": controllers, "operations": operations}
+
+
+def import_mpi4py():
+    """mpi4py's MPI module (initialises MPI), or Problem when mpi4py is missing or broken."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise Problem(
+            f"mpi4py is missing or does not load ({exc})",
+            f"{SETUP_HINT} (it builds mpi4py against the MPI on PATH)",
+        ) from exc
+    return MPI
+
+
+def _linked_mpi(shared_object: str) -> str | None:
+    """The libmpi a shared object resolves to, through ldd (None if it links none)."""
+    try:
+        out = subprocess.run(["ldd", shared_object], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        match = re.match(r"\s*(libmpi\.so[.\d]*)\s*=>\s*(\S+)", line)
+        if match:
+            return os.path.realpath(match.group(2))
+    return None
+
+
+def mpi_libraries() -> dict[str, str | None]:
+    """The libmpi that Horovod's extension and mpi4py each link against."""
+    import horovod.torch
+    import mpi4py.MPI
+
+    hvd_dir = Path(horovod.torch.__file__).parent
+    hvd_ext = sorted(hvd_dir.glob("mpi_lib_v2*.so"))
+    return {
+        "horovod": _linked_mpi(str(hvd_ext[0])) if hvd_ext else None,
+        "mpi4py": _linked_mpi(mpi4py.MPI.__file__),
+    }
+
+
+def check_same_mpi(libs: dict[str, str | None]) -> None:
+    """Raise Problem when Horovod and mpi4py use different MPI libraries (a silent-hang recipe)."""
+    if libs["horovod"] and libs["mpi4py"] and libs["horovod"] != libs["mpi4py"]:
+        raise Problem(
+            f"Horovod uses {libs['horovod']} but mpi4py uses {libs['mpi4py']}",
+            f"load one MPI module, then rebuild both with {SETUP_HINT}",
+        )
+
+
+def cuda_devices() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def rank_row(world: Any) -> dict[str, Any]:
+    """This rank's placement, including which physical GPU it got (by UUID) for the duplicate check."""
+    import torch
+
+    gpu_uuid = ""
+    if world.device.type == "cuda":
+        gpu_uuid = str(getattr(torch.cuda.get_device_properties(world.device), "uuid", world.device.index))
+    return {
+        "host": world.hostname,
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "local_size": world.local_size,
+        "device": str(world.device),
+        "threads": world.threads,
+        "gpu_uuid": gpu_uuid,
+        "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
+    }
+
+
+def check_placement(rows: Sequence[dict[str, Any]], expect_gpu: bool) -> None:
+    """Raise Problem when ranks would share a GPU or find none where GPUs are expected."""
+    if expect_gpu:
+        without = [r["rank"] for r in rows if not r["device"].startswith("cuda")]
+        if without:
+            raise Problem(
+                f"ranks {without} see no CUDA device",
+                "request GPUs (e.g. --gres=gpu:4 or --gpus-per-task=1) and load the CUDA module",
+            )
+    seen: dict[tuple[str, str], int] = {}
+    for row in rows:
+        if not row["gpu_uuid"]:
+            continue
+        key = (row["host"], row["gpu_uuid"])
+        if key in seen:
+            raise Problem(
+                f"ranks {seen[key]} and {row['rank']} on {row['host']} share one GPU: more ranks per host than GPUs",
+                "start one rank per GPU (--ntasks-per-node = GPUs per node)",
+            )
+        seen[key] = row["rank"]
+
+
+def print_table(title: str, rows: Sequence[Row]) -> None:
+    width = max(len(r.name) for r in rows)
+    print(f"\n{title}")
+    for row in rows:
+        print(f"  {row.name:<{width}}  {row.value}")
+
+
+def print_ranks(rows: Sequence[dict[str, Any]]) -> None:
+    header = ("host", "rank", "local_rank", "local_size", "device", "threads", "CUDA_VISIBLE_DEVICES")
+    keys = ("host", "rank", "local_rank", "local_size", "device", "threads", "cuda_visible")
+    table = [header] + [tuple(str(r[k]) for k in keys) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    print("\nRanks")
+    for line in table:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+
+
+def diagnose(expect_gpu: bool) -> int:
+    """Run every check; rank 0 prints the tables. Returns the exit code."""
+    MPI = import_mpi4py()
+    build = horovod_build()
+    libs = mpi_libraries()
+    check_same_mpi(libs)
+
+    from hpcdl import world as world_module
+
+    world = world_module.init()
+    comm = world_module.comm()
+    local_problem = None
+    try:
+        row = rank_row(world)
+    except Exception as exc:  # a broken device on one rank must not leave the others waiting
+        local_problem = str(exc)
+        row = {"rank": world.rank, "host": world.hostname, "device": "error", "gpu_uuid": ""}
+    rows = comm.gather((row, local_problem), root=0)
+    if world.rank != 0:
+        return int(comm.bcast(None, root=0))
+
+    code = 0
+    try:
+        errors = [p for _, p in rows if p]
+        if errors:
+            raise Problem(errors[0], "check the GPU and driver on that node")
+        rows = [r for r, _ in rows]
+        print_table(
+            "hpcdl environment",
+            [
+                Row("python", platform.python_version()),
+                Row("torch", version_of("torch")),
+                Row("torchvision", version_of("torchvision")),
+                Row("horovod", version_of("horovod")),
+                Row("mpi4py", version_of("mpi4py")),
+                Row("horovod controllers", ", ".join(build["controllers"]) or "none"),
+                Row("horovod tensor ops", ", ".join(build["operations"]) or "none"),
+                Row("MPI library", MPI.Get_library_version().splitlines()[0].strip()),
+                Row("libmpi (horovod)", libs["horovod"] or "not linked"),
+                Row("libmpi (mpi4py)", libs["mpi4py"] or "not linked"),
+                Row("same MPI", "yes" if libs["horovod"] == libs["mpi4py"] else "unknown"),
+                Row("MPI thread level", THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
+                Row("CUDA devices", ", ".join(cuda_devices()) or "none (CPU)"),
+                Row("world size", str(world.size)),
+            ],
+        )
+        print_ranks(rows)
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            raise Problem("MPI was initialised below THREAD_MULTIPLE", "use an MPI built with thread support")
+        check_placement(rows, expect_gpu)
+        print("\nok: this environment can run hpcdl")
+    except Problem as problem:
+        print(f"doctor: {problem}", file=sys.stderr)
+        code = 1
+    return int(comm.bcast(code, root=0))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcdl.doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--expect-gpu",
+        action="store_true",
+        default=os.environ.get("HPCDL_EXPECT_GPU") == "1",
+        help="fail unless every rank has a CUDA device of its own (also HPCDL_EXPECT_GPU=1)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        return diagnose(args.expect_gpu)
+    except Problem as problem:
+        # Found before any collective, identically on every rank: each rank exits by itself.
+        print(f"doctor: {problem}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

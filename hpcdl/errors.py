@@ -1,0 +1,81 @@
+"""How hpcdl programs fail: one line for bad input, a whole-job abort for a crashed rank.
+
+Two kinds of failure need two behaviours under MPI:
+
+* UsageError -- bad flags, paths, data or world sizes. Every rank reaches the same verdict
+  (checks run on every rank, or through :func:`agree`), so rank 0 prints one line and every
+  rank exits with status 2 by itself: no traceback wall, no MPI_Abort noise.
+* Anything else raised on one rank -- a bug, a failing disk, a fault injected on purpose.
+  The other ranks would wait for it forever in the next collective, so the failing rank
+  prints its traceback and calls MPI_Abort, which ends every rank of the job.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+EXIT_USAGE = 2
+EXIT_CRASH = 1
+
+
+class UsageError(Exception):
+    """Bad input the user can fix; the message is the whole story."""
+
+
+def _rank() -> int:
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi.COMM_WORLD.Get_rank() if mpi is not None else 0
+
+
+def agree(check: Callable[[], T]) -> T:
+    """Run ``check`` on every rank and make its UsageError everyone's.
+
+    For checks whose outcome can differ between ranks (a file only one node cannot read):
+    every rank raises the same UsageError, naming the first rank that failed, so none is
+    left waiting in a later collective.
+    """
+    from mpi4py import MPI
+
+    error: str | None = None
+    result: T | None = None
+    try:
+        result = check()
+    except UsageError as exc:
+        error = str(exc)
+    errors = MPI.COMM_WORLD.allgather(error)
+    for rank, message in enumerate(errors):
+        if message is not None:
+            prefix = f"rank {rank}: " if MPI.COMM_WORLD.Get_size() > 1 and rank != 0 else ""
+            raise UsageError(prefix + message)
+    return result  # type: ignore[return-value]
+
+
+def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
+    """Call ``main`` and exit with the right behaviour for each kind of failure."""
+    try:
+        code = main() or 0
+    except UsageError as exc:
+        if _rank() == 0:
+            print(f"{program}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any crash on one rank must end the whole job
+        rank = _rank()
+        traceback.print_exc()
+        print(
+            f"{program}: rank {rank} failed with {type(exc).__name__}: {exc}; aborting the whole job",
+            file=sys.stderr,
+            flush=True,
+        )
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
+            mpi.COMM_WORLD.Abort(EXIT_CRASH)
+        sys.exit(EXIT_CRASH)
+    sys.exit(code)

@@ -1,0 +1,32 @@
+"""Graceful stop on SIGTERM/SIGUSR1: checkpoint at the next step boundary, then exit cleanly.
+
+Slurm sends a signal before the time limit (``--signal=USR1@120``) and on preemption (SIGTERM).
+The handler only sets a flag; the training loop asks :meth:`GracefulStop.requested` after each
+step, which combines the flags of all ranks (MPI MAX), so every rank stops at the same step even
+when the signal reached them at different moments.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+
+class GracefulStop:
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.received: int | None = None
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    def requested(self) -> str | None:
+        """The signal name if any rank received one (a collective call: every rank must make it)."""
+        from mpi4py import MPI
+
+        signum = self.comm.allreduce(self.received or 0, op=MPI.MAX)
+        return signal.Signals(signum).name if signum else None

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# README's test command (via `make test`): set up from nothing if needed, then run
+#   1. the plain tests (unit tests, and tests that launch whole jobs with mpirun/srun), then
+#   2. the in-process collective tests under mpiexec on 4 ranks, and
+#   3. the collective algorithms again on an odd world size (3 ranks).
+# Every MPI run sits under `timeout`, and tests/conftest.py aborts all ranks when one fails.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+bash scripts/setup.sh
+if [ -f scripts/install-slurm.sh ]; then
+  bash scripts/install-slurm.sh || echo "[test] Slurm could not be installed: its tests will say why they skip"
+fi
+
+PY="$ROOT/.venv/bin/python"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1
+
+echo "[test] 1/3 plain tests"
+"$PY" -m pytest -q -ra "$@" tests
+
+echo "[test] 2/3 collective tests on 4 ranks"
+timeout 1500 mpiexec -n 4 --bind-to none "$PY" -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests
+
+if compgen -G "tests/test_collectives*.py" >/dev/null; then
+  echo "[test] 3/3 collective algorithms on 3 ranks"
+  timeout 600 mpiexec -n 3 --bind-to none "$PY" -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests/test_collectives*.py
+fi
+echo "[test] all passed"
