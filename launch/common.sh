@@ -1,0 +1,233 @@
+# shellcheck shell=bash
+# The one procedure every launch script shares; source it, do not run it.
+#
+# It turns a few settings into the command that starts ONE rank:
+#
+#   [apptainer|singularity exec --nv [--bind ...] IMAGE] PYTHON -m ENTRY [ARGS...]
+#
+# and it knows how to read the flags common to all launch scripts, how many OpenMP threads a
+# rank gets, and how a batch job asks to be requeued when its time limit is near. The scripts
+# (mpirun.sh, slurm.sbatch, frontera-rtx.sbatch) only add their launcher in front.
+#
+# Settings (environment variables; each has a flag of the same name, see hpcdl_parse_common_flag):
+#   HPCDL_PYTHON   interpreter for the ranks   default: the repo's .venv/bin/python, or python
+#                                               inside a container, else python3
+#   HPCDL_ENTRY    Python module to run         default: hpcdl.train
+#   HPCDL_IMAGE    container image (.sif); empty = run on the host
+#   HPCDL_RUNTIME  apptainer or singularity     default: whichever is on PATH (apptainer first)
+#   HPCDL_BIND     extra bind mounts for the container, comma separated (e.g. /scratch,/work)
+#   HPCDL_NV       1/0: pass --nv to the runtime   default: 1 when nvidia-smi exists
+#   HPCDL_DRY_RUN  1 = print the command, do not run it
+
+HPCDL_ENTRY="${HPCDL_ENTRY:-hpcdl.train}"
+HPCDL_IMAGE="${HPCDL_IMAGE:-}"
+HPCDL_RUNTIME="${HPCDL_RUNTIME:-}"
+HPCDL_BIND="${HPCDL_BIND:-}"
+HPCDL_NV="${HPCDL_NV:-}"
+HPCDL_PYTHON="${HPCDL_PYTHON:-}"
+HPCDL_DRY_RUN="${HPCDL_DRY_RUN:-0}"
+HPCDL_SHIFT=0     # set by the flag parsers below: how many words the caller should shift
+HPCDL_RANK_CMD=() # set by hpcdl_rank_command
+
+# One-line error and a non-zero exit (2 = bad usage, like argparse).
+hpcdl_die() {
+  printf 'error: %s\n' "$*" >&2
+  exit 2
+}
+
+hpcdl_note() {
+  printf '[hpcdl] %s\n' "$*" >&2
+}
+
+hpcdl_is_count() {
+  [[ "$1" =~ ^[1-9][0-9]*$ ]]
+}
+
+# Usage: hpcdl_need_value FLAG "$@" -- stops with a clear error when FLAG has no value after it.
+hpcdl_need_value() {
+  if [ "$#" -lt 3 ] || [ -z "$3" ]; then
+    hpcdl_die "$1 needs a value (see --help)"
+  fi
+}
+
+# Reads one flag shared by every launch script from "$@". Returns 0 and sets HPCDL_SHIFT
+# to the number of words it used, or returns 1 when "$1" is not one of them.
+# shellcheck disable=SC2034  # HPCDL_SHIFT is read by the calling script
+hpcdl_parse_common_flag() {
+  HPCDL_SHIFT=2
+  case "$1" in
+    --python) hpcdl_need_value "$1" "$@"; HPCDL_PYTHON="$2" ;;
+    --entry) hpcdl_need_value "$1" "$@"; HPCDL_ENTRY="$2" ;;
+    --image) hpcdl_need_value "$1" "$@"; HPCDL_IMAGE="$2" ;;
+    --runtime) hpcdl_need_value "$1" "$@"; HPCDL_RUNTIME="$2" ;;
+    --bind) hpcdl_need_value "$1" "$@"; HPCDL_BIND="$2" ;;
+    --no-nv) HPCDL_NV=0; HPCDL_SHIFT=1 ;;
+    --dry-run) HPCDL_DRY_RUN=1; HPCDL_SHIFT=1 ;;
+    *) return 1 ;;
+  esac
+}
+
+# Help text for the common flags, appended to each script's own --help.
+hpcdl_common_help() {
+  cat <<'EOF'
+Options every launch script takes (each also read from the environment variable shown):
+  --python PATH     interpreter for the ranks (HPCDL_PYTHON; default: <repo>/.venv/bin/python,
+                    'python' inside a container)
+  --entry MODULE    Python module each rank runs (HPCDL_ENTRY; default: hpcdl.train;
+                    hpcdl.doctor shows the rank -> GPU mapping)
+  --image SIF       run every rank inside this Apptainer/Singularity image (HPCDL_IMAGE)
+  --runtime NAME    apptainer or singularity (HPCDL_RUNTIME; default: whichever is on PATH)
+  --bind LIST       extra container bind mounts, comma separated (HPCDL_BIND)
+  --no-nv           do not pass --nv to the container runtime (HPCDL_NV=0; default: --nv
+                    when nvidia-smi exists)
+  --dry-run         print the command and stop (HPCDL_DRY_RUN=1)
+  -h, --help        this text
+  --                end of launcher options; everything after it goes to the entry module
+EOF
+}
+
+# The container runtime to use: HPCDL_RUNTIME if set, else apptainer, else singularity.
+hpcdl_container_runtime() {
+  local name
+  for name in ${HPCDL_RUNTIME:-apptainer singularity}; do
+    if command -v "$name" >/dev/null 2>&1; then
+      printf '%s' "$name"
+      return 0
+    fi
+  done
+  hpcdl_die "no container runtime found (${HPCDL_RUNTIME:-apptainer or singularity}); on TACC systems: module load tacc-apptainer"
+}
+
+# Fills the array HPCDL_RANK_CMD with the words that start one rank (see the top of this file).
+# Usage: hpcdl_rank_command REPO_ROOT
+hpcdl_rank_command() {
+  local root="$1" runtime python="$HPCDL_PYTHON"
+  HPCDL_RANK_CMD=()
+  if [ -n "$HPCDL_IMAGE" ]; then
+    [ -e "$HPCDL_IMAGE" ] || hpcdl_die "container image not found: $HPCDL_IMAGE (build it with: apptainer build hpcdl.sif Singularity.def)"
+    runtime="$(hpcdl_container_runtime)" || exit 2
+    HPCDL_RANK_CMD+=("$runtime" exec)
+    if [ "${HPCDL_NV:-}" = 1 ] || { [ -z "${HPCDL_NV:-}" ] && command -v nvidia-smi >/dev/null 2>&1; }; then
+      HPCDL_RANK_CMD+=(--nv)
+    fi
+    if [ -n "$HPCDL_BIND" ]; then
+      HPCDL_RANK_CMD+=(--bind "$HPCDL_BIND")
+    fi
+    HPCDL_RANK_CMD+=("$HPCDL_IMAGE")
+    # Inside the image, its own environment (%environment) puts the right python first on PATH.
+    python="${python:-python}"
+  elif [ -z "$python" ]; then
+    if [ -x "$root/.venv/bin/python" ]; then
+      python="$root/.venv/bin/python"
+    else
+      python="python3"
+    fi
+  fi
+  if [ -z "$HPCDL_IMAGE" ] && ! command -v "$python" >/dev/null 2>&1; then
+    hpcdl_die "python not found: $python (run: bash scripts/setup.sh, or pass --python)"
+  fi
+  HPCDL_RANK_CMD+=("$python" -m "$HPCDL_ENTRY")
+}
+
+# OpenMP/intra-op threads for one rank: the cores of a host shared by the ranks on it.
+# Usage: hpcdl_threads_per_rank CORES RANKS_ON_THE_HOST
+hpcdl_threads_per_rank() {
+  local cores="$1" ranks="$2" threads
+  hpcdl_is_count "$cores" || cores=1
+  hpcdl_is_count "$ranks" || ranks=1
+  threads=$((cores / ranks))
+  [ "$threads" -ge 1 ] || threads=1
+  printf '%s' "$threads"
+}
+
+# Prints a command to stderr, shell-quoted so that it can be pasted into a terminal; logs of
+# batch jobs then show exactly what ran.
+# Usage: hpcdl_show_command WORDS...
+hpcdl_show_command() {
+  local quoted
+  quoted="$(printf '%q ' "$@")"
+  printf '[hpcdl] %s\n' "${quoted% }" >&2
+}
+
+# ---------------------------------------------------------------- batch jobs
+# Settings only the batch scripts use (flags in hpcdl_parse_batch_flag).
+HPCDL_OUTPUT_DIR="${HPCDL_OUTPUT_DIR:-runs/${SLURM_JOB_NAME:-hpcdl}-${SLURM_JOB_ID:-local}}"
+HPCDL_RESUME="${HPCDL_RESUME:-1}"
+HPCDL_REQUEUE="${HPCDL_REQUEUE:-1}"
+HPCDL_ENTRY_ARGS=() # set by hpcdl_entry_args
+
+# Like hpcdl_parse_common_flag, for the flags of the batch scripts.
+# shellcheck disable=SC2034  # HPCDL_SHIFT is read by the calling script
+hpcdl_parse_batch_flag() {
+  HPCDL_SHIFT=2
+  case "$1" in
+    --output-dir) hpcdl_need_value "$1" "$@"; HPCDL_OUTPUT_DIR="$2" ;;
+    --no-resume) HPCDL_RESUME=0; HPCDL_SHIFT=1 ;;
+    --no-requeue) HPCDL_REQUEUE=0; HPCDL_SHIFT=1 ;;
+    *) return 1 ;;
+  esac
+}
+
+hpcdl_batch_help() {
+  cat <<'EOF'
+  --output-dir DIR   where hpcdl.train writes checkpoints and summary.json
+                     (HPCDL_OUTPUT_DIR; default: runs/<job name>-<job id>, kept across requeues)
+  --no-resume        do not pass --resume to hpcdl.train (HPCDL_RESUME=0)
+  --no-requeue       do not requeue when the time limit is near (HPCDL_REQUEUE=0)
+EOF
+}
+
+# Stops with a clear message when a batch script is run outside a Slurm job (dry runs excepted).
+# Usage: hpcdl_require_job HOW_TO_SUBMIT
+hpcdl_require_job() {
+  if [ -z "${SLURM_JOB_ID:-}" ] && [ "$HPCDL_DRY_RUN" != 1 ]; then
+    hpcdl_die "not inside a Slurm job: $1 (or add --dry-run to see the command)"
+  fi
+}
+
+# Fills HPCDL_ENTRY_ARGS with what a batch job adds for hpcdl.train: the output folder and
+# --resume, so that a requeued job continues from its checkpoint. They come before the user's
+# own arguments, so the same flag given by the user wins.
+hpcdl_entry_args() {
+  HPCDL_ENTRY_ARGS=()
+  if [ "$HPCDL_ENTRY" = hpcdl.train ]; then
+    HPCDL_ENTRY_ARGS+=(--output-dir "$HPCDL_OUTPUT_DIR")
+    if [ "$HPCDL_RESUME" = 1 ]; then HPCDL_ENTRY_ARGS+=(--resume); fi
+  fi
+}
+
+# Requeue near the time limit. The batch scripts ask Slurm for SIGUSR1 to the batch shell
+# (--signal=B:USR1@SECONDS) a while before the limit. The shell passes it on to every task of the
+# job's steps (scancel --signal, which reaches the ranks under srun and under ibrun alike);
+# hpcdl.train checkpoints and exits; then the shell requeues the job, which resumes.
+HPCDL_TIME_LIMIT_NEAR=0
+
+hpcdl_on_time_limit() {
+  HPCDL_TIME_LIMIT_NEAR=1
+  hpcdl_note "time limit near: asking the ranks of job ${SLURM_JOB_ID:-?} to checkpoint (SIGUSR1)"
+  scancel --signal=USR1 "${SLURM_JOB_ID:?}" || hpcdl_note "scancel --signal=USR1 failed"
+}
+
+# Runs a job step in the background so that the shell can react to SIGUSR1, waits for it, and
+# requeues the job when the time-limit signal interrupted it. Returns the step's exit status.
+# Usage: hpcdl_run_step WORDS...
+hpcdl_run_step() {
+  local pid rc
+  hpcdl_show_command "$@"
+  [ "$HPCDL_DRY_RUN" = 1 ] && return 0
+  trap hpcdl_on_time_limit USR1
+  "$@" &
+  pid=$!
+  while :; do
+    rc=0
+    wait "$pid" || rc=$?
+    # wait also returns when a trapped signal arrives; go on waiting while the step still runs.
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  trap - USR1
+  if [ "$HPCDL_TIME_LIMIT_NEAR" = 1 ] && [ "$HPCDL_REQUEUE" = 1 ]; then
+    hpcdl_note "step ended (exit $rc) after the time-limit signal: requeueing job ${SLURM_JOB_ID:-?}; it resumes from its checkpoint"
+    scontrol requeue "${SLURM_JOB_ID:?}"
+  fi
+  return "$rc"
+}
