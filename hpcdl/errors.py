@@ -12,6 +12,7 @@ Two kinds of failure need two behaviours under MPI:
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import Callable, TypeVar
@@ -26,9 +27,19 @@ class UsageError(Exception):
     """Bad input the user can fix; the message is the whole story."""
 
 
+# Launchers announce the global rank before MPI is initialised (flags are checked before that).
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
 def _rank() -> int:
     mpi = sys.modules.get("mpi4py.MPI")
-    return mpi.COMM_WORLD.Get_rank() if mpi is not None else 0
+    if mpi is not None and mpi.Is_initialized():
+        return mpi.COMM_WORLD.Get_rank()
+    for name in RANK_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def agree(check: Callable[[], T]) -> T:
@@ -75,7 +86,7 @@ def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
             flush=True,
         )
         mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
+        if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
             mpi.COMM_WORLD.Abort(EXIT_CRASH)
         sys.exit(EXIT_CRASH)
     sys.exit(code)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import random
 import sys
 import time
@@ -227,8 +228,22 @@ def evaluate(model: nn.Module, loader, device, amp, comm, watchdog: StallWatchdo
     return {"test_loss": total["loss"] / count, "test_accuracy": total["correct"] / count}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_config(argv)
+def replicas_identical(model: nn.Module, comm) -> bool:
+    """True when every rank holds bit-identical parameters (a cheap end-of-run sanity check)."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return len(set(comm.allgather(digest.hexdigest()))) == 1
+
+
+@dataclasses.dataclass
+class TrainResult:
+    model: nn.Module
+    summary: dict[str, Any]
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run (or continue) one training job on every rank of the world."""
     me = world.init()
     comm = world.comm()
     cuda = me.device.type == "cuda"
@@ -328,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     scaler.update()
                 elif finite:
                     optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()  # Horovod's wrapper sets gradients to None (torch default)
 
             progress.nonfinite_streak = 0 if finite else progress.nonfinite_streak + 1
             if progress.nonfinite_streak >= config.max_nonfinite_steps:
@@ -399,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             world.print0(f"hpcdl: {stopped_by} received: stopped after epoch {epoch + 1}; continue with --resume")
 
     watchdog.stop()
+    identical = replicas_identical(model, comm)
     total_seconds = time.perf_counter() - session_start
     summary = {
         "best_accuracy": progress.best_accuracy,
@@ -412,11 +428,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "target_accuracy": config.target_accuracy,
         "time_to_target_seconds": progress.time_to_target,
         "stopped_by_signal": stopped_by,
+        "replicas_identical": identical,
         "config": dataclasses.asdict(config),
     }
     if not stopped_by:
         record.write_summary(summary)
     record.close()
+    if not identical:
+        raise RuntimeError("ranks ended with different parameters: the allreduce did not keep replicas in sync")
+    return TrainResult(model, summary)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    train(parse_config(argv))
     return 0
 
 

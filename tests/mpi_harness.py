@@ -77,3 +77,15 @@ def assert_all_ranks(ok: bool, message: str = "") -> None:
     verdicts = comm.allgather((bool(ok), message))
     failed = [(rank, msg) for rank, (good, msg) in enumerate(verdicts) if not good]
     assert not failed, "failed on ranks: " + "; ".join(f"{r}: {m}" for r, m in failed)
+
+
+def run_train(nprocs: int, output_dir: os.PathLike[str] | str, *flags: str, timeout: float = 240,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``mpirun -np N python -m hpcdl.train --output-dir DIR --no-progress FLAGS...``."""
+    args = ["-m", "hpcdl.train", "--output-dir", str(output_dir), "--no-progress", *flags]
+    return run_mpi(nprocs, args, timeout=timeout, env=env)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The one-line errors hpcdl printed (``<program>: error: ...``)."""
+    return [line for line in stderr.splitlines() if ": error: " in line]

@@ -1,0 +1,110 @@
+"""The allreduce implementations the benchmark compares, behind one interface.
+
+A Contender turns a float32 numpy message into a zero-argument callable that performs one
+sum-allreduce of it and returns the result (as numpy), so the timing loop and the
+correctness check treat MPI, Horovod, torch.distributed and our own algorithms alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpcdl.collectives import ALGORITHMS
+
+Call = Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    # Builds the call for one message; `timed=True` may trade the data for zeros when the call
+    # works in place (repeated in-place sums would overflow float32 over many iterations).
+    prepare: Callable[[np.ndarray, bool], Call]
+
+
+def mpi_allreduce(comm: MPI.Comm) -> Contender:
+    """The MPI library's own MPI_Allreduce (out of place, into a preallocated buffer)."""
+
+    def prepare(message: np.ndarray, timed: bool) -> Call:
+        result = np.empty_like(message)
+
+        def call() -> np.ndarray:
+            comm.Allreduce(message, result, op=MPI.SUM)
+            return result
+
+        return call
+
+    return Contender("MPI.Allreduce", prepare)
+
+
+def ours(name: str, comm: MPI.Comm) -> Contender:
+    """One of hpcdl.collectives' algorithms, called as a user would (it returns a new array)."""
+    algorithm = ALGORITHMS[name]
+    return Contender(name, lambda message, timed: lambda: algorithm(message, comm, MPI.SUM))
+
+
+def horovod_allreduce() -> Contender:
+    """horovod.torch.allreduce with op=Sum on a CPU tensor (Horovod must be initialised)."""
+    import horovod.torch as hvd
+
+    def prepare(message: np.ndarray, timed: bool) -> Call:
+        tensor = torch.from_numpy(message)
+        name = f"bench.allreduce.{message.nbytes}"
+        return lambda: hvd.allreduce(tensor, op=hvd.Sum, name=name).numpy()
+
+    return Contender("horovod", prepare)
+
+
+def gloo_allreduce(comm: MPI.Comm) -> Contender | None:
+    """torch.distributed.all_reduce with the gloo backend, or None if it cannot start here.
+
+    Rendezvous: rank 0 picks a free TCP port and tells the others through MPI, so no
+    MASTER_ADDR/MASTER_PORT needs to be set by hand.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        return None
+    if not dist.is_initialized():
+        hosts = comm.allgather(socket.gethostname())
+        address = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
+        port = _free_port() if comm.Get_rank() == 0 else None
+        port = comm.bcast(port, root=0)
+        error = None
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://{address}:{port}",
+                rank=comm.Get_rank(),
+                world_size=comm.Get_size(),
+                timeout=datetime.timedelta(seconds=60),
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure means: leave gloo out of the table
+            error = f"{type(exc).__name__}: {exc}"
+        if any(comm.allgather(error is not None)):
+            return None
+
+    def prepare(message: np.ndarray, timed: bool) -> Call:
+        # all_reduce works in place: time it on zeros so thousands of repeats cannot overflow.
+        tensor = torch.zeros(message.size) if timed else torch.from_numpy(message.copy())
+
+        def call() -> np.ndarray:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            return tensor.numpy()
+
+        return call
+
+    return Contender("torch.distributed (gloo)", prepare)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
