@@ -40,6 +40,7 @@ def parse_args(argv: Sequence[str] | None) -> object:
     parser.add_argument("--name", default=None, help="file name stem (default allreduce_np<ranks>)")
     parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=list(ALGORITHMS), help="our algorithms to include")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size; the best counts (default 3)")
+    parser.add_argument("--seconds", type=float, default=0.2, help="time budget of one timed loop (default 0.2 s)")
     parser.add_argument("--no-horovod", action="store_true", help="leave Horovod out (and do not initialise it)")
     parser.add_argument("--no-gloo", action="store_true", help="leave torch.distributed (gloo) out")
     parser.add_argument("--network-gbps", type=float, default=100.0, help="link rate of the network to predict for (default 100 Gb/s)")
@@ -50,8 +51,10 @@ def parse_args(argv: Sequence[str] | None) -> object:
         parser.error(f"--min-size ({args.min_size} B) is larger than --max-size ({args.max_size} B)")
     if args.max_size < timing.FLOAT32_BYTES:
         parser.error("--max-size must be at least 4 bytes (one float32)")
-    if args.rounds < 1 or any(n < 2 for n in args.predict_ranks) or args.network_gbps <= 0 or args.network_latency_us < 0:
-        parser.error("--rounds must be >= 1, --predict-ranks >= 2, --network-gbps > 0, --network-latency-us >= 0")
+    if args.rounds < 1 or args.seconds <= 0 or any(n < 2 for n in args.predict_ranks):
+        parser.error("--rounds must be >= 1, --seconds > 0 and --predict-ranks >= 2")
+    if args.network_gbps <= 0 or args.network_latency_us < 0:
+        parser.error("--network-gbps must be > 0 and --network-latency-us >= 0")
     return args
 
 
@@ -88,19 +91,18 @@ def run(args: object, comm: MPI.Comm, chosen: list[contenders.Contender]) -> lis
         expected = ranks * (ranks + 1) / 2  # 1 + 2 + ... + N: exact in float32
         for contender in chosen:
             verify(contender, message, expected, comm)
-        warmup, timed = timing.iterations(nbytes)
         calls = {c.name: c.prepare(message, True) for c in chosen}
         best: dict[str, timing.Latency] = {}
         for _ in range(args.rounds):
             for contender in chosen:
-                latency = timing.measure(calls[contender.name], comm, warmup, timed)
+                latency = timing.measure(calls[contender.name], comm, args.seconds)
                 if contender.name not in best or latency.mean < best[contender.name].mean:
                     best[contender.name] = latency
                 progress.update()
         for contender in chosen:
             latency = best[contender.name]
             rows.append(
-                report.Row(contender.name, nbytes, message.size, ranks, warmup, timed, args.rounds,
+                report.Row(contender.name, nbytes, message.size, ranks, timing.WARMUP, latency.iterations, args.rounds,
                            latency.mean * 1e6, latency.low * 1e6, latency.high * 1e6)
             )  # fmt: skip
         del calls, message
@@ -192,7 +194,8 @@ def metadata(args: object, comm: MPI.Comm, me: world.World) -> dict[str, object]
         "horovod_env": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")},
         "dtype": "float32",
         "op": "SUM",
-        "timing": f"best of {args.rounds} interleaved rounds; each round times a loop after warm-up and averages over ranks",
+        "timing": f"best of {args.rounds} interleaved rounds; each times a loop of about {args.seconds} s after "
+                  f"{timing.WARMUP} warm-up calls and averages over ranks",
     }  # fmt: skip
 
 

@@ -1,8 +1,10 @@
 """How long one collective call takes, measured the way the OSU micro-benchmarks do.
 
-Each rank runs some warm-up calls, waits at a barrier, then times a loop of calls; the
-latency is the loop time divided by the iteration count, averaged over the ranks. Small
-messages are repeated many times, large ones a few, so every size costs a similar time.
+Each rank runs a few warm-up calls, waits at a barrier, then times a loop of calls; the
+latency is the loop time divided by the iteration count, averaged over the ranks. The loop
+length is chosen from the warm-up so that every measurement takes about the same time:
+thousands of calls for 4 bytes, a handful for 256 MB. All ranks agree on the count (they
+must: each call is collective).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 FLOAT32_BYTES = 4
-BYTES_PER_MEASUREMENT = 64 << 20  # aim to move about this much per timed loop
-MAX_ITERATIONS = 1000
-MIN_ITERATIONS = 4
+WARMUP = 3  # the first call pays one-time costs (Horovod's negotiation, page faults)
+MIN_ITERATIONS = 3
+MAX_ITERATIONS = 2000
 
 
 def message_sizes(smallest: int, largest: int) -> list[int]:
@@ -28,29 +30,34 @@ def message_sizes(smallest: int, largest: int) -> list[int]:
     return sizes
 
 
-def iterations(nbytes: int) -> tuple[int, int]:
-    """(warm-up, timed) iterations for a message of ``nbytes``."""
-    timed = max(MIN_ITERATIONS, min(MAX_ITERATIONS, BYTES_PER_MEASUREMENT // max(1, nbytes)))
-    return max(2, timed // 10), timed
+def iterations(seconds_per_call: float, budget_seconds: float) -> int:
+    """Timed iterations that fill about ``budget_seconds``, within [MIN_ITERATIONS, MAX_ITERATIONS]."""
+    wanted = int(budget_seconds / max(seconds_per_call, 1e-9))
+    return max(MIN_ITERATIONS, min(MAX_ITERATIONS, wanted))
 
 
 @dataclass(frozen=True)
 class Latency:
-    """Seconds per call: the average over ranks (what tables report), and the spread."""
+    """Seconds per call: the average over ranks (what tables report), the spread, and the loop length."""
 
     mean: float
     low: float
     high: float
+    iterations: int
 
 
-def measure(call: Callable[[], Any], comm: MPI.Comm, warmup: int, timed: int) -> Latency:
+def measure(call: Callable[[], Any], comm: MPI.Comm, budget_seconds: float) -> Latency:
     """Time ``call`` on every rank of ``comm`` (collective); every rank gets the same Latency."""
-    for _ in range(warmup):
+    fastest = float("inf")
+    for _ in range(WARMUP):
+        start = MPI.Wtime()
         call()
+        fastest = min(fastest, MPI.Wtime() - start)
+    timed = iterations(comm.allreduce(fastest, op=MPI.MAX), budget_seconds)
     comm.Barrier()
     start = MPI.Wtime()
     for _ in range(timed):
         call()
     mine = (MPI.Wtime() - start) / timed
     everyone = comm.allgather(mine)
-    return Latency(sum(everyone) / len(everyone), min(everyone), max(everyone))
+    return Latency(sum(everyone) / len(everyone), min(everyone), max(everyone), timed)
