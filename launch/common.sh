@@ -83,6 +83,8 @@ Options every launch script takes (each also read from the environment variable 
   --dry-run         print the command and stop (HPCDL_DRY_RUN=1)
   -h, --help        this text
   --                end of launcher options; everything after it goes to the entry module
+HPCDL_ROOT (environment only) is the repository; it is found by itself, set it when the
+script cannot tell (a copy of the script submitted from elsewhere).
 EOF
 }
 
@@ -99,9 +101,12 @@ hpcdl_container_runtime() {
 }
 
 # Fills the array HPCDL_RANK_CMD with the words that start one rank (see the top of this file).
-# Usage: hpcdl_rank_command REPO_ROOT
+# Words after REPO_ROOT go between the container and python: a launcher that runs inside the
+# image (frontera-rtx.sbatch --launcher image-mpirun).
+# Usage: hpcdl_rank_command REPO_ROOT [INNER_LAUNCHER_WORDS...]
 hpcdl_rank_command() {
   local root="$1" runtime python="$HPCDL_PYTHON"
+  shift
   HPCDL_RANK_CMD=()
   if [ -n "$HPCDL_IMAGE" ]; then
     [ -e "$HPCDL_IMAGE" ] || hpcdl_die "container image not found: $HPCDL_IMAGE (build it with: apptainer build hpcdl.sif Singularity.def)"
@@ -116,17 +121,13 @@ hpcdl_rank_command() {
     HPCDL_RANK_CMD+=("$HPCDL_IMAGE")
     # Inside the image, its own environment (%environment) puts the right python first on PATH.
     python="${python:-python}"
-  elif [ -z "$python" ]; then
-    if [ -x "$root/.venv/bin/python" ]; then
-      python="$root/.venv/bin/python"
-    else
-      python="python3"
+  else
+    if [ -z "$python" ]; then
+      if [ -x "$root/.venv/bin/python" ]; then python="$root/.venv/bin/python"; else python="python3"; fi
     fi
+    command -v "$python" >/dev/null 2>&1 || hpcdl_die "python not found: $python (run: bash scripts/setup.sh, or pass --python)"
   fi
-  if [ -z "$HPCDL_IMAGE" ] && ! command -v "$python" >/dev/null 2>&1; then
-    hpcdl_die "python not found: $python (run: bash scripts/setup.sh, or pass --python)"
-  fi
-  HPCDL_RANK_CMD+=("$python" -m "$HPCDL_ENTRY")
+  HPCDL_RANK_CMD+=("$@" "$python" -m "$HPCDL_ENTRY")
 }
 
 # OpenMP/intra-op threads for one rank: the cores of a host shared by the ranks on it.
@@ -175,6 +176,11 @@ hpcdl_batch_help() {
   --no-resume        do not pass --resume to hpcdl.train (HPCDL_RESUME=0)
   --no-requeue       do not requeue when the time limit is near (HPCDL_REQUEUE=0)
 EOF
+}
+
+# "on" or "off", for the job summary line.
+hpcdl_requeue_state() {
+  if [ "$HPCDL_REQUEUE" = 1 ]; then printf on; else printf off; fi
 }
 
 # Stops with a clear message when a batch script is run outside a Slurm job (dry runs excepted).

@@ -129,6 +129,7 @@ read -r -a mpi_words <<<"$MPI_ARGS"
 CMD+=(${mpi_words[@]+"${mpi_words[@]}"})
 CMD+=("${HPCDL_RANK_CMD[@]}" "$@")
 
+hpcdl_note "$NP ranks, $RANKS_PER_HOST per host, $THREADS threads each"
 hpcdl_show_command "${CMD[@]}"
 [ "$HPCDL_DRY_RUN" = 1 ] && exit 0
 exec "${CMD[@]}"

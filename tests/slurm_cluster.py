@@ -3,7 +3,7 @@
 Everything lives in one temporary folder (configuration, munge key and socket, state, logs),
 the daemons run in the foreground as children of the test process, and :meth:`SlurmCluster.stop`
 cancels the jobs, ends the job-step processes it started and stops the daemons, so nothing is
-left behind. The node claims 16 CPUs and 4 GPUs: the GPUs are character devices made with mknod,
+left behind. The node claims 32 CPUs and 4 GPUs: the GPUs are character devices made with mknod,
 which is all Slurm needs to hand out ``--gres=gpu:N`` and set CUDA_VISIBLE_DEVICES.
 
 Requirements (Debian): ``bash scripts/install-slurm.sh`` (slurm-wlm and munge) and root.
@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
-NODE_CPUS = 16
+NODE_CPUS = 32  # enough for launch/slurm.sbatch as written: 4 tasks x 8 CPUs
 NODE_GPUS = 4
 PARTITIONS = ("debug", "rtx")  # rtx: the queue name the Frontera batch script asks for
 FINISHED_STATES = {
@@ -126,11 +126,12 @@ class SlurmCluster:
         return result
 
     def sbatch(
-        self, script: str | os.PathLike[str], script_args: Sequence[str] = (), sbatch_args: Sequence[str] = (),
+        self, script: str | os.PathLike[str] | None, script_args: Sequence[str] = (), sbatch_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
     ) -> int:
-        """Submit a batch script and return its job id."""
-        result = self.run(["sbatch", "--parsable", *sbatch_args, str(script), *script_args], env=env, cwd=cwd)
+        """Submit a batch script (None with --wrap in sbatch_args) and return its job id."""
+        words = [] if script is None else [str(script), *script_args]
+        result = self.run(["sbatch", "--parsable", *sbatch_args, *words], env=env, cwd=cwd)
         return int(result.stdout.strip().split(";")[0])
 
     def job_state(self, job_id: int) -> str:
@@ -223,7 +224,7 @@ SlurmdPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool
