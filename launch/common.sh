@@ -9,7 +9,7 @@
 # rank gets, and how a batch job asks to be requeued when its time limit is near. The scripts
 # (mpirun.sh, slurm.sbatch, frontera-rtx.sbatch) only add their launcher in front.
 #
-# Settings (environment variables; each has a flag of the same name, see hpcdl_parse_common_flag):
+# Settings (environment variables; each also has a flag, see hpcdl_parse_common_flag):
 #   HPCDL_PYTHON   interpreter for the ranks   default: the repo's .venv/bin/python, or python
 #                                               inside a container, else python3
 #   HPCDL_ENTRY    Python module to run         default: hpcdl.train

@@ -18,8 +18,8 @@ from packaging.specifiers import SpecifierSet
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+else:  # pragma: no cover - Python 3.10
+    tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
 
 REPO = Path(__file__).resolve().parents[1]
 # Built by scripts/setup.sh, not installable from environment.yml's pip list (it needs a C++17 patch).
