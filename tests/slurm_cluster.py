@@ -2,8 +2,8 @@
 
 Everything lives in one temporary folder (configuration, munge key and socket, state, logs),
 the daemons run in the foreground as children of the test process, and :meth:`SlurmCluster.stop`
-cancels the jobs, ends the job-step processes it started and stops the daemons, so nothing is
-left behind. The node claims 32 CPUs and 4 GPUs: the GPUs are character devices made with mknod,
+cancels the jobs, ends the job-step processes it started, stops the daemons and removes the
+folder (HPCDL_KEEP_SLURM_DIR=1 keeps it for a look at the logs), so nothing is left behind. The node claims 32 CPUs and 4 GPUs: the GPUs are character devices made with mknod,
 which is all Slurm needs to hand out ``--gres=gpu:N`` and set CUDA_VISIBLE_DEVICES.
 
 Requirements (Debian): ``bash scripts/install-slurm.sh`` (slurm-wlm and munge) and root.
@@ -58,6 +58,7 @@ class SlurmCluster:
     """A one-node Slurm cluster in a temporary folder. Use as a context manager."""
 
     def __init__(self, root: Path | None = None) -> None:
+        self.owns_root = root is None  # a folder we made is removed again by stop()
         self.root = Path(root or tempfile.mkdtemp(prefix="hpcdl-slurm-"))
         # munged runs as the munge user and must be able to reach its files.
         self.root.chmod(0o755)
@@ -105,6 +106,8 @@ class SlurmCluster:
                 _terminate(proc)
         for pid in self._step_daemons():
             _kill_quietly(pid, signal.SIGKILL)
+        if self.owns_root and os.environ.get("HPCDL_KEEP_SLURM_DIR") != "1":
+            shutil.rmtree(self.root, ignore_errors=True)
 
     # ------------------------------------------------------------ commands
     def run(
