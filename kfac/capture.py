@@ -64,15 +64,16 @@ class LayerCapture:
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        with torch.no_grad():
-            moment, count = self.layer.a_moment(inputs[0].detach())
+        x = inputs[0].detach()
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # factors stay in float32
+            moment, count = self.layer.a_moment(x)
         self.a_sum = moment if self.a_sum is None else self.a_sum.add_(moment)
         self.a_count += count
         self.forwards += 1
         output.register_hook(self._gradient_hook)
 
     def _gradient_hook(self, grad_output: Tensor) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(grad_output.device.type, enabled=False):
             moment, count = self.layer.g_moment(grad_output)
             if self._per_example_scale:  # the per-example gradient of a mean-reduced loss
                 moment.mul_(float(self.layer.examples(grad_output)) ** 2)

@@ -15,25 +15,25 @@ from torch import Tensor
 
 
 @lru_cache(maxsize=None)
-def _upper_indices(n: int) -> tuple[Tensor, Tensor]:
+def _upper_positions(n: int) -> tuple[Tensor, Tensor]:
+    """Flat positions of the upper triangle of an n x n matrix, and of its mirror image."""
     rows, cols = torch.triu_indices(n, n)
-    return rows, cols
+    return rows * n + cols, cols * n + rows
 
 
 def pack_upper(matrix: Tensor) -> Tensor:
     """The upper triangle (diagonal included) of a symmetric matrix as a vector: n(n+1)/2 numbers."""
-    rows, cols = _upper_indices(matrix.shape[0])
-    return matrix[rows.to(matrix.device), cols.to(matrix.device)]
+    upper, _ = _upper_positions(matrix.shape[0])
+    return matrix.reshape(-1).index_select(0, upper.to(matrix.device))
 
 
 def unpack_upper(vector: Tensor, n: int) -> Tensor:
     """The symmetric matrix whose upper triangle is ``vector``."""
-    rows, cols = _upper_indices(n)
-    rows, cols = rows.to(vector.device), cols.to(vector.device)
-    matrix = vector.new_zeros(n, n)
-    matrix[rows, cols] = vector
-    matrix[cols, rows] = vector
-    return matrix
+    upper, lower = _upper_positions(n)
+    flat = vector.new_empty(n * n)
+    flat.index_copy_(0, lower.to(vector.device), vector)
+    flat.index_copy_(0, upper.to(vector.device), vector)
+    return flat.view(n, n)
 
 
 def upper_size(n: int) -> int:
@@ -63,6 +63,22 @@ class BatchStatistics:
             g_sum=unpack_upper(buffer[na : na + ng], g_dim),
             g_count=float(buffer[na + ng + 1]),
         )
+
+    @classmethod
+    def merge(cls, parts: list["BatchStatistics"]) -> "BatchStatistics":
+        """Several forward/backward passes of one step (gradient accumulation) added up."""
+        first = parts[0]
+        if len(parts) == 1:
+            return first
+        return cls(
+            a_sum=sum((p.a_sum for p in parts[1:]), first.a_sum.clone()),
+            a_count=sum(p.a_count for p in parts),
+            g_sum=sum((p.g_sum for p in parts[1:]), first.g_sum.clone()),
+            g_count=sum(p.g_count for p in parts),
+        )
+
+    def is_finite(self) -> bool:
+        return bool(torch.isfinite(self.a_sum).all()) and bool(torch.isfinite(self.g_sum).all())
 
     @staticmethod
     def empty_buffer(a_dim: int, g_dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -135,8 +135,10 @@ class Conv2dLayer(KFACLayer):
     def g_moment(self, grad_output: Tensor) -> tuple[Tensor, float]:
         if grad_output.dim() == 3:
             grad_output = grad_output.unsqueeze(0)
-        per_channel = grad_output.transpose(0, 1).reshape(grad_output.shape[1], -1).to(self.dtype)
-        return per_channel @ per_channel.T, float(per_channel.shape[1])
+        n, out = grad_output.shape[:2]
+        per_example = grad_output.reshape(n, out, -1).to(self.dtype)  # (N, out, positions): no transpose copy
+        moment = torch.bmm(per_example, per_example.transpose(1, 2)).sum(0)
+        return moment, float(n * per_example.shape[2])
 
     def examples(self, grad_output: Tensor) -> int:
         return 1 if grad_output.dim() == 3 else grad_output.shape[0]

@@ -78,11 +78,10 @@ def patch_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> Tensor:
 
     ``x`` is the layer input (N, C, H, W); the result is (D, D) with D = C*kh*kw (+1), in x's dtype.
     """
-    padded = geometry.pad(x)
     if geometry.stride[0] == 1 and geometry.kernel[0] > 1:
-        moment, sums, count = _row_shift_moment(padded, geometry)
+        moment, sums, count = _row_shift_moment(x, geometry, with_bias)
     else:
-        moment, sums, count = _unfold_moment(padded, geometry)
+        moment, sums, count = _unfold_moment(geometry.pad(x), geometry)
     return bordered_moment(moment, sums, count) if with_bias else moment
 
 
@@ -103,44 +102,64 @@ def _unfold_moment(padded: Tensor, geometry: ConvGeometry) -> tuple[Tensor, Tens
     return features @ features.T, features.sum(1), float(features.shape[1])
 
 
-def _row_shift_moment(padded: Tensor, geometry: ConvGeometry) -> tuple[Tensor, Tensor, float]:
+def _row_pieces(x: Tensor, geometry: ConvGeometry) -> Tensor:
+    """pieces[:, q] = the kw-wide horizontal piece at every output column of every example, for padded row q.
+
+    Shape (C*kw, Hp, N*Wo), features ordered (channel, kernel column). The long axis is innermost
+    so that any range of rows is one strided matrix for the BLAS, without copies. Zero padding is
+    left as the zeros the tensor starts with instead of padding the input first.
+    """
+    n, c, h, w = x.shape
+    (_, kw), (_, sw), (_, dw) = geometry.kernel, geometry.stride, geometry.dilation
+    left, right, top, bottom = geometry.padding
+    if geometry.padding_mode != "constant":
+        x = geometry.pad(x)
+        n, c, h, w = x.shape
+        left = right = top = bottom = 0
+    hp, wp = h + top + bottom, w + left + right
+    _, wo = geometry.output_size(hp, wp)
+    pieces = x.new_zeros(c, kw, hp, n, wo)
+    by_row = x.permute(1, 2, 0, 3)  # (C, H, N, W), a view
+    for j in range(kw):
+        first = j * dw - left  # input column read by output column 0 (negative: inside the padding)
+        lo = max(0, -(first // sw))
+        hi = min(wo, (w - 1 - first) // sw + 1)
+        if lo < hi:
+            start = first + sw * lo
+            pieces[:, j, top : top + h, :, lo:hi] = by_row[..., start : start + sw * (hi - lo - 1) + 1 : sw]
+    return pieces.view(c * kw, hp, n * wo)
+
+
+def _row_shift_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tuple[Tensor, Tensor | None, float]:
     """The patch moment for vertical stride 1, sharing work between kernel rows (see module doc)."""
-    n, c, hp, wp = padded.shape
-    (kh, kw), (_, sw), (dh, dw) = geometry.kernel, geometry.stride, geometry.dilation
-    ho, wo = geometry.output_size(hp, wp)
-    width = c * kw
+    pieces = _row_pieces(x, geometry)
+    width, hp, _ = pieces.shape
+    (kh, kw), (dh, _) = geometry.kernel, geometry.dilation
+    c = width // kw
+    ho = hp - dh * (kh - 1)
+    n_wo = pieces.shape[2]
 
-    # pieces[:, q] = for input row q, the kw-wide horizontal piece at every output column of every
-    # example: shape (C*kw, Hp, N*Wo), features ordered (channel, kernel column). The long axis is
-    # innermost so that a range of rows is one strided matrix for the BLAS, without copies.
-    by_row = padded.permute(1, 2, 0, 3)  # (C, Hp, N, Wp)
-    shifted = [by_row[..., j * dw : j * dw + sw * (wo - 1) + 1 : sw] for j in range(kw)]
-    pieces = torch.stack(shifted, dim=1).reshape(width, hp, n * wo)
+    def rows(lo: int, hi: int) -> Tensor:
+        return pieces[:, lo:hi].reshape(width, -1)
 
-    # blocks[i1, :, i2, :] = Σ over output rows r of pieces[:, r + dh*i1] pieces[:, r + dh*i2]ᵀ
-    blocks = padded.new_empty(kh, width, kh, width)
+    # blocks[i1, :, i2, :] = Σ over output rows r of pieces[:, r + dh*i1] pieces[:, r + dh*i2]ᵀ.
+    # For one shift i2 - i1 every window [dh*i1, dh*i1 + ho) shares the core rows; only the few
+    # rows at either end differ from window to window.
+    blocks = pieces.new_empty(kh, width, kh, width)
     for shift in range(kh):
         step = dh * shift
-        windows = kh - shift  # first kernel rows i1 = 0 .. windows-1; window i1 covers rows [dh*i1, dh*i1 + ho)
-        core_lo, core_hi = dh * (windows - 1), ho  # rows inside every window
-        union_hi = dh * (windows - 1) + ho
-        if core_lo < core_hi:
-            lhs = pieces[:, core_lo:core_hi].reshape(width, -1)
-            rhs = pieces[:, core_lo + step : core_hi + step].reshape(width, -1)
-            core = lhs @ rhs.T
-            edge_rows = [q for q in range(union_hi) if not core_lo <= q < core_hi]
-        else:
-            core = padded.new_zeros(width, width)
-            edge_rows = list(range(union_hi))
-        if edge_rows:
-            idx = torch.tensor(edge_rows, device=padded.device)
-            lhs_edges = pieces[:, idx].transpose(0, 1)  # (E, C*kw, N*Wo)
-            rhs_edges = pieces[:, idx + step].transpose(0, 1)
-            edges = torch.bmm(lhs_edges, rhs_edges.transpose(1, 2))
+        windows = kh - shift
+        core_lo, core_hi = dh * (windows - 1), ho
+        has_core = core_lo < core_hi
+        core = rows(core_lo, core_hi) @ rows(core_lo + step, core_hi + step).T if has_core else None
         for i1 in range(windows):
             lo, hi = dh * i1, dh * i1 + ho
-            inside = [e for e, q in enumerate(edge_rows) if lo <= q < hi]
-            block = core + edges[inside].sum(0) if inside else core
+            ranges = [(lo, core_lo), (core_hi, hi)] if has_core else [(lo, hi)]
+            block = core
+            for a, b in ranges:
+                if a < b:
+                    part = rows(a, b) @ rows(a + step, b + step).T
+                    block = part if block is None else block + part
             blocks[i1, :, i1 + shift, :] = block
             if shift:
                 blocks[i1 + shift, :, i1, :] = block.T
@@ -148,7 +167,9 @@ def _row_shift_moment(padded: Tensor, geometry: ConvGeometry) -> tuple[Tensor, T
     # Reorder features from (kernel row, channel, kernel column) to the weight's (channel, row, column).
     d = c * kh * kw
     moment = blocks.view(kh, c, kw, kh, c, kw).permute(1, 0, 2, 4, 3, 5).reshape(d, d)
-    row_sums = pieces.sum(2)  # (C*kw, Hp)
-    sums = torch.stack([row_sums[:, dh * i : dh * i + ho].sum(1) for i in range(kh)])  # (kh, C*kw)
-    sums = sums.view(kh, c, kw).permute(1, 0, 2).reshape(d)
-    return moment, sums, float(n * ho * wo)
+    sums = None
+    if with_bias:
+        row_sums = pieces.sum(2)  # (C*kw, Hp)
+        per_row = torch.stack([row_sums[:, dh * i : dh * i + ho].sum(1) for i in range(kh)])  # (kh, C*kw)
+        sums = per_row.view(kh, c, kw).permute(1, 0, 2).reshape(d)
+    return moment, sums, float(ho * n_wo)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work
 from kfac.capture import LayerCapture
-from kfac.comm import Communicator, Handle, buffer_to_tensors, default_communicator, tensors_to_buffer
+from kfac.comm import Communicator, buffer_to_tensors, default_communicator, tensors_to_buffer
 from kfac.factors import BatchStatistics, running_average
 from kfac.layers import KFACLayer, SkipSpec, find_layers
 
@@ -139,7 +139,7 @@ class KFACPreconditioner:
         self.g_factors: list[Tensor | None] = [None] * n
         self._decompositions: list[tuple[solve.Decomposition, solve.Decomposition] | None] = [None] * n
         self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
-        self._pending: dict[int, list[Handle]] = defaultdict(list)
+        self._pending: dict[int, list[Any]] = defaultdict(list)  # per layer: statistics, or allreduce handles
         self._captures = [
             LayerCapture(layer, self._capturing, loss_reduction == "mean", self._launcher(index))
             for index, layer in enumerate(self.layers)
@@ -201,8 +201,11 @@ class KFACPreconditioner:
         def launch(capture: LayerCapture) -> None:
             stats = capture.statistics()
             assert stats is not None
-            name = f"kfac.factors.{index}.{len(self._pending[index])}"
-            self._pending[index].append(self.comm.allreduce_sum_async(stats.pack(), name))
+            if self.comm.size == 1:
+                self._pending[index].append(stats)  # nothing to exchange
+            else:
+                name = f"kfac.factors.{index}.{len(self._pending[index])}"
+                self._pending[index].append(self.comm.allreduce_sum_async(stats.pack(), name))
             capture.reset()  # a later forward in the same step (gradient accumulation) starts afresh
 
         return launch
@@ -217,17 +220,20 @@ class KFACPreconditioner:
                     empty = BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, device)
                     self._pending[index].append(self.comm.allreduce_sum_async(empty, f"kfac.factors.{index}.0"))
         for index, layer in enumerate(self.layers):
-            handles = self._pending.pop(index, [])
+            parts = self._pending.pop(index, [])
             self._captures[index].reset()
-            if not handles:
+            if not parts:
                 continue
-            total = self.comm.wait(handles[0])
-            for handle in handles[1:]:
-                total = total + self.comm.wait(handle)
-            if not bool(torch.isfinite(total).all()):  # an AMP overflow step: keep the old factors
-                continue
-            stats = BatchStatistics.unpack(total, layer.a_dim, layer.g_dim)
+            if self.comm.size == 1:
+                stats = BatchStatistics.merge(parts)
+            else:
+                total = self.comm.wait(parts[0])
+                for handle in parts[1:]:
+                    total = total + self.comm.wait(handle)
+                stats = BatchStatistics.unpack(total, layer.a_dim, layer.g_dim)
             if stats.a_count == 0 or stats.g_count == 0:
+                continue
+            if not stats.is_finite():  # an AMP overflow step: keep the old factors
                 continue
             a_batch = stats.a_sum / stats.a_count
             g_batch = stats.g_sum / (stats.g_count * loss_scale**2)

@@ -1,0 +1,86 @@
+"""Conv patch moments against F.unfold, and patch geometry against the convolution itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac.patches import ConvGeometry, conv_patches, patch_moment
+
+CASES = [
+    dict(kernel_size=3, stride=1, padding=1, dilation=1),
+    dict(kernel_size=3, stride=2, padding=1, dilation=2),  # the acceptance case
+    dict(kernel_size=3, stride=1, padding=2, dilation=2),
+    dict(kernel_size=(3, 2), stride=(1, 2), padding=(2, 1), dilation=(2, 1)),
+    dict(kernel_size=5, stride=1, padding=0, dilation=1),
+    dict(kernel_size=3, stride=(1, 3), padding=(1, 0), dilation=(3, 1)),
+    dict(kernel_size=3, stride=1, padding=4, dilation=4),  # windows share no rows
+    dict(kernel_size=1, stride=2, padding=0, dilation=1),
+    dict(kernel_size=(2, 3), stride=(3, 1), padding=(1, 1), dilation=1),
+]
+
+
+def _unfold_reference(x: torch.Tensor, conv: nn.Conv2d, with_bias: bool) -> torch.Tensor:
+    """Σ a aᵀ over every patch, from F.unfold on the explicitly padded input."""
+    geometry = ConvGeometry.of(conv)
+    padded = F.pad(x, geometry.padding, mode=geometry.padding_mode)
+    patches = F.unfold(padded, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+    rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
+    if with_bias:
+        rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
+    return rows.T @ rows
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k[0]}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_patch_moment_matches_unfold(case: dict, with_bias: bool) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, **case).double()
+    x = torch.randn(2, 3, 9, 11, dtype=torch.float64)
+    got = patch_moment(x, ConvGeometry.of(conv), with_bias)
+    want = _unfold_reference(x, conv, with_bias)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_patch_moment_matches_unfold_with_padding_numbers_as_used_by_pytorch() -> None:
+    """With plain integer padding the reference is F.unfold's own padding."""
+    conv = nn.Conv2d(2, 2, 3, stride=1, padding=1, dilation=2).double()
+    x = torch.randn(3, 2, 7, 6, dtype=torch.float64)
+    patches = F.unfold(x, 3, dilation=2, padding=1, stride=1).transpose(1, 2).reshape(-1, 18)
+    torch.testing.assert_close(patch_moment(x, ConvGeometry.of(conv), False), patches.T @ patches)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(kernel_size=4, padding="same"),
+        dict(kernel_size=(3, 2), padding="same", dilation=(2, 3)),
+        dict(kernel_size=3, padding="valid"),
+        dict(kernel_size=3, padding=2, padding_mode="reflect"),
+        dict(kernel_size=3, padding=1, padding_mode="circular", stride=(1, 2)),
+        dict(kernel_size=3, padding=1, padding_mode="replicate"),
+        dict(kernel_size=3, stride=2, padding=1, dilation=2),
+    ],
+)
+def test_patches_reproduce_the_convolution(case: dict) -> None:
+    """weight.view(out, -1) @ patch + bias is the conv output: the geometry is the conv's own."""
+    torch.manual_seed(1)
+    conv = nn.Conv2d(3, 5, **case).double()
+    x = torch.randn(2, 3, 10, 9, dtype=torch.float64)
+    geometry = ConvGeometry.of(conv)
+    patches = conv_patches(x, geometry)  # (N, L, C*kh*kw)
+    out = conv(x)
+    rebuilt = patches @ conv.weight.reshape(5, -1).T + conv.bias
+    torch.testing.assert_close(rebuilt.transpose(1, 2).reshape(out.shape), out)
+    # and the fast moment agrees with these patches, padding modes included
+    rows = torch.cat([patches.reshape(-1, patches.shape[2]), torch.ones(patches.shape[0] * patches.shape[1], 1, dtype=torch.float64)], 1)
+    torch.testing.assert_close(patch_moment(x, geometry, True), rows.T @ rows)
+
+
+def test_same_padding_puts_the_odd_pixel_at_the_end() -> None:
+    geometry = ConvGeometry.of(nn.Conv2d(1, 1, (4, 3), padding="same", dilation=(1, 2)))
+    assert geometry.padding == (2, 2, 1, 2)  # left, right, top, bottom

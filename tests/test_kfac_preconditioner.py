@@ -1,0 +1,205 @@
+"""KFACPreconditioner on one process: schedules, state, unused branches, AMP, bad arguments."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac import KFACPreconditioner
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+        self.side = nn.Linear(4 * 6 * 6, 5)  # only used when asked
+
+    def forward(self, x: torch.Tensor, use_side: bool = False) -> torch.Tensor:
+        h = torch.relu(self.conv(x)).flatten(1)
+        return self.fc(h) + (self.side(h) if use_side else 0)
+
+
+def _setup(seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    model = Branchy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, optimizer, KFACPreconditioner(model, **{"inv_update_freq": 2, **kwargs})
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 1, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def _train(model, optimizer, pre, steps, start=0, use_side=False):
+    for step in range(start, start + steps):
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x, use_side), y).backward()
+        pre.step()
+        optimizer.step()
+
+
+def test_state_dict_round_trip_continues_exactly_from_an_inverse_update_boundary() -> None:
+    """Factors and step count round-trip; decompositions are recomputed from them at the next step,
+    so a checkpoint taken just before an inverse-update step resumes exactly."""
+    model, optimizer, pre = _setup()  # inv_update_freq=2
+    _train(model, optimizer, pre, 4)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(), "kfac": pre.state_dict()}, buffer)
+    _train(model, optimizer, pre, 3, start=4)
+
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    model2, optimizer2, pre2 = _setup(seed=1)
+    model2.load_state_dict(saved["model"])
+    optimizer2.load_state_dict(saved["opt"])
+    pre2.load_state_dict(saved["kfac"])
+    assert pre2.steps == 4
+    for a, b in zip(saved["kfac"]["a_factors"], pre2.a_factors):
+        assert (a is None and b is None) or torch.equal(a, b)
+    _train(model2, optimizer2, pre2, 3, start=4)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8)
+
+
+def test_loading_state_for_another_model_is_refused() -> None:
+    _, _, pre = _setup()
+    state = pre.state_dict()
+    state["layers"] = ["conv", "head"]
+    with pytest.raises(ValueError, match="K-FAC state is for layers"):
+        pre.load_state_dict(state)
+
+
+def test_an_unused_branch_keeps_its_gradient_and_joins_once_it_is_used() -> None:
+    model, optimizer, pre = _setup(inv_update_freq=10)
+    _train(model, optimizer, pre, 2)
+    side = [layer.name for layer in pre.layers].index("side")
+    assert pre.a_factors[side] is None and model.side.weight.grad is None
+    # used at step 2, not an inverse-update step: it is decomposed on first use and preconditioned
+    x, y = _batch(2)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x, use_side=True), y).backward()
+    raw = model.side.weight.grad.clone()
+    pre.step()
+    assert pre.a_factors[side] is not None and pre._decomposed[side]
+    assert not torch.allclose(model.side.weight.grad, raw)
+
+
+def test_factors_only_change_on_factor_update_steps() -> None:
+    model, optimizer, pre = _setup(factor_update_freq=3, inv_update_freq=3)
+    snapshots = []
+    for step in range(4):
+        _train(model, optimizer, pre, 1, start=step)
+        snapshots.append(pre.a_factors[0].clone())
+    assert torch.equal(snapshots[0], snapshots[1]) and torch.equal(snapshots[1], snapshots[2])
+    assert not torch.equal(snapshots[2], snapshots[3])
+
+
+def test_schedules_may_be_callables_of_the_step() -> None:
+    seen = {"lr": [], "damping": [], "decay": []}
+
+    def record(name, value):
+        def schedule(step):
+            seen[name].append(step)
+            return value
+
+        return schedule
+
+    model, optimizer, pre = _setup(lr=record("lr", 0.05), damping=record("damping", 0.01), factor_decay=record("decay", 0.9))
+    _train(model, optimizer, pre, 3)
+    assert set(seen["lr"]) == set(seen["damping"]) == set(seen["decay"]) == {0, 1, 2}
+
+
+def test_kl_clip_none_is_unclipped_and_a_tiny_clip_shrinks_the_step() -> None:
+    norms = {}
+    for clip in (None, 1e-8):
+        model, optimizer, pre = _setup(kl_clip=clip)
+        x, y = _batch(0)
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        norms[clip] = model.fc.weight.grad.norm()
+    assert norms[1e-8] < 0.01 * norms[None]
+
+
+def test_amp_grad_scaler_scale_is_divided_out_of_g() -> None:
+    plain_model, _, plain = _setup()
+    scaled_model, _, scaled = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaled.grad_scaler = scaler
+    x, y = _batch(0)
+    F.cross_entropy(plain_model(x), y).backward()
+    plain.step()
+    optimizer = torch.optim.SGD(scaled_model.parameters(), lr=0.1)
+    scaler.scale(F.cross_entropy(scaled_model(x), y)).backward()
+    scaler.unscale_(optimizer)  # unscale before K-FAC reads the gradients, as with gradient clipping
+    scaled.step()
+    for a, b in zip(plain.g_factors + plain.a_factors, scaled.g_factors + scaled.a_factors):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(plain_model.fc.weight.grad, scaled_model.fc.weight.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_an_overflowing_amp_step_leaves_the_factors_alone() -> None:
+    model, optimizer, pre = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    pre.grad_scaler = scaler
+    _train(model, optimizer, pre, 1)
+    before = [f.clone() for f in pre.g_factors if f is not None]
+    x, y = _batch(1)
+    optimizer.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y) * float("inf")).backward()
+    scaler.unscale_(optimizer)
+    pre.step()
+    scaler.step(optimizer)  # skipped: the gradients are not finite
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, [f for f in pre.g_factors if f is not None]))
+    assert scaler.get_scale() < 2.0**10
+
+
+def test_bfloat16_autocast_keeps_float32_factors() -> None:
+    model, optimizer, pre = _setup()
+    x, y = _batch(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    pre.step()
+    assert all(f.dtype == torch.float32 for f in pre.a_factors + pre.g_factors if f is not None)
+
+
+def test_works_with_any_optimizer() -> None:
+    torch.manual_seed(0)
+    model = Branchy()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    pre = KFACPreconditioner(model)
+    _train(model, optimizer, pre, 2)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(factor_update_freq=0), "factor_update_freq"),
+        (dict(inv_update_freq=1.5), "inv_update_freq"),
+        (dict(damping=0.0), "damping"),
+        (dict(factor_decay=1.0), "factor_decay"),
+        (dict(kl_clip=-1.0), "kl_clip"),
+        (dict(grad_worker_fraction=0.0), "grad_worker_fraction"),
+        (dict(method="cholesky"), "method"),
+        (dict(loss_reduction="none"), "loss_reduction"),
+        (dict(eigen_dtype=torch.float16), "eigen_dtype"),
+    ],
+)
+def test_bad_arguments_say_what_is_wrong(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        KFACPreconditioner(Branchy(), **kwargs)
+
+
+def test_a_model_without_supported_layers_warns() -> None:
+    with pytest.warns(UserWarning, match="no nn.Linear or nn.Conv2d"):
+        pre = KFACPreconditioner(nn.Sequential(nn.ReLU()))
+    pre.step()
