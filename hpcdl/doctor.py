@@ -124,6 +124,24 @@ def check_same_mpi(libs: dict[str, str | None]) -> None:
         )
 
 
+# What a launcher says the job's size is. If MPI sees one process while the launcher started
+# several, each rank started alone: the MPI library in use is not the launcher's.
+LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def check_launcher_agrees(world_size: int, env: dict[str, str] | None = None) -> None:
+    """Raise Problem for the classic 'every rank is rank 0 of 1' mismatch."""
+    env = dict(os.environ) if env is None else env
+    for name in LAUNCHER_SIZE_VARS:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 1 and world_size == 1:
+            raise Problem(
+                f"the launcher started {value} tasks ({name}) but MPI sees a world of 1: every rank runs alone",
+                "launch with the MPI that mpi4py and Horovod were built against (srun needs --mpi=pmix for "
+                "Open MPI; an image's MPI must be of the host launcher's family)",
+            )
+
+
 def cuda_devices() -> list[str]:
     import torch
 
@@ -200,6 +218,7 @@ def diagnose(expect_gpu: bool) -> int:
     from hpcdl import world as world_module
 
     world = world_module.init()
+    check_launcher_agrees(world.size)
     comm = world_module.comm()
     local_problem = None
     try:

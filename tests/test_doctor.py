@@ -93,3 +93,10 @@ def test_expect_gpu_on_this_cpu_machine_fails_with_one_line() -> None:
     result = subprocess.run([PYTHON, "-m", "hpcdl.doctor"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert result.returncode != 0
     assert [line for line in result.stderr.splitlines() if line.startswith("doctor:")][0].count("no CUDA device") == 1
+
+
+def test_every_rank_alone_is_diagnosed() -> None:
+    with pytest.raises(doctor.Problem, match="started 4 tasks .* world of 1"):
+        doctor.check_launcher_agrees(1, {"PMI_SIZE": "4"})
+    doctor.check_launcher_agrees(4, {"PMI_SIZE": "4", "SLURM_STEP_NUM_TASKS": "4"})
+    doctor.check_launcher_agrees(1, {"SLURM_STEP_NUM_TASKS": "1"})
