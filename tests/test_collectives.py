@@ -101,10 +101,13 @@ def test_matches_mpi_allreduce(algorithm: str, op: str, dtype: str) -> None:
             data = sample(rng, length, dtype, op)
             reference = np.empty_like(data)
             comm.Allreduce(data, reference, op=OPS[op])
+            before = data.copy()
             ours = ALGORITHMS[algorithm](data, comm, OPS[op])
             why = mismatch(ours, reference, comm, op, data)
             if why is None and not identical_everywhere(ours, comm):
                 why = "ranks hold different results"
+            if why is None and (not np.array_equal(data, before) or np.shares_memory(ours, data)):
+                why = "the input was modified or shares memory with the result"
             if why:
                 problems.append(f"{comm.Get_size()} ranks, length {length}: {why}")
     assert_all_ranks(not problems, "; ".join(problems))

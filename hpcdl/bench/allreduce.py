@@ -2,9 +2,9 @@
 
     mpirun -np 2 python -m hpcdl.bench.allreduce --output-dir benchmarks/results
 
-For every message size (float32, powers of two) each implementation is timed in turn, in
-several interleaved rounds so that a burst of noise on a shared machine hurts no single
-implementation; the best round counts. Prints OSU-style tables of latency and bus bandwidth,
+For every message size (float32, powers of two) each implementation is timed in turn; the
+sweep over all sizes is repeated for several rounds, so that a burst of load on a shared
+machine spoils no single implementation or size, and the best timed loop counts. Prints OSU-style tables of latency and bus bandwidth,
 writes CSV, JSON and a log-log plot, fits the alpha-beta model to our ring and predicts
 what a ResNet-50 gradient allreduce costs at scale on a real network.
 """
@@ -38,11 +38,13 @@ def parse_args(argv: Sequence[str] | None) -> object:
     parser.add_argument("--max-size", type=parse_size, default=256 << 20, help="largest message, e.g. 64K, 256M (default 256M)")
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"), help="where CSV, JSON and PNG go")
     parser.add_argument("--name", default=None, help="file name stem (default allreduce_np<ranks>)")
-    parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=list(ALGORITHMS), help="our algorithms to include")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size; the best counts (default 3)")
-    parser.add_argument("--seconds", type=float, default=0.2, help="time budget of one timed loop (default 0.2 s)")
+    parser.add_argument("--algorithms", nargs="*", choices=list(ALGORITHMS), default=list(ALGORITHMS), help="our algorithms to include (none: just MPI/Horovod/gloo)")
+    parser.add_argument("--rounds", type=int, default=5, help="sweeps over all sizes; the best timed loop counts (default 5)")
+    parser.add_argument("--seconds", type=float, default=0.05, help="time budget of one timed loop (default 0.05 s)")
     parser.add_argument("--no-horovod", action="store_true", help="leave Horovod out (and do not initialise it)")
     parser.add_argument("--no-gloo", action="store_true", help="leave torch.distributed (gloo) out")
+    parser.add_argument("--horovod-cycle-time-ms", type=float, default=None,
+                        help="HOROVOD_CYCLE_TIME for the Horovod rows (default: Horovod's own, or the environment's)")
     parser.add_argument("--network-gbps", type=float, default=100.0, help="link rate of the network to predict for (default 100 Gb/s)")
     parser.add_argument("--network-latency-us", type=float, default=2.0, help="its per-message latency, assumed (default 2 us)")
     parser.add_argument("--predict-ranks", type=int, nargs="+", default=[64, 512, 4096], help="rank counts to predict for")
@@ -55,13 +57,15 @@ def parse_args(argv: Sequence[str] | None) -> object:
         parser.error("--rounds must be >= 1, --seconds > 0 and --predict-ranks >= 2")
     if args.network_gbps <= 0 or args.network_latency_us < 0:
         parser.error("--network-gbps must be > 0 and --network-latency-us >= 0")
+    if args.horovod_cycle_time_ms is not None and args.horovod_cycle_time_ms <= 0:
+        parser.error("--horovod-cycle-time-ms must be > 0")
     return args
 
 
 def build_contenders(args: object, comm: MPI.Comm) -> list[contenders.Contender]:
     chosen = [contenders.mpi_allreduce(comm)]
     if not args.no_horovod:
-        chosen.append(contenders.horovod_allreduce())
+        chosen.append(contenders.horovod_allreduce(comm))
     if not args.no_gloo:
         gloo = contenders.gloo_allreduce(comm)
         if gloo is None:
@@ -81,33 +85,42 @@ def verify(contender: contenders.Contender, message: np.ndarray, expected: float
 
 
 def run(args: object, comm: MPI.Comm, chosen: list[contenders.Contender]) -> list[report.Row]:
+    """Time every contender at every size, sweeping all sizes once per round.
+
+    Rounds sweep the whole size range, so the timed loops of one size are spread over the run
+    and a burst of load from other jobs spoils at most one of them; the best loop counts.
+    """
     ranks, rank = comm.Get_size(), comm.Get_rank()
     sizes = timing.message_sizes(args.min_size, args.max_size)
-    rows = []
-    progress = tqdm(total=len(sizes) * len(chosen) * args.rounds, disable=rank != 0, unit="run", file=sys.stderr)
-    for nbytes in sizes:
-        progress.set_description(f"{format_size(nbytes):>8}")
-        message = np.full(nbytes // timing.FLOAT32_BYTES, rank + 1, dtype=np.float32)
-        expected = ranks * (ranks + 1) / 2  # 1 + 2 + ... + N: exact in float32
-        for contender in chosen:
-            verify(contender, message, expected, comm)
-        calls = {c.name: c.prepare(message, True) for c in chosen}
-        best: dict[str, timing.Latency] = {}
-        for _ in range(args.rounds):
+    expected = ranks * (ranks + 1) / 2  # every rank sends rank+1: the sum 1 + ... + N is exact in float32
+    loops: dict[tuple[str, int], int] = {}  # timed iterations, calibrated in the first round
+    best: dict[tuple[str, int], timing.Latency] = {}
+    progress = tqdm(total=len(sizes) * len(chosen) * args.rounds, disable=rank != 0, unit="loop", mininterval=1, file=sys.stderr)
+    for round_index in range(args.rounds):
+        for nbytes in sizes:
+            progress.set_description(f"round {round_index + 1}/{args.rounds} {format_size(nbytes):>8}")
+            message = np.full(nbytes // timing.FLOAT32_BYTES, rank + 1, dtype=np.float32)
             for contender in chosen:
-                latency = timing.measure(calls[contender.name], comm, args.seconds)
-                if contender.name not in best or latency.mean < best[contender.name].mean:
-                    best[contender.name] = latency
+                key = (contender.name, nbytes)
+                with contender.running():
+                    if round_index == 0:
+                        verify(contender, message, expected, comm)
+                    call = contender.prepare(message, True)
+                    if key not in loops:
+                        loops[key] = timing.calibrate(call, comm, args.seconds)
+                    latency = timing.measure(call, comm, loops[key])
+                if key not in best or latency.mean < best[key].mean:
+                    best[key] = latency
+                del call
                 progress.update()
-        for contender in chosen:
-            latency = best[contender.name]
-            rows.append(
-                report.Row(contender.name, nbytes, message.size, ranks, timing.WARMUP, latency.iterations, args.rounds,
-                           latency.mean * 1e6, latency.low * 1e6, latency.high * 1e6)
-            )  # fmt: skip
-        del calls, message
     progress.close()
-    return rows
+    return [
+        report.Row(name, nbytes, nbytes // timing.FLOAT32_BYTES, ranks, timing.WARMUP, latency.iterations, args.rounds,
+                   latency.mean * 1e6, latency.low * 1e6, latency.high * 1e6)
+        for nbytes in sizes
+        for name in (c.name for c in chosen)
+        for latency in [best[(name, nbytes)]]
+    ]  # fmt: skip
 
 
 def scale_prediction(args: object, rows: list[report.Row], ranks: int) -> dict[str, object]:
@@ -177,7 +190,7 @@ def metadata(args: object, comm: MPI.Comm, me: world.World) -> dict[str, object]
 
     hosts = sorted(set(comm.allgather(me.hostname)))
     horovod_version = None
-    if me.horovod:
+    if not args.no_horovod:
         import horovod
 
         horovod_version = horovod.__version__
@@ -194,17 +207,23 @@ def metadata(args: object, comm: MPI.Comm, me: world.World) -> dict[str, object]
         "horovod_env": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")},
         "dtype": "float32",
         "op": "SUM",
-        "timing": f"best of {args.rounds} interleaved rounds; each times a loop of about {args.seconds} s after "
-                  f"{timing.WARMUP} warm-up calls and averages over ranks",
+        "timing": f"best of {args.rounds} rounds (each sweeps all sizes) of timed loops of about {args.seconds} s (length "
+                  f"calibrated from {timing.WARMUP} warm-up calls), averaged over ranks; Horovod is started only "
+                  "while it is measured",
     }  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        me = world.init(use_horovod=not args.no_horovod)
-    except world.WorldError as error:
-        raise UsageError(f"{error} (or run with --no-horovod)") from None
+    load_before = os.getloadavg()
+    me = world.init(use_horovod=False)  # Horovod runs only while it is measured (see contenders)
+    if not args.no_horovod:
+        if args.horovod_cycle_time_ms is not None:  # read by hvd.init, which the Horovod contender calls
+            os.environ["HOROVOD_CYCLE_TIME"] = f"{args.horovod_cycle_time_ms:g}"
+        import horovod.torch as hvd
+
+        if not hasattr(hvd, "init"):
+            raise UsageError("Horovod's compiled extension is missing (run: bash scripts/setup.sh), or use --no-horovod")
     comm = world.comm()
     chosen = build_contenders(args, comm)
     names = [c.name for c in chosen]
@@ -213,12 +232,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     prediction = scale_prediction(args, rows, comm.Get_size())
     targets = acceptance(rows)
     meta = metadata(args, comm, me)
+    meta["load_average_1min"] = {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)}
     if me.rank != 0:
         return
 
     print(report.table(rows, names, "latency_us"))
     print(report.table(rows, names, "busbw_gbps"))
     print(describe_prediction(prediction))
+    load = meta["load_average_1min"]
+    print(f"# load average (1 min) before/after: {load['before']} / {load['after']} on {meta['cpu_cores_per_host']} cores "
+          "(other jobs on the machine distort timings)")  # fmt: skip
     for name, result in targets.items():
         print(f"# {name} / MPI.Allreduce bus bandwidth at >= {format_size(ACCEPTANCE_FROM_BYTES)}: "
               f"lowest {result['min_ratio']:.2f} (target >= {result['target']:.2f}: {'met' if result['met'] else 'NOT met'})")  # fmt: skip

@@ -7,10 +7,11 @@ correctness check treat MPI, Horovod, torch.distributed and our own algorithms a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -27,6 +28,20 @@ class Contender:
     # Builds the call for one message; `timed=True` may trade the data for zeros when the call
     # works in place (repeated in-place sums would overflow float32 over many iterations).
     prepare: Callable[[np.ndarray, bool], Call]
+    # Run around each of its measurements: a contender with a background thread (Horovod) is
+    # only running while it is measured, so that it does not slow the others down.
+    start: Callable[[], None] | None = None
+    stop: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        if self.start:
+            self.start()
+        try:
+            yield
+        finally:
+            if self.stop:
+                self.stop()
 
 
 def mpi_allreduce(comm: MPI.Comm) -> Contender:
@@ -50,8 +65,13 @@ def ours(name: str, comm: MPI.Comm) -> Contender:
     return Contender(name, lambda message, timed: lambda: algorithm(message, comm, MPI.SUM))
 
 
-def horovod_allreduce() -> Contender:
-    """horovod.torch.allreduce with op=Sum on a CPU tensor (Horovod must be initialised)."""
+def horovod_allreduce(comm: MPI.Comm) -> Contender:
+    """horovod.torch.allreduce with op=Sum on a CPU tensor.
+
+    Horovod is started (on the same communicator) only while it is being measured: its
+    background thread coordinates the ranks every cycle even when idle, and on a machine with
+    one core per rank it would otherwise slow every other contender down. A restart costs ms.
+    """
     import horovod.torch as hvd
 
     def prepare(message: np.ndarray, timed: bool) -> Call:
@@ -59,7 +79,7 @@ def horovod_allreduce() -> Contender:
         name = f"bench.allreduce.{message.nbytes}"
         return lambda: hvd.allreduce(tensor, op=hvd.Sum, name=name).numpy()
 
-    return Contender("horovod", prepare)
+    return Contender("horovod", prepare, start=lambda: hvd.init(comm=comm), stop=hvd.shutdown)
 
 
 def gloo_allreduce(comm: MPI.Comm) -> Contender | None:

@@ -1,9 +1,9 @@
 """How long one collective call takes, measured the way the OSU micro-benchmarks do.
 
-Each rank runs a few warm-up calls, waits at a barrier, then times a loop of calls; the
-latency is the loop time divided by the iteration count, averaged over the ranks. The loop
-length is chosen from the warm-up so that every measurement takes about the same time:
-thousands of calls for 4 bytes, a handful for 256 MB. All ranks agree on the count (they
+Each rank waits at a barrier, then times a loop of calls; the latency is the loop time
+divided by the iteration count, averaged over the ranks. The loop length is calibrated once
+per message from a few warm-up calls so that every loop takes about the same time:
+thousands of calls for 4 bytes, a couple for 256 MB. All ranks agree on the count (they
 must: each call is collective).
 """
 
@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 FLOAT32_BYTES = 4
 WARMUP = 3  # the first call pays one-time costs (Horovod's negotiation, page faults)
-MIN_ITERATIONS = 3
+MIN_ITERATIONS = 2
 MAX_ITERATIONS = 2000
 
 
@@ -46,14 +46,23 @@ class Latency:
     iterations: int
 
 
-def measure(call: Callable[[], Any], comm: MPI.Comm, budget_seconds: float) -> Latency:
-    """Time ``call`` on every rank of ``comm`` (collective); every rank gets the same Latency."""
+def calibrate(call: Callable[[], Any], comm: MPI.Comm, budget_seconds: float) -> int:
+    """Warm ``call`` up and choose the timed loop's length (collective: all ranks get the same count)."""
     fastest = float("inf")
     for _ in range(WARMUP):
         start = MPI.Wtime()
         call()
         fastest = min(fastest, MPI.Wtime() - start)
-    timed = iterations(comm.allreduce(fastest, op=MPI.MAX), budget_seconds)
+    return iterations(comm.allreduce(fastest, op=MPI.MAX), budget_seconds)
+
+
+def measure(call: Callable[[], Any], comm: MPI.Comm, timed: int) -> Latency:
+    """Time ``timed`` calls on every rank of ``comm`` (collective); every rank gets the same Latency.
+
+    One untimed call first, so a contender that was just started (Horovod negotiates a tensor's
+    first allreduce) or whose memory went cold while others ran is measured warm.
+    """
+    call()
     comm.Barrier()
     start = MPI.Wtime()
     for _ in range(timed):

@@ -1,7 +1,7 @@
 """Argument checking and buffer conversion shared by every allreduce algorithm.
 
-Each algorithm works on one flat, contiguous numpy working copy of the caller's data and
-reduces into it in place. This module makes that copy, and turns the result back into
+Each algorithm reads the caller's data as one flat, contiguous numpy array and writes the
+reduction into a new flat array. This module prepares both, and turns the result back into
 what the caller passed (a numpy array or a CPU torch tensor of the same shape and dtype).
 
 The checks are collective: if one rank passes a different length, dtype or op than the
@@ -51,9 +51,10 @@ Combine = Callable[..., np.ndarray]  # a binary ufunc called as combine(a, b, ou
 
 @dataclass
 class Allreduce:
-    """One validated allreduce call: the working copy to reduce into, and how to give it back."""
+    """One validated allreduce call: the caller's data, the new result buffer, and how to give it back."""
 
-    work: np.ndarray  # flat and contiguous; the algorithm overwrites it with the result
+    source: np.ndarray  # the caller's data, flat and contiguous (a view when possible): read, never written
+    result: np.ndarray  # new, flat, uninitialised: the algorithm fills it with the reduction
     combine: np.ufunc
     comm: MPI.Comm
     average: bool
@@ -62,12 +63,12 @@ class Allreduce:
     def finish(self) -> Any:
         """The result in the caller's type, shape and dtype (divided by the world size if averaging)."""
         if self.average:
-            np.divide(self.work, self.comm.Get_size(), out=self.work)
-        return self._to_caller(self.work)
+            np.divide(self.result, self.comm.Get_size(), out=self.result)
+        return self._to_caller(self.result)
 
 
 def prepare(algorithm: str, buf: Any, comm: MPI.Comm, op: MPI.Op, average: bool) -> Allreduce:
-    """Check the arguments on every rank together and return the working copy.
+    """Check the arguments on every rank together and return the call's source and result buffers.
 
     Collective: every rank of ``comm`` must call it. Raises CollectiveArgumentError on every
     rank when any rank's arguments are unusable or the ranks disagree.
@@ -77,7 +78,7 @@ def prepare(algorithm: str, buf: Any, comm: MPI.Comm, op: MPI.Op, average: bool)
         raise CollectiveArgumentError(f"{algorithm}: comm must be an mpi4py intracommunicator, got {comm!r}")
     problem: str | None = None
     array = None
-    to_caller: Callable[[np.ndarray], Any] = lambda work: work
+    to_caller: Callable[[np.ndarray], Any] = lambda result: result
     op_index = _op_index(op)
     try:
         array, to_caller = _as_numpy(buf)
@@ -92,9 +93,11 @@ def prepare(algorithm: str, buf: Any, comm: MPI.Comm, op: MPI.Op, average: bool)
 
     _agree(algorithm, comm, problem, array, op_index, average)
     assert array is not None  # _agree raised otherwise
-    work = np.empty(array.size, dtype=array.dtype)
-    np.copyto(work.reshape(array.shape), array)  # one copy, whatever the caller's strides
-    return Allreduce(work, SUPPORTED_OPS[op_index][2], comm, average, to_caller)
+    # No working copy: algorithms read the caller's data where they first need it and write
+    # `result = source (op) incoming` out of place, saving a full pass over memory (as MPI does).
+    source = np.ascontiguousarray(array).reshape(-1)  # copies only if the caller's array is strided
+    result = np.empty(array.size, dtype=array.dtype)
+    return Allreduce(source, result, SUPPORTED_OPS[op_index][2], comm, average, to_caller)
 
 
 def _op_index(op: Any) -> int:
@@ -109,7 +112,7 @@ def _as_numpy(buf: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
     shape: tuple[int, ...]
     if isinstance(buf, np.ndarray):
         array, shape = buf, buf.shape
-        to_caller = lambda work: work.reshape(shape)  # noqa: E731
+        to_caller = lambda result: result.reshape(shape)  # noqa: E731
     elif torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise TypeError(f"expected a CPU torch tensor, got one on {buf.device} (use Horovod or NCCL for GPU tensors)")
@@ -118,7 +121,7 @@ def _as_numpy(buf: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
         except (TypeError, RuntimeError) as error:  # e.g. bfloat16 has no numpy dtype
             raise TypeError(f"unsupported tensor dtype {buf.dtype}: {error}") from None
         shape = tuple(buf.shape)
-        to_caller = lambda work: torch.from_numpy(work.reshape(shape))  # noqa: E731
+        to_caller = lambda result: torch.from_numpy(result.reshape(shape))  # noqa: E731
     else:
         raise TypeError(f"expected a numpy array or a CPU torch tensor, got {type(buf).__name__}")
     if array.dtype not in SUPPORTED_DTYPES:

@@ -33,7 +33,7 @@ def recursive_doubling_allreduce(
 ) -> Buffer:
     """Allreduce ``buf`` (numpy array or CPU tensor) by recursive doubling; returns a new buffer."""
     call = prepare("recursive_doubling_allreduce", buf, comm, op, average)
-    recursive_doubling_in_place(call.work, p2p.private_comm(comm), call.combine)
+    recursive_doubling(call.source, call.result, p2p.private_comm(comm), call.combine)
     return call.finish()
 
 
@@ -42,7 +42,7 @@ def rabenseifner_allreduce(
 ) -> Buffer:
     """Allreduce ``buf`` (numpy array or CPU tensor) by Rabenseifner's algorithm; returns a new buffer."""
     call = prepare("rabenseifner_allreduce", buf, comm, op, average)
-    rabenseifner_in_place(call.work, p2p.private_comm(comm), call.combine)
+    halving_doubling(call.source, call.result, p2p.private_comm(comm), call.combine)
     return call.finish()
 
 
@@ -75,57 +75,65 @@ class Fold:
         """The communicator rank of a butterfly member."""
         return 2 * member_rank + 1 if member_rank < self.folded // 2 else member_rank + self.folded // 2
 
-    def fold_in(self, comm: MPI.Comm, work: np.ndarray, combine: Combine) -> None:
-        """Even ranks below ``folded`` give their buffer to their odd neighbour, which reduces it in."""
-        if self.rank >= self.folded:
-            return
-        if self.sits_out:
-            p2p.send(comm, work, self.rank + 1)
-        else:
-            incoming = np.empty_like(work)
-            p2p.receive(comm, incoming, self.rank - 1)
-            combine(work, incoming, out=work)
+    def fold_in(self, comm: MPI.Comm, source: np.ndarray, result: np.ndarray, combine: Combine) -> np.ndarray | None:
+        """Even ranks below ``folded`` give their data to their odd neighbour, which reduces it into ``result``.
 
-    def fold_out(self, comm: MPI.Comm, work: np.ndarray) -> None:
+        Returns what this rank brings to the butterfly: ``result`` if it took in a neighbour's
+        data, its own ``source`` if it was not paired, None if it sits out.
+        """
+        if self.rank >= self.folded:
+            return source
+        if self.sits_out:
+            p2p.send(comm, source, self.rank + 1)
+            return None
+        incoming = np.empty_like(source)
+        p2p.receive(comm, incoming, self.rank - 1)
+        combine(source, incoming, out=result)
+        return result
+
+    def fold_out(self, comm: MPI.Comm, result: np.ndarray) -> None:
         """The odd neighbours hand the finished result back to the ranks that sat out."""
         if self.rank >= self.folded:
             return
         if self.sits_out:
-            p2p.receive(comm, work, self.rank + 1)
+            p2p.receive(comm, result, self.rank + 1)
         else:
-            p2p.send(comm, work, self.rank - 1)
+            p2p.send(comm, result, self.rank - 1)
 
 
-def recursive_doubling_in_place(work: np.ndarray, comm: MPI.Comm, combine: Combine) -> None:
-    """In place: at each step exchange the whole buffer with the partner and reduce it in."""
+def recursive_doubling(source: np.ndarray, result: np.ndarray, comm: MPI.Comm, combine: Combine) -> None:
+    """At each step exchange the whole buffer with the partner and reduce it in."""
     fold = Fold(comm.Get_size(), comm.Get_rank())
-    if fold.size == 1 or work.size == 0:
+    if fold.size == 1 or source.size == 0:
+        np.copyto(result, source)
         return
-    fold.fold_in(comm, work, combine)
-    if not fold.sits_out:
-        incoming = np.empty_like(work)
+    mine = fold.fold_in(comm, source, result, combine)
+    if mine is not None:
+        incoming = np.empty_like(source)
         distance = 1
-        while distance < fold.members:
+        while distance < fold.members:  # at least one step: members >= 2 when size >= 2
             partner = fold.real_rank(fold.member_rank ^ distance)
-            p2p.sendrecv(comm, work, partner, incoming, partner)
-            combine(work, incoming, out=work)  # a+b on one side, b+a on the other: the same bits
+            p2p.sendrecv(comm, mine, partner, incoming, partner)
+            combine(mine, incoming, out=result)  # a+b on one side, b+a on the other: the same bits
+            mine = result
             distance *= 2
-    fold.fold_out(comm, work)
+    fold.fold_out(comm, result)
 
 
-def rabenseifner_in_place(work: np.ndarray, comm: MPI.Comm, combine: Combine) -> None:
-    """In place: recursive-halving reduce-scatter, then recursive-doubling allgather."""
+def halving_doubling(source: np.ndarray, result: np.ndarray, comm: MPI.Comm, combine: Combine) -> None:
+    """Rabenseifner: recursive-halving reduce-scatter, then recursive-doubling allgather."""
     fold = Fold(comm.Get_size(), comm.Get_rank())
-    if fold.size == 1 or work.size == 0:
+    if fold.size == 1 or source.size == 0:
+        np.copyto(result, source)
         return
-    fold.fold_in(comm, work, combine)
-    if not fold.sits_out:
-        bounds = p2p.chunk_bounds(work.size, fold.members)
+    mine = fold.fold_in(comm, source, result, combine)
+    if mine is not None:
+        bounds = p2p.chunk_bounds(source.size, fold.members)
         me = fold.member_rank
 
-        def span(first: int, last: int) -> np.ndarray:
+        def span(array: np.ndarray, first: int, last: int) -> np.ndarray:
             """The elements of chunks first..last-1."""
-            return work[bounds[first] : bounds[last]]
+            return array[bounds[first] : bounds[last]]
 
         # Reduce-scatter: halve the range of chunks this rank is responsible for at every step.
         # The partner whose bit `distance` differs keeps the other half; in the end we own chunk `me`.
@@ -134,26 +142,20 @@ def rabenseifner_in_place(work: np.ndarray, comm: MPI.Comm, combine: Combine) ->
         while distance >= 1:
             partner = fold.real_rank(me ^ distance)
             middle = (first + last) // 2
-            if me & distance:
-                give, (first, last) = span(first, middle), (middle, last)
-            else:
-                give, (first, last) = span(middle, last), (first, middle)
-            keep = span(first, last)
-            segments = p2p.segment_count(max(give.size, keep.size), work.itemsize)  # same on both sides
-            p2p.sendrecv_reduce(comm, give, partner, keep, partner, combine, segments)
+            give, keep = ((first, middle), (middle, last)) if me & distance else ((middle, last), (first, middle))
+            outgoing, kept = span(mine, *give), span(mine, *keep)
+            segments = p2p.segment_count(max(outgoing.size, kept.size), source.itemsize)  # the same on both sides
+            p2p.sendrecv_reduce(comm, outgoing, partner, kept, span(result, *keep), partner, combine, segments)
+            mine = result  # from now on our partial sums live in `result`
+            first, last = keep
             distance //= 2
 
         # Allgather: double the range at every step by swapping it for the partner's.
         distance = 1
         while distance < fold.members:
             partner = fold.real_rank(me ^ distance)
-            if me & distance:
-                theirs = (first - distance, first)
-                p2p.sendrecv(comm, span(first, last), partner, span(*theirs), partner)
-                first = theirs[0]
-            else:
-                theirs = (last, last + distance)
-                p2p.sendrecv(comm, span(first, last), partner, span(*theirs), partner)
-                last = theirs[1]
+            theirs = (first - distance, first) if me & distance else (last, last + distance)
+            p2p.sendrecv(comm, span(result, first, last), partner, span(result, *theirs), partner)
+            first, last = min(first, theirs[0]), max(last, theirs[1])
             distance *= 2
-    fold.fold_out(comm, work)
+    fold.fold_out(comm, result)

@@ -22,23 +22,26 @@ ROOT = 0
 def naive_allreduce(buf: Buffer, comm: MPI.Comm = MPI.COMM_WORLD, op: MPI.Op = MPI.SUM, *, average: bool = False) -> Buffer:
     """Allreduce ``buf`` (numpy array or CPU tensor) by reduce-to-root then broadcast; returns a new buffer."""
     call = prepare("naive_allreduce", buf, comm, op, average)
-    reduce_then_broadcast(call.work, p2p.private_comm(comm), call.combine)
+    reduce_then_broadcast(call.source, call.result, p2p.private_comm(comm), call.combine)
     return call.finish()
 
 
-def reduce_then_broadcast(work: np.ndarray, comm: MPI.Comm, combine: Combine) -> None:
-    """In place: every rank's ``work`` becomes the reduction of all ranks' ``work``."""
+def reduce_then_broadcast(source: np.ndarray, result: np.ndarray, comm: MPI.Comm, combine: Combine) -> None:
+    """Every rank's ``result`` becomes the reduction of all ranks' ``source``."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1 or work.size == 0:
+    if size == 1 or source.size == 0:
+        np.copyto(result, source)
         return
     if rank == ROOT:
-        incoming = np.empty_like(work)
-        for source in range(size):  # in rank order, so the result does not depend on arrival order
-            if source != ROOT:
-                p2p.receive(comm, incoming, source)
-                combine(work, incoming, out=work)
-        requests = [p2p.isend(comm, work, dest) for dest in range(size) if dest != ROOT]
+        incoming = np.empty_like(source)
+        mine = source
+        for sender in range(size):  # in rank order, so the result does not depend on arrival order
+            if sender != ROOT:
+                p2p.receive(comm, incoming, sender)
+                combine(mine, incoming, out=result)
+                mine = result
+        requests = [p2p.isend(comm, result, dest) for dest in range(size) if dest != ROOT]
         MPI.Request.Waitall(requests)
     else:
-        p2p.send(comm, work, ROOT)
-        p2p.receive(comm, work, ROOT)
+        p2p.send(comm, source, ROOT)
+        p2p.receive(comm, result, ROOT)

@@ -63,9 +63,9 @@ def chunk_bounds(length: int, parts: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(sizes)])
 
 
-def segment_count(longest: int, itemsize: int, segment_bytes: int = SEGMENT_BYTES) -> int:
+def segment_count(longest: int, itemsize: int) -> int:
     """How many segments a message of ``longest`` elements is cut into (at least one, so empty messages still pair up)."""
-    per_segment = max(1, segment_bytes // itemsize)
+    per_segment = max(1, SEGMENT_BYTES // itemsize)
     return max(1, -(-longest // per_segment))
 
 
@@ -73,26 +73,27 @@ def sendrecv_reduce(
     comm: MPI.Comm,
     send: np.ndarray,
     dest: int,
-    keep: np.ndarray,
+    mine: np.ndarray,
+    out: np.ndarray,
     source: int,
     combine: Combine,
     segments: int,
 ) -> None:
-    """Send ``send`` to ``dest`` while receiving ``source``'s matching data and reducing it into ``keep``.
+    """Send ``send`` to ``dest`` while receiving ``source``'s data; ``out = mine (op) received``.
 
-    Both messages are cut into the same number of ``segments`` (the caller makes sure that
-    the sender and the receiver of each message agree on it), and each received segment is
-    reduced straight away into ``keep`` through a small scratch buffer.
+    ``out`` may be ``mine`` (reduce in place) or another buffer of the same length (reduce out of
+    place, which spares a copy of the caller's data). Both messages are cut into the same number
+    of ``segments`` (the caller makes sure that the sender and the receiver of each message agree
+    on it), and each received segment is reduced straight away through a small scratch buffer.
     """
     send_step = -(-send.size // segments)
-    keep_step = -(-keep.size // segments)
-    scratch = np.empty(keep_step, dtype=keep.dtype)
+    mine_step = -(-mine.size // segments)
+    scratch = np.empty(mine_step, dtype=mine.dtype)
     for index in range(segments):
-        outgoing = send[index * send_step : (index + 1) * send_step]
-        target = keep[index * keep_step : (index + 1) * keep_step]
-        incoming = scratch[: target.size]
-        comm.Sendrecv(as_bytes(outgoing), dest, _TAG, as_bytes(incoming), source, _TAG)
-        combine(target, incoming, out=target)
+        part = slice(index * mine_step, (index + 1) * mine_step)
+        incoming = scratch[: mine[part].size]
+        comm.Sendrecv(as_bytes(send[index * send_step : (index + 1) * send_step]), dest, _TAG, as_bytes(incoming), source, _TAG)
+        combine(mine[part], incoming, out=out[part])
 
 
 def sendrecv(comm: MPI.Comm, send: np.ndarray, dest: int, receive: np.ndarray, source: int) -> None:

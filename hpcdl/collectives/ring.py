@@ -23,25 +23,32 @@ Buffer = TypeVar("Buffer")
 def ring_allreduce(buf: Buffer, comm: MPI.Comm = MPI.COMM_WORLD, op: MPI.Op = MPI.SUM, *, average: bool = False) -> Buffer:
     """Allreduce ``buf`` (numpy array or CPU tensor) around a ring; returns a new buffer."""
     call = prepare("ring_allreduce", buf, comm, op, average)
-    ring_in_place(call.work, p2p.private_comm(comm), call.combine)
+    reduce_scatter_allgather(call.source, call.result, p2p.private_comm(comm), call.combine)
     return call.finish()
 
 
-def ring_in_place(work: np.ndarray, comm: MPI.Comm, combine: Combine) -> None:
-    """In place: every rank's ``work`` becomes the reduction of all ranks' ``work``."""
+def reduce_scatter_allgather(source: np.ndarray, result: np.ndarray, comm: MPI.Comm, combine: Combine) -> None:
+    """Every rank's ``result`` becomes the reduction of all ranks' ``source``."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1 or work.size == 0:
+    if size == 1 or source.size == 0:
+        np.copyto(result, source)
         return
-    bounds = p2p.chunk_bounds(work.size, size)  # chunk 0 is the longest
+    bounds = p2p.chunk_bounds(source.size, size)  # chunk 0 is the longest
     right, left = (rank + 1) % size, (rank - 1) % size
 
-    def chunk(index: int) -> np.ndarray:
+    def chunk(array: np.ndarray, index: int) -> np.ndarray:
         index %= size
-        return work[bounds[index] : bounds[index + 1]]
+        return array[bounds[index] : bounds[index + 1]]
 
     # Chunks differ in length by at most one element, so one segment count fits every message.
-    segments = p2p.segment_count(int(bounds[1] - bounds[0]), work.itemsize)
-    for step in range(size - 1):  # reduce-scatter: afterwards chunk rank+1 is complete here
-        p2p.sendrecv_reduce(comm, chunk(rank - step), right, chunk(rank - step - 1), left, combine, segments)
-    for step in range(size - 1):  # allgather: pass the complete chunks on round the ring
-        p2p.sendrecv(comm, chunk(rank + 1 - step), right, chunk(rank - step), left)
+    segments = p2p.segment_count(int(bounds[1] - bounds[0]), source.itemsize)
+    # Reduce-scatter. Each chunk arrives here once, and is then combined with our own data
+    # straight into `result`; at step 0 we send our own data, later the sums made a step before.
+    # Afterwards chunk rank+1 is complete here.
+    for step in range(size - 1):
+        outgoing = chunk(source if step == 0 else result, rank - step)
+        arriving = rank - step - 1
+        p2p.sendrecv_reduce(comm, outgoing, right, chunk(source, arriving), chunk(result, arriving), left, combine, segments)
+    # Allgather: pass the complete chunks on round the ring.
+    for step in range(size - 1):
+        p2p.sendrecv(comm, chunk(result, rank + 1 - step), right, chunk(result, rank - step), left)
