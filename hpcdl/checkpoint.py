@@ -13,11 +13,13 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 PATTERN = re.compile(r"^ckpt-(\d{9})\.pt$")
+TEMPORARY = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp-\d+$")
+UNREADABLE_SUFFIX = ".unreadable"
 REQUIRED = ("model", "optimizer", "epoch", "step_in_epoch", "global_step", "config", "world_size")
 
 
@@ -34,25 +36,60 @@ def is_finite_state(state_dict: dict[str, Any]) -> bool:
     return all(torch.isfinite(t).all() for t in state_dict.values() if torch.is_tensor(t) and t.is_floating_point())
 
 
-def save(directory: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` atomically as the newest checkpoint and prune all but the newest ``keep``."""
+def save(directory: Path, state: dict[str, Any], keep: int,
+         before_rename: Callable[[Path], None] | None = None) -> Path:
+    """Write ``state`` atomically as the newest checkpoint and prune all but the newest ``keep``.
+
+    CheckpointError for a non-finite model; OSError when the write fails (a full disk, a quota,
+    an I/O error) -- the earlier checkpoints are untouched either way.
+    ``before_rename`` is a test hook that sees the complete temporary file.
+    """
     if not is_finite_state(state["model"]):
         raise CheckpointError("the model has non-finite values; refusing to overwrite good checkpoints")
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"ckpt-{state['global_step']:09d}.pt"
     temporary = directory / f".{final.name}.tmp-{os.getpid()}"
+    remove_stale_temporaries(directory)
     try:
         with open(temporary, "wb") as handle:
-            torch.save(state, handle)
+            try:
+                torch.save(state, handle)
+            except RuntimeError as exc:
+                underlying = _os_error_behind(exc)
+                if underlying is exc:
+                    raise
+                raise underlying from exc
             handle.flush()
             os.fsync(handle.fileno())
+        if before_rename is not None:
+            before_rename(temporary)
         os.replace(temporary, final)
         _fsync_directory(directory)
     finally:
         temporary.unlink(missing_ok=True)
     for old in list_checkpoints(directory)[keep:]:
-        old.unlink(missing_ok=True)
+        if old != final:  # never prune what was just written, whatever else the folder holds
+            old.unlink(missing_ok=True)
     return final
+
+
+def _os_error_behind(exc: RuntimeError) -> Exception:
+    """torch's writer reports a failed write (a full disk, a quota) as "unexpected pos 704 vs 598";
+    the OSError that caused it is in the exception's context, and says what happened."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError):
+            return cause
+        cause = cause.__context__
+    return exc
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Delete half-written files that a killed writer left behind (only one job writes a run directory)."""
+    stale = [p for p in directory.iterdir() if TEMPORARY.match(p.name)] if directory.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -69,12 +106,18 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def step_of(path: Path) -> int:
+    match = PATTERN.match(path.name)
+    if match is None:
+        raise ValueError(f"{path.name} is not a checkpoint file name")
+    return int(match.group(1))
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoint files, newest first (temporary leftovers excluded)."""
+    """Checkpoint files, newest first (temporary leftovers and set-aside files excluded)."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if PATTERN.match(p.name)]
-    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)), reverse=True)  # type: ignore[union-attr]
+    return sorted((p for p in directory.iterdir() if PATTERN.match(p.name)), key=step_of, reverse=True)
 
 
 def read(path: Path) -> dict[str, Any]:
@@ -82,17 +125,32 @@ def read(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - truncated, corrupt, or not a checkpoint at all
-        raise CheckpointError(f"{path.name} is unreadable ({type(exc).__name__})") from exc
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        raise CheckpointError(f"{path.name} is unreadable ({type(exc).__name__}{': ' + reason if reason else ''})") from exc
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
         raise CheckpointError(f"{path.name} is not an hpcdl checkpoint")
     return state
 
 
-def load_latest(directory: Path) -> tuple[dict[str, Any] | None, Path | None]:
-    """The newest readable checkpoint and its path; unreadable newer ones are reported and skipped."""
+def load_latest(directory: Path, set_aside: bool = False) -> tuple[dict[str, Any] | None, Path | None]:
+    """The newest readable checkpoint and its path; unreadable newer ones are reported and skipped.
+
+    With ``set_aside``, the unreadable files newer than the one loaded are renamed ``*.unreadable``
+    (kept for inspection, reversible): otherwise they would still count as "newest" and pruning
+    would delete the good checkpoints the resumed run writes. When no file is readable nothing
+    is renamed and the result is ``(None, None)``.
+    """
+    skipped: list[Path] = []
     for path in list_checkpoints(directory):
         try:
-            return read(path), path
+            state = read(path)
         except CheckpointError as exc:
             print(f"hpcdl: skipping checkpoint: {exc}", file=sys.stderr, flush=True)
+            skipped.append(path)
+            continue
+        if set_aside:
+            for bad in skipped:
+                bad.rename(bad.with_name(bad.name + UNREADABLE_SUFFIX))
+                print(f"hpcdl: set {bad.name} aside as {bad.name + UNREADABLE_SUFFIX}", file=sys.stderr, flush=True)
+        return state, path
     return None, None

@@ -7,7 +7,10 @@ Two kinds of failure need two behaviours under MPI:
   rank exits with status 2 by itself: no traceback wall, no MPI_Abort noise.
 * Anything else raised on one rank -- a bug, a failing disk, a fault injected on purpose.
   The other ranks would wait for it forever in the next collective, so the failing rank
-  prints its traceback and calls MPI_Abort, which ends every rank of the job.
+  prints one line naming itself and the cause (after the traceback, for what may be a bug) and
+  calls MPI_Abort, which ends every rank of the job. Running out of memory and I/O errors
+  (a corrupt image file, a vanished mount) are not bugs: their message is the whole story, so
+  they get the line without the traceback (HPCDL_TRACEBACK=1 shows it anyway).
 """
 
 from __future__ import annotations
@@ -65,6 +68,22 @@ def agree(check: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
+def is_environmental(exc: BaseException) -> bool:
+    """Out of memory (host or GPU) or an I/O error: the machine's doing, not a bug in the code."""
+    return isinstance(exc, (MemoryError, OSError)) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` on one line. DataLoader workers re-raise with the worker's whole traceback
+    in the message; its last line is the actual error."""
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if "Original Traceback" in text and lines:
+        return lines[-1]
+    kind = "out of memory" if type(exc).__name__ in ("MemoryError", "OutOfMemoryError") else type(exc).__name__
+    return f"{kind}: {lines[0]}" if lines else kind
+
+
 def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
     """Call ``main`` and exit with the right behaviour for each kind of failure."""
     try:
@@ -79,12 +98,9 @@ def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
         raise
     except BaseException as exc:  # noqa: BLE001 - any crash on one rank must end the whole job
         rank = _rank()
-        traceback.print_exc()
-        print(
-            f"{program}: rank {rank} failed with {type(exc).__name__}: {exc}; aborting the whole job",
-            file=sys.stderr,
-            flush=True,
-        )
+        if not is_environmental(exc) or os.environ.get("HPCDL_TRACEBACK") == "1":
+            traceback.print_exc()
+        print(f"{program}: rank {rank} failed with {describe(exc)}; aborting the whole job", file=sys.stderr, flush=True)
         mpi = sys.modules.get("mpi4py.MPI")
         if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
             mpi.COMM_WORLD.Abort(EXIT_CRASH)

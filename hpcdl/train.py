@@ -27,8 +27,8 @@ from tqdm import tqdm
 from hpcdl import checkpoint, world
 from hpcdl.config import TrainConfig, parse_config
 from hpcdl.data import load_dataset, make_loaders
-from hpcdl.errors import UsageError, agree, run_main
-from hpcdl.faults import FaultInjector
+from hpcdl.errors import UsageError, agree, describe, run_main
+from hpcdl.faults import FaultInjector, FaultSpecError
 from hpcdl.metrics import RunRecord, Sums
 from hpcdl.models import build_model
 from hpcdl.schedule import LRSchedule, lr_scale
@@ -48,6 +48,7 @@ class Progress:
     train_seconds: float = 0.0  # wall time spent so far, over all sessions of the run
     images_seen: int = 0
     nonfinite_streak: int = 0
+    epoch_sums: dict[str, float] = dataclasses.field(default_factory=dict)  # of a part-trained epoch, all ranks
 
 
 def rank_seed(seed: int, epoch: int, rank: int) -> int:
@@ -70,6 +71,9 @@ def prepare_output_dir(config: TrainConfig, comm) -> Path:
             probe.unlink()
         except OSError as exc:
             raise UsageError(f"output directory {path} is not writable ({exc.strerror})") from exc
+        if not config.resume and checkpoint.list_checkpoints(checkpoint.checkpoint_dir(path)):
+            raise UsageError(f"{path} already holds checkpoints of an earlier run: add --resume to continue it, "
+                             "or choose another --output-dir")
 
     agree(check)
     return path
@@ -138,12 +142,31 @@ def restore_rng_state(states: list[dict[str, Any]], rank: int) -> None:
 
 
 def save_checkpoint(
-    output_dir: Path, config: TrainConfig, model, optimizer, preconditioner, scaler, progress: Progress, comm
+    output_dir: Path, config: TrainConfig, model, optimizer, preconditioner, scaler, progress: Progress, comm,
+    watchdog: StallWatchdog | None = None, faults: FaultInjector | None = None,
 ) -> None:
-    """Rank 0 writes the whole training state (all ranks take part in gathering RNG states)."""
+    """Rank 0 writes the whole training state (all ranks take part in gathering RNG states).
+
+    A failed write (disk full, quota, I/O error) ends the job on every rank with one line: the
+    earlier checkpoints are intact, and training on without saving would only lose more work.
+    """
+    if watchdog is not None:
+        watchdog.beat(phase="checkpoint" if comm.Get_rank() == 0 else "collective")
     rng = gather_rng_states(comm)
-    if comm.Get_rank() != 0:
-        return
+    problem = None
+    if comm.Get_rank() == 0:
+        problem = _write_checkpoint(output_dir, config, model, optimizer, preconditioner, scaler, progress, comm, rng,
+                                    faults.while_saving(progress.global_step) if faults is not None else None)
+    problem = comm.bcast(problem, root=0)
+    if watchdog is not None:
+        watchdog.beat()
+    if problem:
+        raise UsageError(problem)
+
+
+def _write_checkpoint(output_dir, config, model, optimizer, preconditioner, scaler, progress, comm, rng,
+                      before_rename) -> str | None:
+    """Rank 0's part of :func:`save_checkpoint`; the reason the job must stop, or None."""
     state = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -158,20 +181,33 @@ def save_checkpoint(
         "kfac": preconditioner.state_dict() if preconditioner is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
     }
+    directory = checkpoint.checkpoint_dir(output_dir)
     try:
-        checkpoint.save(checkpoint.checkpoint_dir(output_dir), state, config.keep_checkpoints)
+        checkpoint.save(directory, state, config.keep_checkpoints, before_rename=before_rename)
     except checkpoint.CheckpointError as exc:
-        print(f"hpcdl: not saving: {exc}", file=sys.stderr, flush=True)
+        print(f"hpcdl: not saving: {exc}", file=sys.stderr, flush=True)  # the non-finite check stops the run
+    except (OSError, RuntimeError) as exc:  # torch reports a failed write (e.g. ENOSPC) as RuntimeError
+        return (f"could not write the checkpoint of step {progress.global_step} to {directory} ({describe(exc)}); "
+                "the earlier checkpoints are intact: free space or fix the file system, then --resume")
+    return None
 
 
 def load_checkpoint(output_dir: Path, config: TrainConfig, model, optimizer, preconditioner, scaler, comm) -> Progress | None:
     """Rank 0 reads the newest valid checkpoint and broadcasts it; every rank restores from it."""
-    state = None
-    if comm.Get_rank() == 0:
-        state, path = checkpoint.load_latest(checkpoint.checkpoint_dir(output_dir))
+    def read_on_root() -> dict[str, Any] | None:
+        if comm.Get_rank() != 0:
+            return None
+        directory = checkpoint.checkpoint_dir(output_dir)
+        found = checkpoint.list_checkpoints(directory)
+        state, path = checkpoint.load_latest(directory, set_aside=True)
+        if state is None and found:
+            raise UsageError(f"none of the {len(found)} checkpoint(s) in {directory} is readable (see above); "
+                             "move them away to start from scratch")
         if path is not None:
             world.print0(f"resuming from {path}")
-    state = comm.bcast(state, root=0)
+        return state
+
+    state = comm.bcast(agree(read_on_root), root=0)
     if state is None:
         world.print0("no checkpoint to resume from: starting from scratch")
         return None
@@ -195,21 +231,25 @@ def load_checkpoint(output_dir: Path, config: TrainConfig, model, optimizer, pre
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
     progress = Progress(**state["progress"])
-    if state["world_size"] == comm.Get_size():
+    saved = state["config"]
+    saved_batch = state["world_size"] * saved["batch_size"] * saved["batches_per_allreduce"]
+    batch = comm.Get_size() * config.batch_size * config.batches_per_allreduce
+    if state["world_size"] == comm.Get_size() and saved_batch == batch:
         restore_rng_state(state["rng"], comm.Get_rank())
     else:
         world.print0(
-            f"checkpoint was written by {state['world_size']} ranks, resuming on {comm.Get_size()}: "
-            "learning rate rescaled, position in the epoch kept by sample count"
+            f"checkpoint was written by {state['world_size']} rank(s) with global batch {saved_batch}, resuming on "
+            f"{comm.Get_size()} with global batch {batch}: learning rate rescaled, position in the epoch kept by "
+            "sample count (an exact continuation needs the same ranks and batch size)"
         )
-        done = progress.step_in_epoch * state["world_size"]
-        progress.step_in_epoch = done // comm.Get_size()
+        progress.step_in_epoch = progress.step_in_epoch * saved_batch // batch
     return progress
 
 
 def evaluate(model: nn.Module, loader, device, amp, comm, watchdog: StallWatchdog) -> dict[str, float]:
     """Loss and accuracy over the whole test set: sums and counts from every shard, allreduced."""
     model.eval()
+    watchdog.beat(phase="evaluate")
     sums = Sums()
     sums.add(loss=0.0, correct=0, count=0)
     with torch.no_grad():
@@ -223,6 +263,7 @@ def evaluate(model: nn.Module, loader, device, amp, comm, watchdog: StallWatchdo
                 count=labels.numel(),
             )
             watchdog.beat()
+    watchdog.beat(phase="collective")
     total = sums.reduced(comm)
     count = max(total["count"], 1.0)
     return {"test_loss": total["loss"] / count, "test_accuracy": total["correct"] / count}
@@ -236,6 +277,14 @@ def replicas_identical(model: nn.Module, comm) -> bool:
     return len(set(comm.allgather(digest.hexdigest()))) == 1
 
 
+def make_fault_injector(rank: int, size: int) -> FaultInjector:
+    """This rank's injected faults (HPCDL_FAULT); a malformed value is a usage error, not a crash."""
+    try:
+        return FaultInjector(rank, world_size=size)
+    except FaultSpecError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 @dataclasses.dataclass
 class TrainResult:
     model: nn.Module
@@ -247,6 +296,7 @@ def train(config: TrainConfig) -> TrainResult:
     me = world.init()
     comm = world.comm()
     cuda = me.device.type == "cuda"
+    faults = agree(lambda: make_fault_injector(me.rank, me.size))
     output_dir = prepare_output_dir(config, comm)
 
     # ---- data and model (identical initial weights on every rank, and broadcast to be sure)
@@ -287,7 +337,6 @@ def train(config: TrainConfig) -> TrainResult:
     record = RunRecord(output_dir, me.is_root, config.resume)
     watchdog = StallWatchdog(comm, config.stall_timeout).start()
     stop = GracefulStop(comm)
-    faults = FaultInjector(me.rank)
     world.print0(
         f"hpcdl: {config.model} on {config.dataset} | {me.size} rank(s) x batch {config.batch_size}"
         f" x {config.batches_per_allreduce} = global batch {me.size * config.batch_size * config.batches_per_allreduce}"
@@ -299,6 +348,9 @@ def train(config: TrainConfig) -> TrainResult:
     stopped_by: str | None = None
     last_test: dict[str, float] = {}
     finished = progress.epoch >= config.epochs
+    if finished:
+        world.print0(f"hpcdl: nothing to do: the checkpoint is at epoch {progress.epoch} and --epochs is {config.epochs}")
+    trained = not finished
     while not finished:
         epoch = progress.epoch
         model.train()
@@ -309,6 +361,10 @@ def train(config: TrainConfig) -> TrainResult:
         sampler.skip = progress.step_in_epoch * config.batch_size * config.batches_per_allreduce
         sums = Sums()
         sums.add(loss=0.0, correct=0, count=0)
+        if me.is_root and progress.epoch_sums:  # what the part of this epoch before a mid-epoch checkpoint added
+            sums.add(**progress.epoch_sums)
+        progress.epoch_sums = {}
+        watchdog.beat(phase="data")
         epoch_start = time.perf_counter()
         images_this_epoch = 0
         bar = tqdm(total=steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
@@ -316,6 +372,7 @@ def train(config: TrainConfig) -> TrainResult:
         for images, labels in train_loader:
             step = progress.global_step + 1
             faults.before_step(step)
+            watchdog.beat(phase="compute")
             lr = schedule(epoch + progress.step_in_epoch / steps_per_epoch)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -331,7 +388,9 @@ def train(config: TrainConfig) -> TrainResult:
                 scaled = loss / config.batches_per_allreduce
                 (scaler.scale(scaled) if scaler else scaled).backward()
                 sums.add(loss=loss.detach() * y.numel(), correct=(logits.argmax(1) == y).sum(), count=y.numel())
+            watchdog.beat(phase="collective")
             optimizer.synchronize()
+            watchdog.beat(phase="compute")
             if scaler:
                 scaler.unscale_(optimizer)
             finite = gradients_finite(model)
@@ -347,6 +406,7 @@ def train(config: TrainConfig) -> TrainResult:
 
             progress.nonfinite_streak = 0 if finite else progress.nonfinite_streak + 1
             if progress.nonfinite_streak >= config.max_nonfinite_steps:
+                watchdog.stop()
                 raise UsageError(
                     f"loss or gradients were non-finite for {progress.nonfinite_streak} consecutive steps "
                     f"(up to step {step}); lower --base-lr or add --warmup-epochs. Checkpoints were not overwritten."
@@ -356,7 +416,7 @@ def train(config: TrainConfig) -> TrainResult:
             progress.global_step = step
             progress.step_in_epoch += 1
             images_this_epoch += len(images) * me.size
-            watchdog.beat(step)
+            watchdog.beat(step, phase="collective")  # next: the stop-flag allreduce
             if not bar.disable:
                 elapsed = max(time.perf_counter() - epoch_start, 1e-9)
                 bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{sums.values['correct'] / max(sums.values['count'], 1):.3f}",
@@ -364,6 +424,7 @@ def train(config: TrainConfig) -> TrainResult:
             bar.update(1)
 
             stopped_by = stop.requested()
+            watchdog.beat(phase="data")
             if stopped_by or (config.max_steps and step >= config.max_steps):
                 break
         bar.close()
@@ -373,11 +434,14 @@ def train(config: TrainConfig) -> TrainResult:
 
         if stopped_by and not epoch_complete:
             progress.train_seconds = time.perf_counter() - session_start
-            save_checkpoint(output_dir, config, model, optimizer, preconditioner, scaler, progress, comm)
+            watchdog.beat(phase="collective")
+            progress.epoch_sums = sums.reduced(comm)  # so that the resumed epoch's metrics cover all of it
+            save_checkpoint(output_dir, config, model, optimizer, preconditioner, scaler, progress, comm, watchdog, faults)
             world.print0(f"hpcdl: {stopped_by} received: checkpoint written at step {progress.global_step}; "
                          f"continue with --resume --output-dir {output_dir}")
             break
 
+        watchdog.beat(phase="collective")
         train = sums.reduced(comm)
         last_test = evaluate(model, test_loader, me.device, amp, comm, watchdog)
         elapsed = time.perf_counter() - session_start
@@ -405,8 +469,7 @@ def train(config: TrainConfig) -> TrainResult:
         if epoch_complete:
             progress.epoch, progress.step_in_epoch = epoch + 1, 0
         progress.train_seconds = elapsed
-        save_checkpoint(output_dir, config, model, optimizer, preconditioner, scaler, progress, comm)
-        watchdog.beat()
+        save_checkpoint(output_dir, config, model, optimizer, preconditioner, scaler, progress, comm, watchdog, faults)
         reached = progress.time_to_target is not None
         out_of_steps = config.max_steps is not None and progress.global_step >= config.max_steps
         finished = progress.epoch >= config.epochs or reached or out_of_steps or stopped_by is not None
@@ -414,6 +477,7 @@ def train(config: TrainConfig) -> TrainResult:
             world.print0(f"hpcdl: {stopped_by} received: stopped after epoch {epoch + 1}; continue with --resume")
 
     watchdog.stop()
+    stop.close()
     identical = replicas_identical(model, comm)
     total_seconds = time.perf_counter() - session_start
     summary = {
@@ -431,7 +495,7 @@ def train(config: TrainConfig) -> TrainResult:
         "replicas_identical": identical,
         "config": dataclasses.asdict(config),
     }
-    if not stopped_by:
+    if trained and not stopped_by:
         record.write_summary(summary)
     record.close()
     if not identical:

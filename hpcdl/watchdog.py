@@ -2,24 +2,33 @@
 
 A rank that dies is noticed by the launcher; a rank that freezes (a stuck file system, a hung
 data loader or GPU) is noticed by nobody: the others wait for it forever inside an allreduce,
-burning the allocation. Each rank runs a thread that
+burning the allocation. Horovod's own stall check cannot help (its coordinator blocks in MPI
+too), so each rank runs a thread of ours that wakes every ``interval`` seconds and
 
-* on ranks > 0, sends a small heartbeat to rank 0 every ``interval`` seconds (the thread runs
-  while the main thread is blocked in a collective; a frozen process sends nothing);
-* on rank 0, records when it last heard from each rank, and if no step has completed for
-  ``timeout`` seconds, names the ranks that went silent and calls MPI_Abort, ending every rank;
-* on ranks > 0, aborts by itself a little later if rank 0 did not (rank 0 may be the frozen one).
+* exchanges heartbeats with rank 0 (ranks > 0 send theirs to rank 0, rank 0 sends one to each):
+  the thread runs while the main thread is blocked in a collective, and a frozen process
+  (SIGSTOP, a kernel-level hang) sends nothing. A heartbeat carries the rank's last completed
+  step and what its main thread is doing (its *phase*: "data", "compute", "collective", ...);
+* on rank 0, when no step has completed for ``timeout`` seconds, names the culprits -- the ranks
+  that went silent, or else the live ranks whose main thread is not waiting in a collective like
+  the others (stuck in data loading, say) -- and calls MPI_Abort, which ends every rank;
+* on ranks > 0, ends the job itself if rank 0 went silent (rank 0 may be the frozen one), and as
+  a last resort ``grace`` seconds after the timeout if rank 0 did not.
 
-Heartbeats travel on a duplicate of the world communicator, so they never mix with training traffic.
+Heartbeats travel on a duplicate of the world communicator, so they never mix with training
+traffic. An MPI_Abort from this thread ends the job even while the main thread waits in Horovod.
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
 
 HEARTBEAT_TAG = 7011
+EXIT_STALL = 3
+WAITING_PHASES = ("collective",)  # a rank here waits for the others; it is not the culprit
 
 
 class StallWatchdog:
@@ -29,9 +38,11 @@ class StallWatchdog:
         self.size = comm.Get_size()
         self.timeout = timeout
         self.interval = interval if interval is not None else max(0.2, min(5.0, timeout / 5))
+        self.silent_after = 3 * self.interval  # no heartbeat for this long: that rank is not running
         self.grace = max(10.0, timeout / 2)
         self.last_progress = time.monotonic()
         self.step = 0
+        self.phase = "starting"
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpcdl-watchdog", daemon=True)
 
@@ -39,51 +50,74 @@ class StallWatchdog:
         if self.timeout > 0:
             self.last_progress = time.monotonic()
             self._thread.start()
+            # Before mpi4py's own exit handler finalizes MPI (atexit runs newest first): the thread
+            # must not be inside an MPI call while MPI shuts down, e.g. after a usage error.
+            atexit.register(self.stop)
         return self
 
-    def beat(self, step: int | None = None) -> None:
+    def beat(self, step: int | None = None, phase: str | None = None) -> None:
         """Record progress (a completed step, an evaluated batch, a written checkpoint)."""
         self.last_progress = time.monotonic()
         if step is not None:
             self.step = step
+        if phase is not None:
+            self.phase = phase
 
     def stop(self) -> None:
         self._done.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
 
     def _abort(self, message: str) -> None:
+        if self._done.is_set():
+            return  # training finished while we were deciding
         print(f"hpcdl: {message}; ending the job", file=sys.stderr, flush=True)
-        self.comm.Abort(3)
+        self.comm.Abort(EXIT_STALL)
 
     def _run(self) -> None:
         from mpi4py import MPI
 
-        last_heard = {rank: time.monotonic() for rank in range(1, self.size)}
-        pending = None
+        start = time.monotonic()
+        last_heard = {rank: start for rank in range(self.size) if rank != self.rank}
+        reported: dict[int, tuple[int, str]] = {}
+        pending: dict[int, object] = {}
         status = MPI.Status()
+        peers = [r for r in range(self.size) if r != self.rank] if self.rank == 0 else [0]
         while not self._done.wait(self.interval):
             now = time.monotonic()
+            while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG, status=status):
+                source = status.Get_source()
+                reported[source] = self.comm.recv(source=source, tag=HEARTBEAT_TAG)
+                last_heard[source] = now
+            for peer in peers:  # at most one heartbeat in flight per peer: a frozen peer costs nothing
+                if peer not in pending or pending[peer].Test():
+                    pending[peer] = self.comm.isend((self.step, self.phase), dest=peer, tag=HEARTBEAT_TAG)
             stalled = now - self.last_progress
+            if self._done.is_set() or stalled <= self.timeout:
+                continue
+            silent = sorted(r for r, t in last_heard.items() if now - t > self.silent_after)
             if self.rank == 0:
-                while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG, status=status):
-                    source = status.Get_source()
-                    self.comm.recv(source=source, tag=HEARTBEAT_TAG)
-                    last_heard[source] = now
-                if stalled > self.timeout:
-                    silent = sorted(r for r, t in last_heard.items() if now - t > 3 * self.interval)
-                    who = (
-                        f"rank {', '.join(map(str, silent))} went silent "
-                        f"(no heartbeat for {max(now - last_heard[r] for r in silent):.0f} s)"
-                        if silent
-                        else "every rank is alive but none progresses (a hung collective or data loader)"
-                    )
-                    self._abort(f"stall: no training step completed for {stalled:.0f} s (step {self.step}); {who}")
-            else:
-                if pending is None or pending.Test():
-                    pending = self.comm.isend(self.step, dest=0, tag=HEARTBEAT_TAG)
-                if stalled > self.timeout + self.grace:
-                    self._abort(
-                        f"stall: rank {self.rank} completed no step for {stalled:.0f} s and rank 0 did not end "
-                        "the job; rank 0 may be the rank that froze"
-                    )
+                self._abort(self._diagnosis(stalled, silent, reported, now, last_heard))
+            elif 0 in silent:
+                self._abort(f"stall: rank {self.rank} completed no step for {stalled:.0f} s and rank 0 went silent "
+                            f"(no heartbeat for {now - last_heard[0]:.0f} s)")
+            elif stalled > self.timeout + self.grace:
+                self._abort(f"stall: rank {self.rank} completed no step for {stalled:.0f} s and rank 0, still alive, "
+                            "did not end the job")
+
+    def _diagnosis(self, stalled: float, silent: list[int], reported: dict[int, tuple[int, str]], now: float,
+                   last_heard: dict[int, float]) -> str:
+        """Rank 0's one-line account of who is holding the job up."""
+        head = f"stall: no training step completed for {stalled:.0f} s (step {self.step})"
+        if silent:
+            ranks = ", ".join(map(str, silent))
+            quiet = max(now - last_heard[r] for r in silent)
+            return f"{head}; rank {ranks} went silent (no heartbeat for {quiet:.0f} s: frozen, stopped or unreachable)"
+        states = {r: state for r, state in reported.items()}
+        states[0] = (self.step, self.phase)
+        stuck = sorted(r for r, (_, phase) in states.items() if phase not in WAITING_PHASES)
+        if stuck and len(stuck) < self.size:
+            where = "; ".join(f"rank {r} in '{states[r][1]}' after step {states[r][0]}" for r in stuck)
+            return f"{head}; alive but stuck: {where} (the other ranks wait in a collective)"
+        return f"{head}; every rank is alive, phases: " + ", ".join(
+            f"{r}={states[r][1]}" for r in sorted(states)) + " (a hung collective, data loader or device)"
