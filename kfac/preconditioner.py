@@ -30,6 +30,7 @@ from kfac.capture import LayerCapture
 from kfac.comm import Communicator, buffer_to_tensors, default_communicator, tensors_to_buffer
 from kfac.factors import BatchStatistics, running_average
 from kfac.layers import KFACLayer, SkipSpec, find_layers
+from kfac.workers import map_largest_first
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -77,7 +78,7 @@ class KFACPreconditioner:
         model: nn.Module,
         factor_update_freq: int = 1,
         inv_update_freq: int = 10,
-        damping: Schedule = 0.003,
+        damping: Schedule = 0.01,
         factor_decay: Schedule = 0.95,
         kl_clip: Schedule | None = 0.001,
         lr: Schedule = 0.1,
@@ -139,6 +140,7 @@ class KFACPreconditioner:
         self.g_factors: list[Tensor | None] = [None] * n
         self._decompositions: list[tuple[solve.Decomposition, solve.Decomposition] | None] = [None] * n
         self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
+        self._denominators: dict[int, tuple[float, Tensor]] = {}
         self._pending: dict[int, list[Any]] = defaultdict(list)  # per layer: statistics, or allreduce handles
         self._captures = [
             LayerCapture(layer, self._capturing, loss_reduction == "mean", self._launcher(index))
@@ -187,6 +189,7 @@ class KFACPreconditioner:
         self.steps = int(state["steps"])
         self._decompositions = [None] * len(self.layers)
         self._decomposed = [False] * len(self.layers)
+        self._denominators.clear()
 
     def remove_hooks(self) -> None:
         """Detach from the model (its forward and backward no longer feed the factors)."""
@@ -266,11 +269,11 @@ class KFACPreconditioner:
     def _update_decompositions(self, stale: list[int], step: int) -> None:
         rank, damping = self.comm.rank, _value(self.damping, step)
         todo = set(stale)
-        results: dict[tuple[int, str], solve.Decomposition] = {
-            (i, kind): self._decompose(i, kind, damping)
-            for i, kind in self.assignment.owned_factors(rank)
-            if i in todo
-        }
+        mine = [(i, kind) for i, kind in self.assignment.owned_factors(rank) if i in todo]
+        sizes = [self.layers[i].a_dim if kind == "A" else self.layers[i].g_dim for i, kind in mine]
+        on_cpu = all(self.layers[i].module.weight.device.type == "cpu" for i, _ in mine)
+        decomposed = map_largest_first(lambda item: self._decompose(*item, damping), mine, [n**3 for n in sizes], on_cpu)
+        results: dict[tuple[int, str], solve.Decomposition] = dict(zip(mine, decomposed))
         group = self._worker_group
         if len(group.ranks) > 1:
             transfers = []
@@ -295,6 +298,7 @@ class KFACPreconditioner:
         for i in stale:
             if self.assignment.is_grad_worker(i, rank):
                 self._decompositions[i] = (results[(i, "A")], results[(i, "G")])
+            self._denominators.pop(i, None)
             self._decomposed[i] = True
 
     def _decomposition_dtype(self, index: int) -> torch.dtype:
@@ -317,14 +321,14 @@ class KFACPreconditioner:
             if self.assignment.is_grad_worker(i, rank):
                 a, g = self._decompositions[i]  # type: ignore[misc]
                 if self.method == "eigen":
-                    directions[i] = solve.precondition_eigen(grad, a, g, damping)
+                    directions[i] = solve.precondition_eigen(grad, a, g, self._denominator(i, damping))
                 else:
                     directions[i] = solve.precondition_inverse(grad, a, g)
         self._share_directions(grads, directions)
 
         if self.kl_clip is not None and directions:
             lr = _value(self.lr, step)
-            vg = sum(float((directions[i] * grads[i]).sum()) for i in directions)
+            vg = sum(float(torch.dot(directions[i].reshape(-1), grads[i].reshape(-1))) for i in directions)
             scale = solve.kl_clip_scale(abs(vg) * lr**2, _value(self.kl_clip, step))
         else:
             scale = 1.0
@@ -332,6 +336,15 @@ class KFACPreconditioner:
             if scale != 1.0:
                 direction = direction.mul_(scale)
             self.layers[i].set_grad(direction)
+
+    def _denominator(self, index: int, damping: float) -> Tensor:
+        """d_G d_Aᵀ + λ for the eigen method, kept until the decomposition or the damping changes."""
+        cached = self._denominators.get(index)
+        if cached is None or cached[0] != damping:
+            (_, da), (_, dg) = self._decompositions[index]  # type: ignore[misc]
+            cached = (damping, solve.eigen_denominator(da, dg, damping))
+            self._denominators[index] = cached
+        return cached[1]
 
     def _share_directions(self, grads: dict[int, Tensor], directions: dict[int, Tensor]) -> None:
         """Each layer's grad worker in this receiver block broadcasts its direction to the block."""

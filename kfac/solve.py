@@ -35,12 +35,17 @@ def eigen_shapes(n: int) -> tuple[tuple[int, ...], ...]:
     return ((n, n), (n,))
 
 
-def precondition_eigen(grad: Tensor, a: Decomposition, g: Decomposition, damping: float) -> Tensor:
-    """Q_G [(Q_Gᵀ ∇W Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ."""
-    qa, da = a
-    qg, dg = g
+def eigen_denominator(da: Tensor, dg: Tensor, damping: float) -> Tensor:
+    """d_G d_Aᵀ + λ: the eigenvalues of G ⊗ A + λI arranged like the gradient matrix."""
+    return torch.outer(dg, da).add_(damping)
+
+
+def precondition_eigen(grad: Tensor, a: Decomposition, g: Decomposition, denominator: Tensor) -> Tensor:
+    """Q_G [(Q_Gᵀ ∇W Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ, the denominator from :func:`eigen_denominator`."""
+    qa, _ = a
+    qg, _ = g
     rotated = qg.T @ grad.to(qa.dtype) @ qa
-    rotated /= torch.outer(dg, da).add_(damping)
+    rotated /= denominator
     return qg @ rotated @ qa.T
 
 

@@ -18,7 +18,8 @@ def _spd(n: int, seed: int) -> torch.Tensor:
 
 def test_eigen_direction_is_the_dense_kronecker_solve() -> None:
     a, g, grad, damping = _spd(5, 0), _spd(3, 1), torch.randn(3, 5, dtype=torch.float64), 0.1
-    got = solve.precondition_eigen(grad, solve.eigen_decomposition(a, torch.float64), solve.eigen_decomposition(g, torch.float64), damping)
+    ea, eg = solve.eigen_decomposition(a, torch.float64), solve.eigen_decomposition(g, torch.float64)
+    got = solve.precondition_eigen(grad, ea, eg, solve.eigen_denominator(ea[1], eg[1], damping))
     dense = torch.kron(g, a) + damping * torch.eye(15, dtype=torch.float64)
     torch.testing.assert_close(got, torch.linalg.solve(dense, grad.reshape(-1)).reshape(3, 5))
 

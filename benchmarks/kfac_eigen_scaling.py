@@ -1,0 +1,123 @@
+"""Time of K-FAC's eigendecomposition phase on 1 rank against 2 ranks (resnet32's factors).
+
+    .venv/bin/python benchmarks/kfac_eigen_scaling.py            # launches the runs, writes results
+    mpirun -np 2 .venv/bin/python benchmarks/kfac_eigen_scaling.py --worker   # one measurement
+
+The launcher runs the worker under ``mpirun -np 1`` and ``-np 2`` (one intra-op thread per rank,
+so that the only difference is the number of ranks) and, for context, one rank with 2 threads.
+A worker builds resnet32, captures real factors from one CIFAR-shaped batch, then runs steps in
+which every factor is decomposed (inv_update_freq=1) and records the decomposition phase of each
+step: the owned eigendecompositions plus the broadcast of the results (grad_worker_fraction=1,
+every rank receives everything). The phase time of a step is the slowest rank's; the benchmark
+reports the median over steps. Target from the issue: at least 1.7x faster on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def worker(args: argparse.Namespace) -> None:
+    os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+    import torch
+    import torch.nn.functional as F
+
+    from hpcdl import world
+    from hpcdl.models import build_model
+    from kfac import KFACPreconditioner
+
+    w = world.init()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = build_model("resnet32", num_classes=10, in_channels=3)
+    pre = KFACPreconditioner(model, factor_update_freq=10**6, inv_update_freq=1, grad_worker_fraction=args.fraction)
+    g = torch.Generator().manual_seed(w.rank)
+    x, y = torch.randn(args.batch_size, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch_size,), generator=g)
+    comm = world.comm()
+    times = []
+    for step in range(args.steps + 1):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        comm.Barrier()
+        before = pre.timings.get("decompositions", 0.0)
+        pre.step()
+        mine = pre.timings["decompositions"] - before
+        slowest = comm.allreduce(mine, op=__import__("mpi4py").MPI.MAX)
+        if step > 0:  # step 0 also warms up the allocator and the worker threads
+            times.append(slowest)
+    if w.rank == 0:
+        loads = pre.assignment.loads([l.a_dim for l in pre.layers], [l.g_dim for l in pre.layers])
+        print(json.dumps({"ranks": w.size, "threads": args.threads, "fraction": args.fraction, "times_s": times,
+                          "median_s": statistics.median(times), "min_s": min(times), "loads": loads}), flush=True)
+
+
+def launch(ranks: int, threads: int, fraction: float, steps: int, batch_size: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HOROVOD_DYNAMIC_PROCESS_SETS="1", PYTHONUNBUFFERED="1")
+    cmd = ["timeout", "600", "mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks), sys.executable,
+           __file__, "--worker", "--threads", str(threads), "--fraction", str(fraction), "--steps", str(steps),
+           "--batch-size", str(batch_size)]
+    print("$", " ".join(cmd[2:]), flush=True)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"run failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help="measure (run under mpirun)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fraction", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kfac_eigen_scaling")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+
+    runs = {
+        "1 rank x 1 thread": launch(1, 1, 1.0, args.steps, args.batch_size),
+        "2 ranks x 1 thread": launch(2, 1, 1.0, args.steps, args.batch_size),
+        "1 rank x 2 threads": launch(1, 2, 1.0, args.steps, args.batch_size),
+    }
+    base = runs["1 rank x 1 thread"]["median_s"]
+    speedup = base / runs["2 ranks x 1 thread"]["median_s"]
+    report = {"model": "resnet32", "batch": args.batch_size, "runs": runs, "speedup_2_ranks": speedup, "target": 1.7}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = ["setup,median_ms,min_ms,speedup_vs_1_rank"]
+    for name, run in runs.items():
+        lines.append(f"{name},{run['median_s'] * 1e3:.1f},{run['min_s'] * 1e3:.1f},{base / run['median_s']:.2f}")
+    args.out.with_suffix(".csv").write_text("\n".join(lines) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.0, 3.4))
+    names = list(runs)
+    ax.bar(names, [runs[n]["median_s"] * 1e3 for n in names], color=["tab:gray", "tab:blue", "tab:orange"])
+    for i, n in enumerate(names):
+        ax.text(i, runs[n]["median_s"] * 1e3, f"{base / runs[n]['median_s']:.2f}x", ha="center", va="bottom")
+    ax.set_ylabel("decomposition phase per inverse update (ms)")
+    ax.set_title("K-FAC eigendecompositions of resnet32's factors")
+    fig.tight_layout()
+    fig.savefig(args.out.with_suffix(".png"), dpi=120)
+    print(f"2 ranks: {speedup:.2f}x faster than 1 ({'target met' if speedup >= 1.7 else 'target MISSED'}); wrote {args.out}.json/.csv/.png")
+
+
+if __name__ == "__main__":
+    main()
