@@ -91,15 +91,22 @@ def test_resume_without_output_dir(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ model, fault switch, run size
 
 def test_unknown_model(tmp_path: Path) -> None:
-    assert_usage_error(bad_run(tmp_path, "--model", "resnet33", *SHORT), "unknown model 'resnet33'")
+    job = bad_run(tmp_path, "--dataset", "synthetic", "--model", "resnet33", *SHORT)
+    assert_usage_error(job, "unknown model 'resnet33'")
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("1:five:kill", "HPCDL_FAULT entry '1:five:kill' is not RANK:STEP:KIND"),
-    ("7:5:kill", "HPCDL_FAULT names rank 7 but the job has 2 rank(s)"),
-], ids=["malformed", "rank-outside-the-job"])
-def test_bad_fault_switch(tmp_path: Path, spec: str, message: str) -> None:
-    assert_usage_error(bad_run(tmp_path, *SHORT, fault=spec), message)
+def test_fault_switch_naming_a_rank_outside_the_job(tmp_path: Path) -> None:
+    assert_usage_error(bad_run(tmp_path, *SHORT, fault="7:5:kill"), "HPCDL_FAULT names rank 7 but the job has 2 rank(s)")
+
+
+def test_malformed_fault_switch_is_a_usage_error(monkeypatch) -> None:
+    """The same path in-process (tests/test_faults.py has every malformed form)."""
+    from hpcdl.errors import UsageError
+    from hpcdl.train import make_fault_injector
+
+    monkeypatch.setenv("HPCDL_FAULT", "1:five:kill")
+    with pytest.raises(UsageError, match=r"HPCDL_FAULT entry '1:five:kill' is not RANK:STEP:KIND"):
+        make_fault_injector(0, 2)
 
 
 def test_more_ranks_than_samples(tmp_path: Path) -> None:
