@@ -270,9 +270,13 @@ def evaluate(model: nn.Module, loader, device, amp, comm, watchdog: StallWatchdo
 
 
 def replicas_identical(model: nn.Module, comm) -> bool:
-    """True when every rank holds bit-identical parameters (a cheap end-of-run sanity check)."""
+    """True when every rank holds bit-identical parameters (a cheap end-of-run sanity check).
+
+    Parameters only: buffers such as BatchNorm's running statistics are updated from each rank's
+    own batches and legitimately differ (rank 0's are the ones saved), as in Horovod's examples.
+    """
     digest = hashlib.sha256()
-    for tensor in model.state_dict().values():
+    for tensor in model.parameters():
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return len(set(comm.allgather(digest.hexdigest()))) == 1
 

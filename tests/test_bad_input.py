@@ -163,8 +163,8 @@ def test_imagenet_without_val(tmp_path: Path) -> None:
     assert_usage_error(job, "no val/ folder of class subfolders")
 
 
-def test_imagenet_corrupt_image_ends_the_job_naming_rank_and_file(tmp_path: Path) -> None:
-    """Found by one rank only, in the middle of an epoch: it names itself and the file and ends the job."""
+def test_imagenet_corrupt_image_ends_the_job_naming_the_rank(tmp_path: Path) -> None:
+    """Found by one rank only, in the middle of an epoch: it names itself and the error and ends the job."""
     root = write_imagenet(tmp_path / "imagenet", classes=3, per_class=4)
     broken = root / "train" / "n00000001" / "img_2.JPEG"
     broken.write_bytes(broken.read_bytes()[:200])  # a copy cut short
