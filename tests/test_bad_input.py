@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -307,3 +308,25 @@ def test_usage_error_makes_every_rank_exit_2_by_itself() -> None:
     expected = "probe: error: a bad flag\n" if rank == 0 else ""
     assert_all_ranks(exited.value.code == 2 and printed == expected, f"exit {exited.value.code}, printed {printed!r}")
 
+
+
+# ------------------------------------------------------------------ the catalogue itself
+
+def test_every_catalogue_row_names_a_test_that_exists() -> None:
+    """docs/reliability.md's two tables: each row names at least one test, and each named test exists."""
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "docs" / "reliability.md").read_text()
+    rows = [line for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith(("| Failure |", "| Input |", "| Kind |"))]
+    rows = [row for row in rows if row.count("|") >= 5]  # the two catalogue tables, not the fault kinds
+    assert len(rows) >= 40, len(rows)
+    for row in rows:
+        refs = re.findall(r"`((?:test_\w+\.py::)?test_\w+(?:\[[^\]]*\])?)`", row.rstrip(" |").rsplit("|", 1)[1])
+        assert refs, f"no test named in: {row}"
+        for ref in refs:
+            file, _, name = ref.rpartition("::")
+            source = (repo / "tests" / (file or "test_bad_input.py")).read_text()
+            function, _, param = name.partition("[")
+            assert f"def {function}(" in source, f"{ref} does not exist"
+            for part in param.rstrip("]").split("-"):
+                assert part in ("", "*") or part in source, f"{ref}: no parametrization {part!r}"
