@@ -4,13 +4,15 @@
 
 For every message size (float32, powers of two) each implementation is timed in turn; the
 sweep over all sizes is repeated for several rounds, so that a burst of load on a shared
-machine spoils no single implementation or size, and the best timed loop counts. Prints OSU-style tables of latency and bus bandwidth,
-writes CSV, JSON and a log-log plot, fits the alpha-beta model to our ring and predicts
-what a ResNet-50 gradient allreduce costs at scale on a real network.
+machine spoils no single implementation or size, and the best timed loop counts. Prints
+OSU-style tables of latency and bus bandwidth, writes CSV, JSON and a log-log plot, fits the
+alpha-beta model to our ring and predicts what a ResNet-50 gradient allreduce costs at scale
+on a real network.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -32,7 +34,7 @@ ACCEPTANCE_FROM_BYTES = 4 << 20  # the issue's bandwidth targets apply from 4 Mi
 TARGETS = {"ring": 0.80, "horovod": 0.90}  # fraction of MPI.Allreduce's bus bandwidth
 
 
-def parse_args(argv: Sequence[str] | None) -> object:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = RankZeroParser(prog="python -m hpcdl.bench.allreduce", description=__doc__.split("\n\n")[0])
     parser.add_argument("--min-size", type=parse_size, default=4, help="smallest message, e.g. 4, 1K (default 4 B)")
     parser.add_argument("--max-size", type=parse_size, default=256 << 20, help="largest message, e.g. 64K, 256M (default 256M)")
@@ -62,7 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> object:
     return args
 
 
-def build_contenders(args: object, comm: MPI.Comm) -> list[contenders.Contender]:
+def build_contenders(args: argparse.Namespace, comm: MPI.Comm) -> list[contenders.Contender]:
     chosen = [contenders.mpi_allreduce(comm)]
     if not args.no_horovod:
         chosen.append(contenders.horovod_allreduce(comm))
@@ -84,7 +86,7 @@ def verify(contender: contenders.Contender, message: np.ndarray, expected: float
         raise UsageError(f"{contender.name} returned a wrong allreduce result for {message.nbytes} bytes; check the MPI installation")
 
 
-def run(args: object, comm: MPI.Comm, chosen: list[contenders.Contender]) -> list[report.Row]:
+def run(args: argparse.Namespace, comm: MPI.Comm, chosen: list[contenders.Contender]) -> list[report.Row]:
     """Time every contender at every size, sweeping all sizes once per round.
 
     Rounds sweep the whole size range, so the timed loops of one size are spread over the run
@@ -123,7 +125,7 @@ def run(args: object, comm: MPI.Comm, chosen: list[contenders.Contender]) -> lis
     ]  # fmt: skip
 
 
-def scale_prediction(args: object, rows: list[report.Row], ranks: int) -> dict[str, object]:
+def scale_prediction(args: argparse.Namespace, rows: list[report.Row], ranks: int) -> dict[str, object]:
     """Fit the ring model here, then predict a ResNet-50 gradient allreduce on the chosen network."""
     ring = [r for r in rows if r.implementation == "ring"]
     if ranks < 2 or len(ring) < 2:
@@ -185,7 +187,7 @@ def acceptance(rows: list[report.Row]) -> dict[str, object]:
     return summary
 
 
-def metadata(args: object, comm: MPI.Comm, me: world.World) -> dict[str, object]:
+def metadata(args: argparse.Namespace, comm: MPI.Comm, me: world.World) -> dict[str, object]:
     import torch
 
     hosts = sorted(set(comm.allgather(me.hostname)))
