@@ -5,11 +5,15 @@
 
 The launcher runs the worker under ``mpirun -np 1`` and ``-np 2`` (one intra-op thread per rank,
 so that the only difference is the number of ranks) and, for context, one rank with 2 threads.
+Open MPI runs with mpi_yield_when_idle=1: on a machine with no core to spare per rank, a rank
+waiting in MPI (Horovod's background thread does every cycle) must not spin on a core the other
+rank's decompositions need; the default busy polling is measured too, for context.
 A worker builds resnet32, captures real factors from one CIFAR-shaped batch, then runs steps in
 which every factor is decomposed (inv_update_freq=1) and records the decomposition phase of each
 step: the owned eigendecompositions plus the broadcast of the results (grad_worker_fraction=1,
 every rank receives everything). The phase time of a step is the slowest rank's; the benchmark
-reports the median over steps. Target from the issue: at least 1.7x faster on 2 ranks.
+reports the median over steps, and also the CPU seconds of the busiest rank's decompositions,
+which other processes on a shared machine do not inflate. Target from the issue: at least 1.7x faster on 2 ranks.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,27 +47,45 @@ def worker(args: argparse.Namespace) -> None:
     pre = KFACPreconditioner(model, factor_update_freq=10**6, inv_update_freq=1, grad_worker_fraction=args.fraction)
     g = torch.Generator().manual_seed(w.rank)
     x, y = torch.randn(args.batch_size, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch_size,), generator=g)
+    from mpi4py import MPI
+
+    # CPU seconds of this rank's own decompositions (one thread per rank: they run in this thread).
+    # Unlike wall time it does not change when other processes share the cores.
+    cpu = [0.0]
+    decompose = pre._decompose
+
+    def timed_decompose(*a):
+        start = time.thread_time()
+        result = decompose(*a)
+        cpu[0] += time.thread_time() - start
+        return result
+
+    pre._decompose = timed_decompose
     comm = world.comm()
-    times = []
+    times, cpu_times = [], []
     for step in range(args.steps + 1):
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
         comm.Barrier()
-        before = pre.timings.get("decompositions", 0.0)
+        before, cpu[0] = pre.timings.get("decompositions", 0.0), 0.0
         pre.step()
         mine = pre.timings["decompositions"] - before
-        slowest = comm.allreduce(mine, op=__import__("mpi4py").MPI.MAX)
+        slowest = comm.allreduce(mine, op=MPI.MAX)
+        slowest_cpu = comm.allreduce(cpu[0], op=MPI.MAX)
         if step > 0:  # step 0 also warms up the allocator and the worker threads
             times.append(slowest)
+            cpu_times.append(slowest_cpu)
     if w.rank == 0:
         loads = pre.assignment.loads([l.a_dim for l in pre.layers], [l.g_dim for l in pre.layers])
         print(json.dumps({"ranks": w.size, "threads": args.threads, "fraction": args.fraction, "times_s": times,
-                          "median_s": statistics.median(times), "min_s": min(times), "loads": loads}), flush=True)
+                          "median_s": statistics.median(times), "min_s": min(times),
+                          "cpu_s": cpu_times, "median_cpu_s": statistics.median(cpu_times), "loads": loads}), flush=True)
 
 
-def launch(ranks: int, threads: int, fraction: float, steps: int, batch_size: int) -> dict:
+def launch(ranks: int, threads: int, fraction: float, steps: int, batch_size: int, yield_when_idle: bool = True) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HOROVOD_DYNAMIC_PROCESS_SETS="1", PYTHONUNBUFFERED="1")
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HOROVOD_DYNAMIC_PROCESS_SETS="1", PYTHONUNBUFFERED="1",
+               OMPI_MCA_mpi_yield_when_idle="1" if yield_when_idle else "0")
     cmd = ["timeout", "600", "mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks), sys.executable,
            __file__, "--worker", "--threads", str(threads), "--fraction", str(fraction), "--steps", str(steps),
            "--batch-size", str(batch_size)]
@@ -91,15 +114,21 @@ def main(argv: list[str] | None = None) -> None:
         "1 rank x 1 thread": launch(1, 1, 1.0, args.steps, args.batch_size),
         "2 ranks x 1 thread": launch(2, 1, 1.0, args.steps, args.batch_size),
         "1 rank x 2 threads": launch(1, 2, 1.0, args.steps, args.batch_size),
+        # Context: Open MPI's default busy polling. Each rank's Horovod background thread waits in MPI
+        # every cycle; polling, it takes a core from the decompositions when ranks have no spare cores.
+        "2 ranks x 1 thread, MPI busy polling": launch(2, 1, 1.0, args.steps, args.batch_size, yield_when_idle=False),
     }
     base = runs["1 rank x 1 thread"]["median_s"]
     speedup = base / runs["2 ranks x 1 thread"]["median_s"]
-    report = {"model": "resnet32", "batch": args.batch_size, "runs": runs, "speedup_2_ranks": speedup, "target": 1.7}
+    cpu_speedup = runs["1 rank x 1 thread"]["median_cpu_s"] / runs["2 ranks x 1 thread"]["median_cpu_s"]
+    report = {"model": "resnet32", "batch": args.batch_size, "runs": runs, "speedup_2_ranks": speedup,
+              "cpu_speedup_2_ranks": cpu_speedup, "target": 1.7}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = ["setup,median_ms,min_ms,speedup_vs_1_rank"]
+    lines = ["setup,median_ms,min_ms,speedup_vs_1_rank,slowest_rank_cpu_ms"]
     for name, run in runs.items():
-        lines.append(f"{name},{run['median_s'] * 1e3:.1f},{run['min_s'] * 1e3:.1f},{base / run['median_s']:.2f}")
+        lines.append(f"\"{name}\",{run['median_s'] * 1e3:.1f},{run['min_s'] * 1e3:.1f},{base / run['median_s']:.2f},"
+                     f"{run['median_cpu_s'] * 1e3:.1f}")
     args.out.with_suffix(".csv").write_text("\n".join(lines) + "\n")
 
     import matplotlib
@@ -107,16 +136,19 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.0, 3.4))
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
     names = list(runs)
-    ax.bar(names, [runs[n]["median_s"] * 1e3 for n in names], color=["tab:gray", "tab:blue", "tab:orange"])
+    ax.bar([n.replace(", ", ",\n") for n in names], [runs[n]["median_s"] * 1e3 for n in names],
+           color=["tab:gray", "tab:blue", "tab:orange", "tab:red"])
     for i, n in enumerate(names):
         ax.text(i, runs[n]["median_s"] * 1e3, f"{base / runs[n]['median_s']:.2f}x", ha="center", va="bottom")
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_ylabel("decomposition phase per inverse update (ms)")
     ax.set_title("K-FAC eigendecompositions of resnet32's factors")
     fig.tight_layout()
     fig.savefig(args.out.with_suffix(".png"), dpi=120)
-    print(f"2 ranks: {speedup:.2f}x faster than 1 ({'target met' if speedup >= 1.7 else 'target MISSED'}); wrote {args.out}.json/.csv/.png")
+    print(f"2 ranks: {speedup:.2f}x faster than 1 in wall time ({'target met' if speedup >= 1.7 else 'target MISSED'}), "
+          f"{cpu_speedup:.2f}x less CPU time on the busiest rank; wrote {args.out}.json/.csv/.png")
 
 
 if __name__ == "__main__":

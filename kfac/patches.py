@@ -78,7 +78,9 @@ def patch_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> Tensor:
 
     ``x`` is the layer input (N, C, H, W); the result is (D, D) with D = C*kh*kw (+1), in x's dtype.
     """
-    if geometry.stride[0] == 1 and geometry.kernel[0] > 1:
+    if geometry.stride == (1, 1) and geometry.kernel != (1, 1):
+        moment, sums, count = _autocorrelation_moment(x, geometry, with_bias)
+    elif geometry.stride[0] == 1 and geometry.kernel[0] > 1:
         moment, sums, count = _row_shift_moment(x, geometry, with_bias)
     else:
         moment, sums, count = _unfold_moment(geometry.pad(x), geometry)
@@ -178,3 +180,104 @@ def _row_shift_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tup
         per_row = torch.stack([row_sums[:, dh * i : dh * i + ho].sum(1) for i in range(kh)])  # (kh, C*kw)
         sums = per_row.view(kh, c, kw).permute(1, 0, 2).reshape(d)
     return moment, sums, float(ho * n_wo)
+
+
+def _weight_gradient(grad_output: Tensor, input: Tensor, kernel: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """Σ over examples and positions of grad_output[c] x input[c', shifted]: a convolution's weight gradient.
+
+    With no padding and output size = input size - dilation*(kernel-1), entry [c, c', a, b] is
+    Σ_{n,y,x} grad_output[n, c, y, x] input[n, c', y + a*dh, x + b*dw]. Computed by the convolution
+    library (oneDNN on CPU, cuDNN on GPU), which runs these products near the machine's peak.
+    """
+    c_out, c_in = grad_output.shape[1], input.shape[1]
+    weight = grad_output.new_empty(c_out, c_in, *kernel)
+    return torch.ops.aten.convolution_backward(
+        grad_output, input, weight, None, [1, 1], [0, 0], list(dilation), False, [0, 0], 1, [False, True, False]
+    )[1]
+
+
+def _autocorrelation_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tuple[Tensor, Tensor | None, float]:
+    """The patch moment for stride 1 from the input's spatial autocorrelation.
+
+    The block of Σ a aᵀ for kernel offsets o1, o2 is Σ over the window of positions seen by
+    offset o1 of x[p] x[p + (o2 - o1)]. Summed over the whole image, that only depends on the shift
+    o2 - o1: weight-gradient calls compute it for every shift at once ((2kh-1)(2kw-1) shifts, half of
+    them as transposes of the other half, instead of (kh kw)² offset pairs). Each window misses a few
+    image rows and columns at the border; their products are subtracted (rows over the full width,
+    columns only over the window's rows, so that corners are not subtracted twice).
+    """
+    left, right, top, bottom = geometry.padding
+    if geometry.padding_mode != "constant":  # non-zero padding is part of the image
+        x = geometry.pad(x)
+        left = right = top = bottom = 0
+    n, c, h, w = x.shape
+    (kh, kw), (dh, dw) = geometry.kernel, geometry.dilation
+    ho, wo = h + top + bottom - dh * (kh - 1), w + left + right - dw * (kw - 1)
+    eh, ew = dh * (kh - 1), dw * (kw - 1)  # the largest shifts
+    shifts = (2 * kh - 1, 2 * kw - 1)
+    wide = F.pad(x, (ew, ew, eh, eh))  # zeros wherever a shift leaves the image
+
+    # full[a, b] = Σ_p x[p] x[p + ((a - kh + 1) dh, (b - kw + 1) dw)]ᵀ; downward shifts computed, upward ones
+    # are their transposes: Σ_p x[p] x[p - s]ᵀ = (Σ_p x[p] x[p + s]ᵀ)ᵀ.
+    down = _weight_gradient(x, wide[:, :, eh:], (kh, 2 * kw - 1), (dh, dw)).permute(2, 3, 0, 1)  # (kh, 2kw-1, C, C)
+    up = down[1:].flip(0, 1).transpose(2, 3)
+    full = torch.cat([up, down])  # (2kh-1, 2kw-1, C, C)
+
+    def outside(size: int, k: int, d: int, pad: int, out: int) -> list[list[int]]:
+        """Per kernel offset, the image rows (or columns) its window of positions does not cover."""
+        return [[r for r in range(size) if not d * i - pad <= r < d * i - pad + out] for i in range(k)]
+
+    rows_out = outside(h, kh, dh, top, ho)
+    cols_out = outside(w, kw, dw, left, wo)
+    border_rows = sorted(set(sum(rows_out, [])))
+    border_cols = sorted(set(sum(cols_out, [])))
+    row_products = {
+        r: _weight_gradient(x[:, :, r : r + 1], wide[:, :, r : r + 2 * eh + 1], shifts, (dh, dw)).permute(2, 3, 0, 1)
+        for r in border_rows
+    }
+    if border_cols:  # columns as rows of the transposed image: thin column strips convolve slowly
+        xt, wide_t = x.transpose(2, 3).contiguous(), wide.transpose(2, 3).contiguous()
+    col_products = {
+        q: _weight_gradient(xt[:, :, q : q + 1], wide_t[:, :, q : q + 2 * ew + 1], shifts[::-1], (dw, dh)).permute(3, 2, 0, 1)
+        for q in border_cols
+    }
+    zero = full.new_zeros(full.shape)
+    corners = {}
+    if border_rows and border_cols:  # one position's products, where a border row and a border column meet
+        pairs = [(r, q) for r in border_rows for q in border_cols]
+        centre = torch.stack([x[:, :, r, q] for r, q in pairs]).permute(0, 2, 1)  # (P, C, N)
+        around = torch.stack([wide[:, :, r : r + 2 * eh + 1 : dh, q : q + 2 * ew + 1 : dw] for r, q in pairs], dim=1)
+        around = around.reshape(n, len(pairs), -1).transpose(0, 1)  # (P, N, C * shifts)
+        products = torch.bmm(centre, around).view(len(pairs), c, c, *shifts).permute(0, 3, 4, 1, 2)
+        corners = dict(zip(pairs, products))
+
+    # What window (i1, j1) must not count: its border rows (full width), plus its border columns
+    # without the corners already in those rows.
+    by_row = torch.stack([sum((row_products[r] for r in rows), zero) for rows in rows_out])  # (kh, ...)
+    by_col = torch.stack([sum((col_products[q] for q in cols), zero) for cols in cols_out])  # (kw, ...)
+    missing = by_row[:, None] + by_col[None, :]
+    for i1 in range(kh):
+        for j1 in range(kw):
+            for q in cols_out[j1]:
+                for r in rows_out[i1]:
+                    missing[i1, j1] -= corners[(r, q)]
+
+    # blocks[i1, j1, i2, j2] = (full - missing[i1, j1])[shift], shift index (i2 - i1 + kh - 1, j2 - j1 + kw - 1)
+    i1, j1, i2, j2 = torch.meshgrid(*(torch.arange(k, device=x.device) for k in (kh, kw, kh, kw)), indexing="ij")
+    a, b = i2 - i1 + kh - 1, j2 - j1 + kw - 1
+    blocks = full[a, b] - missing[i1, j1, a, b]  # (kh, kw, kh, kw, C, C)
+    d = c * kh * kw
+    moment = blocks.permute(4, 0, 1, 5, 2, 3).reshape(d, d)  # features (channel, row, column)
+    moment = (moment + moment.T) / 2  # equal up to rounding; keep it exactly symmetric
+
+    sums = None
+    if with_bias:
+        image = x.sum(0)  # (C, H, W)
+        per_offset = []
+        for i in range(kh):
+            r0, r1 = max(0, dh * i - top), min(h, dh * i - top + ho)
+            for j in range(kw):
+                q0, q1 = max(0, dw * j - left), min(w, dw * j - left + wo)
+                per_offset.append(image[:, r0:r1, q0:q1].sum((1, 2)))
+        sums = torch.stack(per_offset, dim=1).reshape(d)  # (C, kh*kw) -> features (channel, row, column)
+    return moment, sums, float(n * ho * wo)
