@@ -155,6 +155,17 @@ def load_cifar10(data_dir: Path) -> DataBundle:
     return DataBundle(train, test, 10, 3, 32)
 
 
+def open_image(path: str):
+    """Open an image as RGB; a corrupt file names itself (PIL's own message does not)."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as handle:
+            return Image.open(handle).convert("RGB")
+    except OSError as exc:
+        raise OSError(f"cannot decode image {path}: {exc}") from exc
+
+
 def load_imagenet(data_dir: Path, image_size: int = 224) -> DataBundle:
     """ImageNet-style class folders: DATA_DIR/train/<class>/*.JPEG and DATA_DIR/val/<class>/*.JPEG."""
     from torchvision import transforms
@@ -172,8 +183,8 @@ def load_imagenet(data_dir: Path, image_size: int = 224) -> DataBundle:
         [transforms.Resize(resize), transforms.CenterCrop(image_size), transforms.ToTensor(), normalize]
     )
     try:
-        train = ImageFolder(str(data_dir / "train"), transform=train_tf)
-        test = ImageFolder(str(data_dir / "val"), transform=test_tf)
+        train = ImageFolder(str(data_dir / "train"), transform=train_tf, loader=open_image)
+        test = ImageFolder(str(data_dir / "val"), transform=test_tf, loader=open_image)
     except (FileNotFoundError, RuntimeError) as exc:
         raise UsageError(f"--data-dir {data_dir}: {exc}") from exc
     if train.classes != test.classes:
@@ -206,6 +217,8 @@ def load_dataset(
     path = Path(data_dir).expanduser()
     if not path.exists():
         raise UsageError(f"--data-dir {data_dir} does not exist")
+    if not path.is_dir():
+        raise UsageError(f"--data-dir {data_dir} is a file, not a folder (extract the dataset archive first)")
     if not os.access(path, os.R_OK | os.X_OK):
         raise UsageError(f"--data-dir {data_dir} is not readable")
     return load_cifar10(path) if name == "cifar10" else load_imagenet(path)

@@ -97,3 +97,19 @@ def test_resnet18_trains_a_step_on_cifar_files(tmp_path: Path) -> None:
                        "--workers", "1", timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / "summary.json").exists()
+
+
+def test_corrupt_image_names_its_file(tmp_path: Path) -> None:
+    write_imagenet(tmp_path, classes=2, per_class=1)
+    bad = next((tmp_path / "train").rglob("*.JPEG"))
+    bad.write_bytes(b"not a jpeg")
+    data = load_dataset("imagenet", str(tmp_path), seed=0)
+    with pytest.raises(OSError, match=f"cannot decode image {bad}"):
+        [data.train[i] for i in range(len(data.train))]
+
+
+def test_data_dir_that_is_a_file(tmp_path: Path) -> None:
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    archive.write_bytes(b"\x1f\x8b")
+    with pytest.raises(UsageError, match="is a file, not a folder"):
+        load_dataset("cifar10", str(archive), seed=0)
