@@ -139,7 +139,7 @@ def test_data_dir_is_the_unextracted_archive(tmp_path: Path) -> None:
     archive = tmp_path / "cifar-10-python.tar.gz"
     archive.write_bytes(gzip.compress(b"not extracted"))
     job = bad_run(tmp_path, "--dataset", "cifar10", "--data-dir", str(archive), *SHORT)
-    assert_usage_error(job, f"--data-dir {archive} ")
+    assert_usage_error(job, f"--data-dir {archive} is a file, not a folder")
 
 
 def test_cifar10_file_missing(tmp_path: Path) -> None:
@@ -177,6 +177,7 @@ def test_imagenet_corrupt_image_ends_the_job_naming_the_rank(tmp_path: Path) -> 
     assert len(lines) == 1, job.tail()
     assert lines[0].startswith(("hpcdl.train: rank 0 failed with OSError: ", "hpcdl.train: rank 1 failed with OSError: "))
     assert "truncated" in lines[0].lower() and lines[0].endswith("aborting the whole job")
+    assert f"cannot decode image {broken}" in lines[0]  # the line names the file to replace
     assert "Traceback" not in job.err  # an I/O error, not a bug: the line is the whole story
 
 
