@@ -276,25 +276,17 @@ class KFACPreconditioner:
         results: dict[tuple[int, str], solve.Decomposition] = dict(zip(mine, decomposed))
         group = self._worker_group
         if len(group.ranks) > 1:
-            transfers = []
+            payloads = {}
             for root in group.ranks:
                 items = [(i, kind) for i, kind in self.assignment.owned_factors(root) if i in todo]
                 shapes = [shape for i, kind in items for shape in self._decomposition_shapes(i, kind)]
-                if not shapes:
-                    continue
-                dtype, device = self._decomposition_dtype(items[0][0]), self.layers[items[0][0]].module.weight.device
-                if root == rank:
-                    buffer = tensors_to_buffer([t for item in items for t in results[item]], dtype, device)
-                else:
-                    buffer = torch.empty(sum(_numel(s) for s in shapes), dtype=dtype, device=device)
-                handle = group.broadcast_async(buffer, root, f"kfac.decompositions.{root}")
-                transfers.append((items, shapes, buffer, handle))
-            for items, shapes, buffer, handle in transfers:
-                group.wait(handle)
-                tensors = iter(buffer_to_tensors(buffer, shapes))
-                for item in items:
-                    count = len(self._decomposition_shapes(*item))
-                    results[item] = tuple(next(tensors) for _ in range(count))
+                mine = [t for item in items for t in results[item]] if root == rank else None
+                payloads[root] = (shapes, mine, self._decomposition_dtype(stale[0]))
+            received = self._broadcast_from_each(group, "kfac.decompositions", payloads)
+            for root, tensors in received.items():
+                items = iter(tensors)
+                for item in [(i, kind) for i, kind in self.assignment.owned_factors(root) if i in todo]:
+                    results[item] = tuple(next(items) for _ in self._decomposition_shapes(*item))
         for i in stale:
             if self.assignment.is_grad_worker(i, rank):
                 self._decompositions[i] = (results[(i, "A")], results[(i, "G")])
@@ -328,7 +320,8 @@ class KFACPreconditioner:
 
         if self.kl_clip is not None and directions:
             lr = _value(self.lr, step)
-            vg = sum(float(torch.dot(directions[i].reshape(-1), grads[i].reshape(-1))) for i in directions)
+            # in layer order on every rank: the same sum to the last bit
+            vg = sum(float(torch.dot(directions[i].reshape(-1), grads[i].reshape(-1))) for i in sorted(directions))
             scale = solve.kl_clip_scale(abs(vg) * lr**2, _value(self.kl_clip, step))
         else:
             scale = 1.0
@@ -349,24 +342,40 @@ class KFACPreconditioner:
     def _share_directions(self, grads: dict[int, Tensor], directions: dict[int, Tensor]) -> None:
         """Each layer's grad worker in this receiver block broadcasts its direction to the block."""
         block = self._receiver_block
-        if len(block.ranks) == 1:
+        if len(block.ranks) == 1 or not self.layers:
             return
-        transfers = []
+        payloads, layers_of = {}, {}
+        dtype = next(iter(grads.values())).dtype if grads else self.layers[0].dtype
         for root in block.ranks:
-            layers = [i for i in grads if self.assignment.gradient_source(i, root) == root]
-            if not layers:
-                continue
-            shapes = [tuple(grads[i].shape) for i in layers]
-            first = grads[layers[0]]
-            if root == self.comm.rank:
-                buffer = tensors_to_buffer([directions[i] for i in layers], first.dtype, first.device)
+            layers_of[root] = [i for i in grads if self.assignment.gradient_source(i, root) == root]
+            mine = [directions[i] for i in layers_of[root]] if root == self.comm.rank else None
+            payloads[root] = ([tuple(grads[i].shape) for i in layers_of[root]], mine, dtype)
+        for root, tensors in self._broadcast_from_each(block, "kfac.directions", payloads).items():
+            for i, tensor in zip(layers_of[root], tensors):
+                # The root too takes the copy it sent: same memory layout, same rounding downstream.
+                directions[i] = tensor
+
+    def _broadcast_from_each(self, group: Any, name: str, payloads: dict[int, tuple]) -> dict[int, list[Tensor]]:
+        """Every member of ``group`` broadcasts its tensors to the others; returns what each root sent.
+
+        ``payloads[root]`` is (shapes, this rank's tensors if it is the root else None, dtype). A root
+        with nothing to send still broadcasts one number, so that every rank issues the same number of
+        Horovod operations (Horovod names unnamed operations by a per-rank counter).
+        """
+        device = self.layers[0].module.weight.device
+        transfers = []
+        for root, (shapes, tensors, dtype) in payloads.items():
+            size = max(1, sum(_numel(shape) for shape in shapes))
+            if root == self.comm.rank and shapes:
+                buffer = tensors_to_buffer(tensors, dtype, device)
             else:
-                buffer = torch.empty(sum(_numel(s) for s in shapes), dtype=first.dtype, device=first.device)
-            transfers.append((layers, shapes, buffer, block.broadcast_async(buffer, root, f"kfac.directions.{root}")))
-        for layers, shapes, buffer, handle in transfers:
-            block.wait(handle)
-            for i, tensor in zip(layers, buffer_to_tensors(buffer, shapes)):
-                directions.setdefault(i, tensor)  # the root keeps its own
+                buffer = torch.zeros(size, dtype=dtype, device=device)
+            transfers.append((root, shapes, buffer, group.broadcast_async(buffer, root, f"{name}.{root}")))
+        received = {}
+        for root, shapes, buffer, handle in transfers:
+            group.wait(handle)
+            received[root] = buffer_to_tensors(buffer, shapes) if shapes else []
+        return received
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
