@@ -36,7 +36,7 @@ RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RA
 
 def _rank() -> int:
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized():
+    if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
         return mpi.COMM_WORLD.Get_rank()
     for name in RANK_VARS:
         value = os.environ.get(name, "")

@@ -89,7 +89,7 @@ fi
 command -v "$MPIRUN" >/dev/null 2>&1 || hpcdl_die "$MPIRUN not found; load your MPI (e.g. module load openmpi) or pass --mpirun"
 
 # ---------------------------------------------------------------- ranks per host and threads
-CORES="$(nproc 2>/dev/null || echo 1)"
+CORES="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)"  # nproc obeys OMP_NUM_THREADS otherwise
 RANKS_PER_HOST="$NP"
 if [ -n "$HOSTFILE" ]; then
   hosts="$(grep -cEv '^[[:space:]]*(#|$)' "$HOSTFILE" || true)"

@@ -198,7 +198,7 @@ def test_mpirun_arguments_pass_through_to_train() -> None:
 
 
 def nproc() -> int:
-    return int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
+    return int(subprocess.run(["nproc"], capture_output=True, text=True, check=True, env=clean_env()).stdout)
 
 
 def test_mpirun_threads_share_the_cores() -> None:
