@@ -78,7 +78,7 @@ def patch_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> Tensor:
 
     ``x`` is the layer input (N, C, H, W); the result is (D, D) with D = C*kh*kw (+1), in x's dtype.
     """
-    if geometry.stride == (1, 1) and geometry.kernel != (1, 1):
+    if geometry.stride == (1, 1) and geometry.kernel != (1, 1) and _border_share(x, geometry) <= 1 / 3:
         moment, sums, count = _autocorrelation_moment(x, geometry, with_bias)
     elif geometry.stride[0] == 1 and geometry.kernel[0] > 1:
         moment, sums, count = _row_shift_moment(x, geometry, with_bias)
@@ -182,6 +182,24 @@ def _row_shift_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tup
     return moment, sums, float(ho * n_wo)
 
 
+def _outside(size: int, k: int, d: int, pad: int, out: int) -> list[list[int]]:
+    """Per kernel offset, the image rows (or columns) its window of positions does not cover."""
+    return [[r for r in range(size) if not d * i - pad <= r < d * i - pad + out] for i in range(k)]
+
+
+def _border_share(x: Tensor, geometry: ConvGeometry) -> float:
+    """How much border correction the autocorrelation needs, relative to the image (small images: a lot)."""
+    h, w = x.shape[-2:]
+    left, right, top, bottom = geometry.padding if geometry.padding_mode == "constant" else (0, 0, 0, 0)
+    if geometry.padding_mode != "constant":
+        h, w = h + sum(geometry.padding[2:]), w + sum(geometry.padding[:2])
+    (kh, kw), (dh, dw) = geometry.kernel, geometry.dilation
+    ho, wo = h + top + bottom - dh * (kh - 1), w + left + right - dw * (kw - 1)
+    rows = set(sum(_outside(h, kh, dh, top, ho), []))
+    cols = set(sum(_outside(w, kw, dw, left, wo), []))
+    return len(rows) / h + len(cols) / w
+
+
 def _weight_gradient(grad_output: Tensor, input: Tensor, kernel: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
     """Σ over examples and positions of grad_output[c] x input[c', shifted]: a convolution's weight gradient.
 
@@ -223,12 +241,8 @@ def _autocorrelation_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) 
     up = down[1:].flip(0, 1).transpose(2, 3)
     full = torch.cat([up, down])  # (2kh-1, 2kw-1, C, C)
 
-    def outside(size: int, k: int, d: int, pad: int, out: int) -> list[list[int]]:
-        """Per kernel offset, the image rows (or columns) its window of positions does not cover."""
-        return [[r for r in range(size) if not d * i - pad <= r < d * i - pad + out] for i in range(k)]
-
-    rows_out = outside(h, kh, dh, top, ho)
-    cols_out = outside(w, kw, dw, left, wo)
+    rows_out = _outside(h, kh, dh, top, ho)
+    cols_out = _outside(w, kw, dw, left, wo)
     border_rows = sorted(set(sum(rows_out, [])))
     border_cols = sorted(set(sum(cols_out, [])))
     row_products = {
