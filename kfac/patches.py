@@ -233,37 +233,44 @@ def _autocorrelation_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) 
     ho, wo = h + top + bottom - dh * (kh - 1), w + left + right - dw * (kw - 1)
     eh, ew = dh * (kh - 1), dw * (kw - 1)  # the largest shifts
     shifts = (2 * kh - 1, 2 * kw - 1)
-    wide = F.pad(x, (ew, ew, eh, eh))  # zeros wherever a shift leaves the image
 
     # full[a, b] = Σ_p x[p] x[p + ((a - kh + 1) dh, (b - kw + 1) dw)]ᵀ; downward shifts computed, upward ones
-    # are their transposes: Σ_p x[p] x[p - s]ᵀ = (Σ_p x[p] x[p + s]ᵀ)ᵀ.
-    down = _weight_gradient(x, wide[:, :, eh:], (kh, 2 * kw - 1), (dh, dw)).permute(2, 3, 0, 1)  # (kh, 2kw-1, C, C)
+    # are their transposes: Σ_p x[p] x[p - s]ᵀ = (Σ_p x[p] x[p + s]ᵀ)ᵀ. Zeros wherever a shift leaves the image.
+    below = F.pad(x, (ew, ew, 0, eh))
+    down = _weight_gradient(x, below, (kh, 2 * kw - 1), (dh, dw)).permute(2, 3, 0, 1)  # (kh, 2kw-1, C, C)
     up = down[1:].flip(0, 1).transpose(2, 3)
     full = torch.cat([up, down])  # (2kh-1, 2kw-1, C, C)
+
+    def around_row(image: Tensor, r: int, e_rows: int, e_cols: int) -> Tensor:
+        """Rows r - e_rows .. r + e_rows of the image, zero beyond its edges, columns padded by e_cols."""
+        height = image.shape[2]
+        lo, hi = max(0, r - e_rows), min(height, r + e_rows + 1)
+        return F.pad(image[:, :, lo:hi], (e_cols, e_cols, lo - (r - e_rows), r + e_rows + 1 - hi))
 
     rows_out = _outside(h, kh, dh, top, ho)
     cols_out = _outside(w, kw, dw, left, wo)
     border_rows = sorted(set(sum(rows_out, [])))
     border_cols = sorted(set(sum(cols_out, [])))
+    row_windows = {r: around_row(x, r, eh, ew) for r in border_rows}
     row_products = {
-        r: _weight_gradient(x[:, :, r : r + 1], wide[:, :, r : r + 2 * eh + 1], shifts, (dh, dw)).permute(2, 3, 0, 1)
+        r: _weight_gradient(x[:, :, r : r + 1].contiguous(), row_windows[r], shifts, (dh, dw)).permute(2, 3, 0, 1)
         for r in border_rows
     }
-    if border_cols:  # columns as rows of the transposed image: thin column strips convolve slowly
-        xt, wide_t = x.transpose(2, 3).contiguous(), wide.transpose(2, 3).contiguous()
+    xt = x.transpose(2, 3)  # columns as rows of the transposed image: thin column strips convolve slowly
     col_products = {
-        q: _weight_gradient(xt[:, :, q : q + 1], wide_t[:, :, q : q + 2 * ew + 1], shifts[::-1], (dw, dh)).permute(3, 2, 0, 1)
+        q: _weight_gradient(xt[:, :, q : q + 1].contiguous(), around_row(xt, q, ew, eh), shifts[::-1], (dw, dh)).permute(3, 2, 0, 1)
         for q in border_cols
     }
-    zero = full.new_zeros(full.shape)
     corners = {}
     if border_rows and border_cols:  # one position's products, where a border row and a border column meet
         pairs = [(r, q) for r in border_rows for q in border_cols]
         centre = torch.stack([x[:, :, r, q] for r, q in pairs]).permute(0, 2, 1)  # (P, C, N)
-        around = torch.stack([wide[:, :, r : r + 2 * eh + 1 : dh, q : q + 2 * ew + 1 : dw] for r, q in pairs], dim=1)
+        around = torch.stack([row_windows[r][:, :, ::dh, q : q + 2 * ew + 1 : dw] for r, q in pairs], dim=1)
         around = around.reshape(n, len(pairs), -1).transpose(0, 1)  # (P, N, C * shifts)
         products = torch.bmm(centre, around).view(len(pairs), c, c, *shifts).permute(0, 3, 4, 1, 2)
         corners = dict(zip(pairs, products))
+
+    zero = full.new_zeros(full.shape)
 
     # What window (i1, j1) must not count: its border rows (full width), plus its border columns
     # without the corners already in those rows.
