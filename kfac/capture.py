@@ -1,7 +1,9 @@
 """Hooks that collect one layer's factor statistics while the model runs forward and backward.
 
 A forward hook adds the input's Σ a aᵀ and registers a hook on the output tensor; that hook
-adds Σ g gᵀ of the gradient reaching the output. When every forward call of the step has seen
+adds Σ g gᵀ of the gradient reaching the output, scaled to per-example gradients when the loss
+is a mean (``per_example_factor`` = backward passes per step, for a loss divided by them; 0 for
+a summed loss). When every forward call of the step has seen
 its gradient the layer is complete and ``on_complete`` is called, still inside backward, so
 that its allreduce can overlap the rest of backward. A layer whose output never receives a
 gradient (an unused branch) simply never completes.
@@ -26,12 +28,12 @@ class LayerCapture:
         self,
         layer: KFACLayer,
         is_capturing: Callable[[], bool],
-        per_example_scale: bool,
+        per_example_factor: float,
         on_complete: Callable[["LayerCapture"], None],
     ) -> None:
         self.layer = layer
         self._is_capturing = is_capturing
-        self._per_example_scale = per_example_scale
+        self._per_example_factor = per_example_factor
         self._on_complete = on_complete
         self._handle: RemovableHandle = layer.module.register_forward_hook(self._forward_hook)
         self.reset()
@@ -75,8 +77,8 @@ class LayerCapture:
     def _gradient_hook(self, grad_output: Tensor) -> None:
         with torch.no_grad(), torch.autocast(grad_output.device.type, enabled=False):
             moment, count = self.layer.g_moment(grad_output)
-            if self._per_example_scale:  # the per-example gradient of a mean-reduced loss
-                moment.mul_(float(self.layer.examples(grad_output)) ** 2)
+            if self._per_example_factor:  # the per-example gradient of a mean-reduced loss: N x grad_output
+                moment.mul_((self._per_example_factor * self.layer.examples(grad_output)) ** 2)
         self.g_sum = moment if self.g_sum is None else self.g_sum.add_(moment)
         self.g_count += count
         self.backwards += 1

@@ -66,6 +66,8 @@ class KFACPreconditioner:
         loss_reduction: 'mean' when the loss averages over the batch, 'sum' when it adds up.
         skip_layers: module names, class names or classes to leave to the optimizer.
         colocate_factors: decompose a layer's A and G on the same rank.
+        backward_passes_per_step: forward/backward passes per ``step()`` (gradient accumulation, each
+            pass's loss divided by their number, as with Horovod's option of the same name).
         grad_scaler: the torch GradScaler of an AMP run; its scale is divided out of G.
         communicator: the collectives to use; by default Horovod's when it is initialised with
             several ranks, else none.
@@ -89,10 +91,15 @@ class KFACPreconditioner:
         loss_reduction: str = "mean",
         skip_layers: Sequence[SkipSpec] = (),
         colocate_factors: bool = True,
+        backward_passes_per_step: int = 1,
         grad_scaler: Any = None,
         communicator: Communicator | None = None,
     ) -> None:
-        for name, freq in (("factor_update_freq", factor_update_freq), ("inv_update_freq", inv_update_freq)):
+        for name, freq in (
+            ("factor_update_freq", factor_update_freq),
+            ("inv_update_freq", inv_update_freq),
+            ("backward_passes_per_step", backward_passes_per_step),
+        ):
             if not isinstance(freq, int) or freq < 1:
                 raise ValueError(f"{name} must be a positive integer, got {freq!r}")
         _check_schedule("damping", damping, 0.0, float("inf"), include_low=False)
@@ -117,6 +124,7 @@ class KFACPreconditioner:
         self.eigen_dtype = eigen_dtype
         self.loss_reduction = loss_reduction
         self.grad_scaler = grad_scaler
+        self.backward_passes_per_step = backward_passes_per_step
         self.steps = 0
         self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, for benchmarks
 
@@ -141,9 +149,14 @@ class KFACPreconditioner:
         self._decompositions: list[tuple[solve.Decomposition, solve.Decomposition] | None] = [None] * n
         self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
         self._denominators: dict[int, tuple[float, Tensor]] = {}
-        self._pending: dict[int, list[Any]] = defaultdict(list)  # per layer: statistics, or allreduce handles
+        # Per layer, this step's statistics so far, and the allreduce once it has started.
+        self._gathered: dict[int, BatchStatistics] = {}
+        self._passes: dict[int, int] = defaultdict(int)
+        self._in_flight: dict[int, Any] = {}
+        self._late: dict[int, BatchStatistics] = {}
+        per_example = float(backward_passes_per_step) if loss_reduction == "mean" else 0.0
         self._captures = [
-            LayerCapture(layer, self._capturing, loss_reduction == "mean", self._launcher(index))
+            LayerCapture(layer, self._capturing, per_example, self._collector(index))
             for index, layer in enumerate(self.layers)
         ]
 
@@ -200,41 +213,59 @@ class KFACPreconditioner:
     def _capturing(self) -> bool:
         return self.steps % self.factor_update_freq == 0
 
-    def _launcher(self, index: int) -> Callable[[LayerCapture], None]:
-        def launch(capture: LayerCapture) -> None:
+    def _collector(self, index: int) -> Callable[[LayerCapture], None]:
+        """Called when a layer's forward and backward of one pass are both done (inside backward)."""
+
+        def collect(capture: LayerCapture) -> None:
             stats = capture.statistics()
             assert stats is not None
-            if self.comm.size == 1:
-                self._pending[index].append(stats)  # nothing to exchange
-            else:
-                name = f"kfac.factors.{index}.{len(self._pending[index])}"
-                self._pending[index].append(self.comm.allreduce_sum_async(stats.pack(), name))
-            capture.reset()  # a later forward in the same step (gradient accumulation) starts afresh
+            capture.reset()  # a later pass in the same step (gradient accumulation) starts afresh
+            if index in self._in_flight:  # more passes than backward_passes_per_step: kept on this rank
+                late = self._late.get(index)
+                self._late[index] = stats if late is None else BatchStatistics.merge([late, stats])
+                return
+            gathered = self._gathered.get(index)
+            self._gathered[index] = stats if gathered is None else BatchStatistics.merge([gathered, stats])
+            self._passes[index] += 1
+            if self.comm.size > 1 and self._passes[index] == self.backward_passes_per_step:
+                self._launch(index)  # the last pass of the step: start the allreduce, overlapping backward
 
-        return launch
+        return collect
+
+    def _launch(self, index: int) -> None:
+        """One sum-allreduce per layer per step on every rank, whatever the rank saw."""
+        layer = self.layers[index]
+        stats = self._gathered.pop(index, None)
+        if stats is None:  # this rank's pass never reached the layer: it still joins, with zero counts
+            buffer = BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, layer.module.weight.device)
+        else:
+            buffer = stats.pack()
+        self._in_flight[index] = self.comm.allreduce_sum_async(buffer, f"kfac.factors.{index}")
 
     def _update_factors(self, step: int) -> None:
         decay = _value(self.factor_decay, step)
         loss_scale = self._loss_scale()
-        if self.comm.size > 1:  # a layer that saw no data here still joins the others' allreduce
-            for index, layer in enumerate(self.layers):
-                if not self._pending[index]:
-                    device = layer.module.weight.device
-                    empty = BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, device)
-                    self._pending[index].append(self.comm.allreduce_sum_async(empty, f"kfac.factors.{index}.0"))
+        if self.comm.size > 1:
+            for index in range(len(self.layers)):
+                if index not in self._in_flight:
+                    self._launch(index)
+        late = [self.layers[i].name for i in self._late]
+        if late:
+            warnings.warn(
+                f"K-FAC: {', '.join(late)} ran more than backward_passes_per_step={self.backward_passes_per_step} "
+                "times in one step; the extra passes only count on this rank",
+                stacklevel=3,
+            )
         for index, layer in enumerate(self.layers):
-            parts = self._pending.pop(index, [])
             self._captures[index].reset()
-            if not parts:
-                continue
-            if self.comm.size == 1:
-                stats = BatchStatistics.merge(parts)
+            if self.comm.size > 1:
+                stats = BatchStatistics.unpack(self.comm.wait(self._in_flight.pop(index)), layer.a_dim, layer.g_dim)
             else:
-                total = self.comm.wait(parts[0])
-                for handle in parts[1:]:
-                    total = total + self.comm.wait(handle)
-                stats = BatchStatistics.unpack(total, layer.a_dim, layer.g_dim)
-            if stats.a_count == 0 or stats.g_count == 0:
+                stats = self._gathered.pop(index, None)
+            extra = self._late.pop(index, None)
+            if extra is not None:
+                stats = extra if stats is None else BatchStatistics.merge([stats, extra])
+            if stats is None or stats.a_count == 0 or stats.g_count == 0:
                 continue
             if not stats.is_finite():  # an AMP overflow step: keep the old factors
                 continue
@@ -242,6 +273,8 @@ class KFACPreconditioner:
             g_batch = stats.g_sum / (stats.g_count * loss_scale**2)
             self.a_factors[index] = running_average(self.a_factors[index], a_batch, decay)
             self.g_factors[index] = running_average(self.g_factors[index], g_batch, decay)
+        self._gathered.clear()
+        self._passes.clear()
 
     def _loss_scale(self) -> float:
         scaler = self.grad_scaler

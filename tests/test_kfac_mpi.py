@@ -77,17 +77,19 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _train_distributed(hvd, fraction: float, **extra) -> tuple[torch.Tensor, KFACPreconditioner]:
+def _train_distributed(hvd, fraction: float, passes: int = 1, **extra) -> tuple[torch.Tensor, KFACPreconditioner]:
     model = _model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    pre = KFACPreconditioner(model, grad_worker_fraction=fraction, skip_layers=["extra"], **SETTINGS, **extra)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+    pre = KFACPreconditioner(model, grad_worker_fraction=fraction, skip_layers=["extra"], backward_passes_per_step=passes,
+                             **SETTINGS, **extra)
     rank, size = hvd.rank(), hvd.size()
     for step in range(STEPS):
         x, y = _batch(step, PER_RANK * size)
         shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
         optimizer.zero_grad()
-        F.cross_entropy(model(x[shard]), y[shard]).backward()
+        for part in torch.arange(shard.start, shard.stop).chunk(passes):  # gradient accumulation
+            (F.cross_entropy(model(x[part]), y[part]) / passes).backward()
         optimizer.synchronize()
         pre.step()
         with optimizer.skip_synchronize():
@@ -143,6 +145,13 @@ def test_every_grad_worker_fraction_equals_one_rank_on_the_global_batch() -> Non
         if not _rel(params, first) < 1e-5:
             problems.append(f"fraction {fraction} disagrees with fraction {_fractions(hvd.size())[0]}")
     assert_all_ranks(not problems, "; ".join(problems))
+
+
+def test_gradient_accumulation_on_every_rank_equals_one_rank() -> None:
+    hvd = _horovod()
+    params, _ = _train_distributed(hvd, 1.0 / hvd.size(), passes=2)
+    err = _rel(params, _train_single_process(hvd.size()))
+    assert_all_ranks(err < 1e-5 and _same_on_all_ranks(hvd, params, "test.kfac.accumulation"), f"relative error {err:.2e}")
 
 
 def test_memory_optimal_ranks_keep_only_their_layers_decompositions() -> None:

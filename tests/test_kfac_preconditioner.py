@@ -192,6 +192,7 @@ def test_works_with_any_optimizer() -> None:
         (dict(method="cholesky"), "method"),
         (dict(loss_reduction="none"), "loss_reduction"),
         (dict(eigen_dtype=torch.float16), "eigen_dtype"),
+        (dict(backward_passes_per_step=0), "backward_passes_per_step"),
     ],
 )
 def test_bad_arguments_say_what_is_wrong(kwargs, message) -> None:
@@ -203,3 +204,20 @@ def test_a_model_without_supported_layers_warns() -> None:
     with pytest.warns(UserWarning, match="no nn.Linear or nn.Conv2d"):
         pre = KFACPreconditioner(nn.Sequential(nn.ReLU()))
     pre.step()
+
+
+def test_gradient_accumulation_gives_the_factors_of_the_whole_batch() -> None:
+    """Two passes of 4 examples, each loss halved (backward_passes_per_step=2), equal one pass of 8."""
+    x, y = _batch(0)
+    whole_model, _, whole = _setup()
+    F.cross_entropy(whole_model(x), y).backward()
+    whole.step()
+    split_model, _, split = _setup(backward_passes_per_step=2)
+    for part in (slice(0, 4), slice(4, 8)):
+        (F.cross_entropy(split_model(x[part]), y[part]) / 2).backward()
+    split.step()
+    for a, b in zip(whole.a_factors + whole.g_factors, split.a_factors + split.g_factors):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    got, want = split_model.fc.weight.grad, whole_model.fc.weight.grad
+    assert float((got - want).norm() / want.norm()) < 1e-4
