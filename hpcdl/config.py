@@ -59,7 +59,7 @@ class TrainConfig:
     # K-FAC
     kfac_update_freq: int = 0
     kfac_cov_update_freq: int = 1
-    damping: float = 0.003
+    damping: float = 0.01
     kl_clip: float = 0.001
     factor_decay: float = 0.95
     kfac_grad_worker_fraction: float = 1.0
@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = p.add_argument_group("K-FAC (kfac.KFACPreconditioner)")
     k.add_argument("--kfac-update-freq", type=int, default=0, help="steps between eigendecompositions; 0 disables K-FAC")
     k.add_argument("--kfac-cov-update-freq", type=int, default=1, help="steps between factor updates")
-    k.add_argument("--damping", type=float, default=0.003)
+    k.add_argument("--damping", type=float, default=0.01,
+                   help="Tikhonov damping in kfac's batch-independent convention (docs/kfac.md maps kfac-pytorch's)")
     k.add_argument("--kl-clip", type=float, default=0.001)
     k.add_argument("--factor-decay", type=float, default=0.95)
     k.add_argument("--kfac-grad-worker-fraction", type=float, default=1.0)

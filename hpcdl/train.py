@@ -90,7 +90,7 @@ def build_optimizer(config: TrainConfig, model: nn.Module, lr: float) -> torch.o
     )
 
 
-def build_preconditioner(config: TrainConfig, model: nn.Module, schedule_lr) -> Any:
+def build_preconditioner(config: TrainConfig, model: nn.Module, schedule_lr, scaler) -> Any:
     """The K-FAC preconditioner when --kfac-update-freq > 0, else None."""
     if config.kfac_update_freq <= 0:
         return None
@@ -105,6 +105,8 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, schedule_lr) -> 
         kl_clip=config.kl_clip,
         lr=schedule_lr,
         grad_worker_fraction=config.kfac_grad_worker_fraction,
+        backward_passes_per_step=config.batches_per_allreduce,  # factors accumulate like the gradients
+        grad_scaler=scaler,  # its scale is divided out of G
     )
 
 
@@ -327,8 +329,8 @@ def train(config: TrainConfig) -> TrainResult:
         op=hvd.Adasum if config.use_adasum else hvd.Average,
     )
     current_lr = lambda step=None: optimizer.param_groups[0]["lr"]  # noqa: E731 - K-FAC reads the live lr
-    preconditioner = build_preconditioner(config, model, current_lr)
     scaler = torch.amp.GradScaler("cuda") if config.amp and cuda else None
+    preconditioner = build_preconditioner(config, model, current_lr, scaler)
     criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     amp = autocast_context(config, me.device)
 

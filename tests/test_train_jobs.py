@@ -89,3 +89,14 @@ def test_resume_after_a_kill_ends_like_an_uninterrupted_run(tmp_path: Path) -> N
     assert [r["epoch"] for r in rows] == [1, 2, 3, 4]
     a, b = final_weights(tmp_path / "full"), final_weights(tmp_path / "cut")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kfac_training_with_accumulation_checkpoints_its_factors(tmp_path: Path) -> None:
+    result = run_train(2, tmp_path / "kfac", "--kfac-update-freq", "10", "--epochs", "3",
+                       "--batches-per-allreduce", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "K-FAC" in result.stdout
+    summary = json.loads((tmp_path / "kfac" / "summary.json").read_text())
+    assert summary["final_accuracy"] > 0.9 and summary["replicas_identical"] is True
+    newest = sorted((tmp_path / "kfac" / "checkpoints").glob("ckpt-*.pt"))[-1]
+    assert torch.load(newest, weights_only=True)["kfac"] is not None
