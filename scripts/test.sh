@@ -23,10 +23,10 @@ echo "[test] 1/3 plain tests"
 "$PY" -m pytest -q -ra "$@" tests
 
 echo "[test] 2/3 collective tests on 4 ranks"
-timeout 1500 mpiexec -n 4 --bind-to none "$PY" -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests
+timeout 1500 mpiexec -n 4 --bind-to none "$PY" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider tests
 
 if compgen -G "tests/test_collectives*.py" >/dev/null; then
   echo "[test] 3/3 collective algorithms on 3 ranks"
-  timeout 600 mpiexec -n 3 --bind-to none "$PY" -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests/test_collectives*.py
+  timeout 600 mpiexec -n 3 --bind-to none "$PY" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider tests/test_collectives*.py
 fi
 echo "[test] all passed"
