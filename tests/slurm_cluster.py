@@ -22,7 +22,9 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
+
+import pytest
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
@@ -304,3 +306,21 @@ def _kill_quietly(pid: int, sig: int) -> None:
             os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator["SlurmCluster"]:
+    """A running single-node Slurm for one test module; skips (or fails under HPCDL_REQUIRE_SLURM=1)
+    with the reason where the packages or root are missing."""
+    reason = missing_requirements()
+    if reason:
+        if os.environ.get("HPCDL_REQUIRE_SLURM") == "1":
+            pytest.fail(f"HPCDL_REQUIRE_SLURM=1 but {reason}")
+        pytest.skip(reason)
+    if not PYTHON.exists():
+        pytest.skip(f"{PYTHON} missing: run bash scripts/setup.sh")
+    with SlurmCluster() as cluster:
+        yield cluster

@@ -17,23 +17,11 @@ from typing import Iterator
 import pytest
 
 from reliability_runs import FAULT_LINE
+from slurm_cluster import slurm  # noqa: F401 - the shared fixture
 from slurm_cluster import SlurmCluster, missing_requirements
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = REPO / ".venv" / "bin" / "python"
-
-
-@pytest.fixture(scope="module")
-def slurm() -> Iterator[SlurmCluster]:
-    reason = missing_requirements()
-    if reason:
-        if os.environ.get("HPCDL_REQUIRE_SLURM") == "1":
-            pytest.fail(f"HPCDL_REQUIRE_SLURM=1 but {reason}")
-        pytest.skip(reason)
-    if not PYTHON.exists():
-        pytest.skip(f"{PYTHON} missing: run bash scripts/setup.sh")
-    with SlurmCluster() as cluster:
-        yield cluster
 
 
 @pytest.mark.timeout(240)

@@ -22,6 +22,7 @@ from typing import Iterator
 import pytest
 
 from hpcdl.world import choose_device, local_rank_from_env
+from slurm_cluster import slurm  # noqa: F401 - the shared fixture
 from slurm_cluster import NODE_GPUS, SlurmCluster, missing_requirements
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,19 +34,6 @@ REPORT_ENV = (
     "import json, os; print('ENV ' + json.dumps({k: os.environ[k] for k in %r if k in os.environ}), flush=True)"
     % (REPORTED,)
 )
-
-
-@pytest.fixture(scope="module")
-def slurm() -> Iterator[SlurmCluster]:
-    reason = missing_requirements()
-    if reason:
-        if os.environ.get("HPCDL_REQUIRE_SLURM") == "1":
-            pytest.fail(f"HPCDL_REQUIRE_SLURM=1 but {reason}")
-        pytest.skip(reason)
-    if not PYTHON.exists():
-        pytest.skip(f"{PYTHON} missing: run bash scripts/setup.sh")
-    with SlurmCluster() as cluster:
-        yield cluster
 
 
 def job_env(**extra: str) -> dict[str, str]:
