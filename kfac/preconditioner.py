@@ -302,19 +302,19 @@ class KFACPreconditioner:
     def _update_decompositions(self, stale: list[int], step: int) -> None:
         rank, damping = self.comm.rank, _value(self.damping, step)
         todo = set(stale)
-        mine = [(i, kind) for i, kind in self.assignment.owned_factors(rank) if i in todo]
-        sizes = [self.layers[i].a_dim if kind == "A" else self.layers[i].g_dim for i, kind in mine]
-        on_cpu = all(self.layers[i].module.weight.device.type == "cpu" for i, _ in mine)
-        decomposed = map_largest_first(lambda item: self._decompose(*item, damping), mine, [n**3 for n in sizes], on_cpu)
-        results: dict[tuple[int, str], solve.Decomposition] = dict(zip(mine, decomposed))
+        owned = [(i, kind) for i, kind in self.assignment.owned_factors(rank) if i in todo]
+        sizes = [self.layers[i].a_dim if kind == "A" else self.layers[i].g_dim for i, kind in owned]
+        on_cpu = all(self.layers[i].module.weight.device.type == "cpu" for i, _ in owned)
+        decomposed = map_largest_first(lambda item: self._decompose(*item, damping), owned, [n**3 for n in sizes], on_cpu)
+        results: dict[tuple[int, str], solve.Decomposition] = dict(zip(owned, decomposed))
         group = self._worker_group
         if len(group.ranks) > 1:
             payloads = {}
             for root in group.ranks:
                 items = [(i, kind) for i, kind in self.assignment.owned_factors(root) if i in todo]
                 shapes = [shape for i, kind in items for shape in self._decomposition_shapes(i, kind)]
-                mine = [t for item in items for t in results[item]] if root == rank else None
-                payloads[root] = (shapes, mine, self._decomposition_dtype(stale[0]))
+                sent = [t for item in items for t in results[item]] if root == rank else None
+                payloads[root] = (shapes, sent, self._decomposition_dtype(stale[0]))
             received = self._broadcast_from_each(group, "kfac.decompositions", payloads)
             for root, tensors in received.items():
                 items = iter(tensors)
@@ -358,7 +358,7 @@ class KFACPreconditioner:
             scale = solve.kl_clip_scale(abs(vg) * lr**2, _value(self.kl_clip, step))
         else:
             scale = 1.0
-        for i, direction in directions.items():
+        for i, direction in sorted(directions.items()):
             if scale != 1.0:
                 direction = direction.mul_(scale)
             self.layers[i].set_grad(direction)
@@ -381,8 +381,8 @@ class KFACPreconditioner:
         dtype = next(iter(grads.values())).dtype if grads else self.layers[0].dtype
         for root in block.ranks:
             layers_of[root] = [i for i in grads if self.assignment.gradient_source(i, root) == root]
-            mine = [directions[i] for i in layers_of[root]] if root == self.comm.rank else None
-            payloads[root] = ([tuple(grads[i].shape) for i in layers_of[root]], mine, dtype)
+            sent = [directions[i] for i in layers_of[root]] if root == self.comm.rank else None
+            payloads[root] = ([tuple(grads[i].shape) for i in layers_of[root]], sent, dtype)
         for root, tensors in self._broadcast_from_each(block, "kfac.directions", payloads).items():
             for i, tensor in zip(layers_of[root], tensors):
                 # The root too takes the copy it sent: same memory layout, same rounding downstream.
