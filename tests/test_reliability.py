@@ -77,7 +77,13 @@ def test_out_of_memory_on_one_rank_ends_the_job_in_one_line(tmp_path: Path) -> N
 
 def test_frozen_rank_is_named_and_the_job_ends_within_60_seconds(tmp_path: Path) -> None:
     """Rank 1 of 4 SIGSTOPped at step 5 with --stall-timeout 20: no launcher notices; the watchdog does."""
-    job = run_job(4, tmp_path / "run", "--epochs", "1", "--stall-timeout", "20", fault="1:5:stop", timeout=240)
+    # Like the rank-0 case below: on cores shared with other jobs the watchdog thread was once
+    # starved into the harness timeout; one retry tells that from a broken watchdog.
+    for attempt in range(2):
+        job = run_job(4, tmp_path / f"run{attempt}", "--epochs", "1", "--stall-timeout", "20", fault="1:5:stop",
+                      timeout=150)
+        if job.rc != 124:
+            break
     assert job.rc != 0, job.tail()
     assert 20 <= report(job) < PROMPT, job.tail()
     # Rank 1 is always named; on a starved machine a slow live rank may be named beside it.
