@@ -61,7 +61,10 @@ def test_exception_on_one_rank_aborts_the_whole_job(tmp_path: Path) -> None:
     assert report(job) < PROMPT, job.tail()
     line = "hpcdl.train: rank 1 failed with RuntimeError: injected fault on rank 1 at step 5; aborting the whole job"
     assert line in job.err.splitlines(), job.tail()
-    assert "Traceback" in job.err and "MPI_ABORT was invoked on rank 1" in job.err
+    assert "Traceback" in job.err  # an exception is a bug somewhere: its traceback is kept
+    # Open MPI's own "MPI_ABORT was invoked on rank 1" banner is not asserted: mpirun prints it
+    # through show_help, which a loaded machine once failed with "ORTE_ERROR_LOG: Out of resource"
+    # (a CI run); our line above is what the user is promised.
 
 
 def test_out_of_memory_on_one_rank_ends_the_job_in_one_line(tmp_path: Path) -> None:
