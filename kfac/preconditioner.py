@@ -148,7 +148,8 @@ class KFACPreconditioner:
         self.g_factors: list[Tensor | None] = [None] * n
         self._decompositions: list[tuple[solve.Decomposition, solve.Decomposition] | None] = [None] * n
         self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
-        self._denominators: dict[int, tuple[float, Tensor]] = {}
+        self._denominators: dict[Any, tuple[float, Tensor]] = {}
+        self._batches: list[tuple[list[int], Tensor, Tensor, Tensor, Tensor]] = []  # layers of one shape
         # Per layer, this step's statistics so far, and the allreduce once it has started.
         self._gathered: dict[int, BatchStatistics] = {}
         self._passes: dict[int, int] = defaultdict(int)
@@ -203,6 +204,7 @@ class KFACPreconditioner:
         self._decompositions = [None] * len(self.layers)
         self._decomposed = [False] * len(self.layers)
         self._denominators.clear()
+        self._batches = []
 
     def remove_hooks(self) -> None:
         """Detach from the model (its forward and backward no longer feed the factors)."""
@@ -323,8 +325,31 @@ class KFACPreconditioner:
         for i in stale:
             if self.assignment.is_grad_worker(i, rank):
                 self._decompositions[i] = (results[(i, "A")], results[(i, "G")])
-            self._denominators.pop(i, None)
             self._decomposed[i] = True
+        self._stack_same_shapes()
+
+    def _stack_same_shapes(self) -> None:
+        """Stack the eigenbases of layers with the same shapes, so that one batched product serves them all.
+
+        ResNets have many layers of one shape; a batched matmul per shape replaces a handful of
+        small ones per layer. The layers' own decompositions become views of the stacks.
+        """
+        self._batches, self._denominators = [], {}
+        if self.method != "eigen":
+            return
+        by_shape: dict[tuple, list[int]] = defaultdict(list)
+        for i, decomposition in enumerate(self._decompositions):
+            if decomposition is not None:
+                (qa, _), (qg, _) = decomposition
+                by_shape[(qa.shape[0], qg.shape[0], qa.dtype, qa.device)].append(i)
+        for layers in by_shape.values():
+            if len(layers) < 2:
+                continue
+            stacks = [torch.stack([self._decompositions[i][side][part] for i in layers]) for side in (0, 1) for part in (0, 1)]
+            qa, da, qg, dg = stacks
+            for k, i in enumerate(layers):
+                self._decompositions[i] = ((qa[k], da[k]), (qg[k], dg[k]))
+            self._batches.append((layers, qa, da, qg, dg))
 
     def _decomposition_dtype(self, index: int) -> torch.dtype:
         return torch.promote_types(self.eigen_dtype, self.layers[index].dtype)
@@ -343,12 +368,21 @@ class KFACPreconditioner:
                     continue  # nothing to precondition; with several ranks zeros keep the buffers aligned
                 grad = torch.zeros(layer.g_dim, layer.a_dim, dtype=self._decomposition_dtype(i), device=layer.module.weight.device)
             grads[i] = grad
-            if self.assignment.is_grad_worker(i, rank):
-                a, g = self._decompositions[i]  # type: ignore[misc]
-                if self.method == "eigen":
-                    directions[i] = solve.precondition_eigen(grad, a, g, self._denominator(i, damping))
-                else:
-                    directions[i] = solve.precondition_inverse(grad, a, g)
+        for b, (layers, qa, da, qg, dg) in enumerate(self._batches):
+            present = [i for i in layers if i in grads]
+            if len(present) < len(layers):  # a layer without gradient (single process): one by one below
+                continue
+            denominator = self._denominator(("batch", b), damping, da, dg)
+            stacked = solve.precondition_eigen(torch.stack([grads[i] for i in layers]), (qa, da), (qg, dg), denominator)
+            directions.update(zip(layers, stacked))
+        for i in grads:
+            if i in directions or not self.assignment.is_grad_worker(i, rank):
+                continue
+            a, g = self._decompositions[i]  # type: ignore[misc]
+            if self.method == "eigen":
+                directions[i] = solve.precondition_eigen(grads[i], a, g, self._denominator(i, damping, a[1], g[1]))
+            else:
+                directions[i] = solve.precondition_inverse(grads[i], a, g)
         self._share_directions(grads, directions)
 
         if self.kl_clip is not None and directions:
@@ -363,13 +397,12 @@ class KFACPreconditioner:
                 direction = direction.mul_(scale)
             self.layers[i].set_grad(direction)
 
-    def _denominator(self, index: int, damping: float) -> Tensor:
-        """d_G d_Aᵀ + λ for the eigen method, kept until the decomposition or the damping changes."""
-        cached = self._denominators.get(index)
+    def _denominator(self, key: Any, damping: float, da: Tensor, dg: Tensor) -> Tensor:
+        """d_G d_Aᵀ + λ for the eigen method, kept until the decompositions or the damping change."""
+        cached = self._denominators.get(key)
         if cached is None or cached[0] != damping:
-            (_, da), (_, dg) = self._decompositions[index]  # type: ignore[misc]
             cached = (damping, solve.eigen_denominator(da, dg, damping))
-            self._denominators[index] = cached
+            self._denominators[key] = cached
         return cached[1]
 
     def _share_directions(self, grads: dict[int, Tensor], directions: dict[int, Tensor]) -> None:

@@ -36,17 +36,20 @@ def eigen_shapes(n: int) -> tuple[tuple[int, ...], ...]:
 
 
 def eigen_denominator(da: Tensor, dg: Tensor, damping: float) -> Tensor:
-    """d_G d_Aᵀ + λ: the eigenvalues of G ⊗ A + λI arranged like the gradient matrix."""
-    return torch.outer(dg, da).add_(damping)
+    """d_G d_Aᵀ + λ: the eigenvalues of G ⊗ A + λI arranged like the gradient matrix (batched too)."""
+    return (dg.unsqueeze(-1) * da.unsqueeze(-2)).add_(damping)
 
 
 def precondition_eigen(grad: Tensor, a: Decomposition, g: Decomposition, denominator: Tensor) -> Tensor:
-    """Q_G [(Q_Gᵀ ∇W Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ, the denominator from :func:`eigen_denominator`."""
+    """Q_G [(Q_Gᵀ ∇W Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ, the denominator from :func:`eigen_denominator`.
+
+    Also for a stack of layers of one shape: every tensor then has a leading batch dimension.
+    """
     qa, _ = a
     qg, _ = g
-    rotated = qg.T @ grad.to(qa.dtype) @ qa
+    rotated = qg.mT @ grad.to(qa.dtype) @ qa
     rotated /= denominator
-    return qg @ rotated @ qa.T
+    return qg @ rotated @ qa.mT
 
 
 def tikhonov_pi(a_factor: Tensor, g_factor: Tensor) -> float:

@@ -42,13 +42,18 @@ def _horovod():
 
 
 class Net(nn.Module):
-    """Five preconditioned layers so that every one of 4 ranks owns work; ``extra`` is used on demand."""
+    """Six preconditioned layers so that every one of 4 ranks owns work; ``extra`` is used on demand.
+
+    conv3 and conv4 have one shape, so the ranks that hold both eigenbases precondition them
+    in one batched product (the path ResNets take).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
         self.conv2 = nn.Conv2d(6, 8, 3, stride=2, padding=1)
         self.conv3 = nn.Conv2d(8, 8, 3, padding="same", dilation=2, bias=False)
+        self.conv4 = nn.Conv2d(8, 8, 3, padding="same", dilation=2, bias=False)
         self.fc1 = nn.Linear(8 * 4 * 4, 16)
         self.fc2 = nn.Linear(16, 5)
         self.extra = nn.Linear(16, 16)
@@ -56,7 +61,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
         h = F.relu(self.conv1(x))
         h = F.relu(self.conv2(h))
-        h = F.relu(self.conv3(h)).flatten(1)
+        h = F.relu(self.conv3(h))
+        h = F.relu(self.conv4(h)).flatten(1)
         h = torch.tanh(self.fc1(h))
         if use_extra:
             h = h + torch.tanh(self.extra(h))
@@ -140,6 +146,8 @@ def test_every_grad_worker_fraction_equals_one_rank_on_the_global_batch() -> Non
             problems.append(f"fraction {fraction}: relative error {err:.2e} against the 1-rank run")
         if not any(pre.assignment.is_grad_worker(i, hvd.rank()) for i in range(len(pre.layers))) and fraction == 1.0:
             problems.append("with fraction 1 every rank must precondition every layer")
+        if fraction == 1.0 and not pre._batches:
+            problems.append("with fraction 1, conv3 and conv4 should be preconditioned in one batched product")
     first = results[_fractions(hvd.size())[0]]
     for fraction, params in results.items():
         if not _rel(params, first) < 1e-5:
@@ -212,7 +220,8 @@ def test_a_branch_used_on_one_rank_only_does_not_break_step() -> None:
     # Rank 0's input to the extra layer, recomputed with the initial weights.
     with torch.no_grad():
         start = _model()
-        h = torch.tanh(start.fc1(F.relu(start.conv3(F.relu(start.conv2(F.relu(start.conv1(x[:PER_RANK])))))).flatten(1)))
+        h = F.relu(start.conv3(F.relu(start.conv2(F.relu(start.conv1(x[:PER_RANK]))))))
+        h = torch.tanh(start.fc1(F.relu(start.conv4(h)).flatten(1)))
         rows = torch.cat([h, torch.ones(PER_RANK, 1, dtype=DTYPE)], dim=1)
         want_a = rows.T @ rows / PER_RANK
     got_a = pre.a_factors[extra]

@@ -44,6 +44,19 @@ class TinyMLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
+class TwinMLP(nn.Module):
+    """Layers of one shape: K-FAC preconditions them with one batched product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 5)
+        self.fc2 = nn.Linear(5, 5)
+        self.fc3 = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
 def _with_ones(rows: torch.Tensor, bias: bool) -> torch.Tensor:
     return torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1) if bias else rows
 
@@ -118,15 +131,15 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _data(model_kind: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shape = (n, 5) if model_kind == "mlp" else (n, 2, 9, 9)
-    x = torch.randn(*shape, generator=g, dtype=DTYPE)
-    y = torch.randint(0, 3 if model_kind == "mlp" else 4, (n,), generator=g)
+    conv = model_kind == "conv"
+    x = torch.randn(*((n, 2, 9, 9) if conv else (n, 5)), generator=g, dtype=DTYPE)
+    y = torch.randint(0, 4 if conv else 3, (n,), generator=g)
     return x, y
 
 
 def _model(kind: str, **kwargs) -> nn.Module:
     torch.manual_seed(0)
-    return (TinyMLP() if kind == "mlp" else TinyConvNet(**kwargs)).to(DTYPE)
+    return {"mlp": TinyMLP, "twins": TwinMLP, "conv": TinyConvNet}[kind](**kwargs).to(DTYPE)
 
 
 def _precondition_once(model, x, y, reduction="mean", **kwargs) -> dict[str, torch.Tensor]:
@@ -138,7 +151,7 @@ def _precondition_once(model, x, y, reduction="mean", **kwargs) -> dict[str, tor
     return raw, pre
 
 
-@pytest.mark.parametrize("kind", ["mlp", "conv"])
+@pytest.mark.parametrize("kind", ["mlp", "conv", "twins"])
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_preconditioned_gradient_matches_dense_solve(kind: str, method: str) -> None:
     damping = 0.05
@@ -146,6 +159,8 @@ def test_preconditioned_gradient_matches_dense_solve(kind: str, method: str) -> 
     x, y = _data(kind, 6, seed=1)
     factors = reference_factors(model, x, y)
     raw, pre = _precondition_once(model, x, y, damping=damping, method=method)
+    if kind == "twins" and method == "eigen":
+        assert [layers for layers, *_ in pre._batches] == [[0, 1]]  # fc1 and fc2 in one batched product
     for i, layer in enumerate(pre.layers):
         big_a, big_g = factors[layer.name]
         assert rel_err(pre.a_factors[i], big_a) < TOL, layer.name
