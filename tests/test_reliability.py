@@ -45,13 +45,21 @@ def report(job) -> float:
 
 # ------------------------------------------------------------------ a rank dies
 
+# What mpirun prints when its own show_help machinery fails under load (a CI run): the notice
+# naming the dead rank is then missing through no fault of ours.
+SHOW_HELP_FAILED = "ORTE_ERROR_LOG: Out of resource in file ../../../orte/util/show_help.c"
+
+
 def test_killed_rank_ends_the_job_within_60_seconds(tmp_path: Path) -> None:
     """Rank 1 of 4 SIGKILLed at step 5 (a crashed node, the kernel's OOM killer)."""
-    job = run_job(4, tmp_path / "run", "--epochs", "1", fault="1:5:kill", timeout=180)
+    for attempt in range(2):
+        job = run_job(4, tmp_path / f"run{attempt}", "--epochs", "1", fault="1:5:kill", timeout=180)
+        if SHOW_HELP_FAILED not in job.err:
+            break  # else mpirun could not print its notice (seen once in CI, on the abort banner): once more
     assert job.rc != 0, job.tail()
     assert report(job) < PROMPT, job.tail()
     assert re.search(r"process rank 1 with PID \d+ on node \S+ exited on signal 9 \(Killed\)", job.err), job.tail()
-    assert checkpoint_steps(tmp_path / "run") == []  # 11 steps per epoch on 4 ranks: none was due
+    assert checkpoint_steps(tmp_path / f"run{attempt}") == []  # 11 steps per epoch on 4 ranks: none was due
 
 
 def test_exception_on_one_rank_aborts_the_whole_job(tmp_path: Path) -> None:
