@@ -1,11 +1,11 @@
 """Training throughput: hpcdl.train's overhead over a bare PyTorch loop, and 1 vs 2 rank scaling.
 
-    .venv/bin/python benchmarks/train_throughput.py [--steps 12] [--rounds 3] [--batch-size 64]
+    .venv/bin/python benchmarks/train_throughput.py [--steps 12] [--rounds 8] [--batch-size 64]
 
-Part 1 runs, in this one process and alternating (A B A B ...), the same ResNet-32 on the same
-synthetic CIFAR-shaped batches through (A) ``hpcdl.train.train`` with one rank and (B) a bare
-loop: forward, backward, SGD step, nothing else. The ratio of their median step times is the
-framework's overhead (Horovod's DistributedOptimizer, lr schedule, finite check, signal check,
+Part 1 runs, in this one process and in pairs of alternating order (AB BA AB ...), the same
+ResNet-32 on the same synthetic CIFAR-shaped batches through (A) ``hpcdl.train.train`` with one
+rank and (B) a bare loop: forward, backward, SGD step, nothing else. The median over pairs of
+A's step time divided by B's is the framework's overhead (Horovod's DistributedOptimizer, lr schedule, finite check, signal check,
 watchdog, metrics). Part 2 launches ``mpirun -np 1`` and ``-np 2`` with one thread per rank and
 reports images/s and the scaling efficiency (ips_2 / (2 * ips_1)). Results go to
 benchmarks/results/train_throughput.json.
@@ -90,7 +90,7 @@ def scaling(steps: int, batch_size: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="measured steps per round")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating hpcdl/bare rounds")
+    parser.add_argument("--rounds", type=int, default=8, help="pairs of hpcdl/bare measurements, in alternating order")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--skip-scaling", action="store_true")
     args = parser.parse_args()
@@ -103,15 +103,23 @@ def main() -> None:
     hpcdl_times, bare_times = [], []
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in tqdm(range(args.rounds), desc="overhead rounds"):
-            hpcdl_times.append(hpcdl_step_seconds(args.steps, args.batch_size, f"{scratch}/r{round_}"))
-            bare_times.append(bare_step_seconds(args.steps, args.batch_size))
+            # Pairs in alternating order (AB BA AB ...), so that neither side always runs second.
+            pair = [lambda: hpcdl_times.append(hpcdl_step_seconds(args.steps, args.batch_size, f"{scratch}/r{round_}")),
+                    lambda: bare_times.append(bare_step_seconds(args.steps, args.batch_size))]
+            for measure in pair if round_ % 2 == 0 else reversed(pair):
+                measure()
+    # The machine's speed drifts between rounds by more than the overhead: the ratio within each
+    # pair cancels the drift, and the median of those ratios is the figure.
+    ratios = [h / b for h, b in zip(hpcdl_times, bare_times)]
     hpcdl_median, bare_median = statistics.median(hpcdl_times), statistics.median(bare_times)
     report = {
         "model": "resnet32", "batch_size": args.batch_size, "threads": me.threads, "steps": args.steps,
         "rounds": args.rounds, "hpcdl_step_seconds": hpcdl_times, "bare_step_seconds": bare_times,
-        "overhead_ratio": hpcdl_median / bare_median,
+        "paired_ratios": ratios, "overhead_ratio": statistics.median(ratios),
+        "ratio_of_medians": hpcdl_median / bare_median,
     }
-    print(f"step time: hpcdl.train {hpcdl_median * 1e3:.1f} ms, bare loop {bare_median * 1e3:.1f} ms "
+    print(f"step time: hpcdl.train {hpcdl_median * 1e3:.1f} ms, bare loop {bare_median * 1e3:.1f} ms (medians); "
+          f"paired ratios {min(ratios):.3f}-{max(ratios):.3f}, median {report['overhead_ratio']:.3f} "
           f"-> overhead {100 * (report['overhead_ratio'] - 1):+.1f}% ({me.threads} threads, batch {args.batch_size})")
     if not args.skip_scaling:
         report.update(scaling(args.steps, args.batch_size))

@@ -34,6 +34,7 @@ from hpcdl.models import build_model
 from hpcdl.schedule import LRSchedule, lr_scale
 from hpcdl.signals import GracefulStop
 from hpcdl.watchdog import StallWatchdog
+from hpcdl.watchdog import stop_all as stop_all_watchdogs
 
 
 @dataclasses.dataclass
@@ -299,6 +300,13 @@ class TrainResult:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run (or continue) one training job on every rank of the world."""
+    try:
+        return _train(config)
+    finally:
+        stop_all_watchdogs()  # after an exception too: nothing may end this process later
+
+
+def _train(config: TrainConfig) -> TrainResult:
     me = world.init()
     comm = world.comm()
     cuda = me.device.type == "cuda"

@@ -17,11 +17,21 @@ too), so each rank runs a thread of ours that wakes every ``interval`` seconds a
 
 Heartbeats travel on a duplicate of the world communicator, so they never mix with training
 traffic. An MPI_Abort from this thread ends the job even while the main thread waits in Horovod.
+
+That thread needs the GIL, and a main thread blocked inside a C extension that did not release
+it starves the thread for good. Horovod does exactly that with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``:
+its background thread holds the process-set table's lock through an MPI_Allgather every cycle,
+and the main thread's next ``allreduce`` waits for that lock with the GIL held -- so when a peer
+freezes, every Python thread of every live rank freezes too (seen with gdb). The backstop is
+faulthandler's watchdog, a C thread that needs no GIL: armed ``backstop`` seconds ahead and
+pushed back as progress is made, it dumps every thread's stack to stderr and exits the process
+with status 1, which makes the launcher end the job.
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import sys
 import threading
 import time
@@ -29,6 +39,14 @@ import time
 HEARTBEAT_TAG = 7011
 EXIT_STALL = 3
 WAITING_PHASES = ("collective",)  # a rank here waits for the others; it is not the culprit
+_running: list["StallWatchdog"] = []
+
+
+def stop_all() -> None:
+    """Stop every watchdog of this process: after an exception, an in-process caller (a notebook,
+    a test) must not have a forgotten watchdog end the process later."""
+    for watchdog in list(_running):
+        watchdog.stop()
 
 
 class StallWatchdog:
@@ -40,6 +58,9 @@ class StallWatchdog:
         self.interval = interval if interval is not None else max(0.2, min(5.0, timeout / 5))
         self.silent_after = 3 * self.interval  # no heartbeat for this long: that rank is not running
         self.grace = max(10.0, timeout / 2)
+        # Later than every verdict of the Python thread, so that one speaks first when it can.
+        self.backstop = timeout + self.grace + max(5.0, 2 * self.interval)
+        self._armed_at = float("-inf")
         self.last_progress = time.monotonic()
         self.step = 0
         self.phase = "starting"
@@ -49,7 +70,9 @@ class StallWatchdog:
     def start(self) -> "StallWatchdog":
         if self.timeout > 0:
             self.last_progress = time.monotonic()
+            self._arm_backstop(self.last_progress)
             self._thread.start()
+            _running.append(self)
             # Before mpi4py's own exit handler finalizes MPI (atexit runs newest first): the thread
             # must not be inside an MPI call while MPI shuts down, e.g. after a usage error.
             atexit.register(self.stop)
@@ -57,14 +80,25 @@ class StallWatchdog:
 
     def beat(self, step: int | None = None, phase: str | None = None) -> None:
         """Record progress (a completed step, an evaluated batch, a written checkpoint)."""
-        self.last_progress = time.monotonic()
+        self.last_progress = now = time.monotonic()
+        if now - self._armed_at > 1.0:  # re-arming costs a thread start: at most once a second
+            self._arm_backstop(now)
         if step is not None:
             self.step = step
         if phase is not None:
             self.phase = phase
 
+    def _arm_backstop(self, now: float) -> None:
+        if self.timeout > 0 and not self._done.is_set():
+            self._armed_at = now
+            faulthandler.dump_traceback_later(self.backstop, exit=True, file=sys.stderr)
+
     def stop(self) -> None:
+        if not self._done.is_set() and self._armed_at > float("-inf"):
+            faulthandler.cancel_dump_traceback_later()
         self._done.set()
+        if self in _running:
+            _running.remove(self)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
 

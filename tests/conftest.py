@@ -8,9 +8,19 @@ with a non-zero exit. pytest-timeout (pyproject) is the backstop for a test stuc
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The collective session lets Horovod start with dynamic process sets, so that K-FAC's rank
+    # groups use them (tests/test_kfac_mpi.py). Only there: in the plain session the variable would
+    # reach every `mpirun ... hpcdl.train` a test starts, and with it Horovod's background thread
+    # holds a lock through an MPI call every cycle (see docs/reliability.md, "frozen rank").
+    if config.getoption("--with-mpi", default=False):
+        os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
 
 
 def _mpi_size() -> int:

@@ -8,8 +8,10 @@ Two kinds of MPI tests live in this suite:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +35,8 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     for key in list(env):
         if key.startswith(("OMPI_COMM_WORLD", "PMIX_", "OMPI_MCA_ess", "OMPI_MCA_orte", "OMPI_MCA_pmix")):
             env.pop(key)
+    # Set by tests/conftest.py for the collective session; jobs get Horovod's default unless asked.
+    env.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
     env.update(extra or {})
     return env
 
@@ -64,9 +68,39 @@ def run_mpi(
         out, err = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, 124, out, err + f"\n[run_mpi] killed after {timeout} s\n")
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process below it.
+
+    Killing mpirun's process group is not enough: Open MPI starts each rank in a process group of
+    its own, so the ranks of a hung job would survive mpirun, keep the output pipes open (the
+    test then waits on them) and load the machine for the tests after it.
+    """
+    for victim in [pid, *_descendants(pid)]:  # found before any is killed: orphans lose their parent
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _descendants(root: int) -> list[int]:
+    parent_of: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+    found, frontier = [], [root]
+    while frontier:
+        current = frontier.pop()
+        children = [pid for pid, parent in parent_of.items() if parent == current]
+        found += children
+        frontier += children
+    return found
 
 
 def assert_all_ranks(ok: bool, message: str = "") -> None:

@@ -35,3 +35,17 @@ def test_failing_rank_ends_the_whole_run_quickly(tmp_path: Path) -> None:
     assert elapsed < 120
     assert "deliberate failure on rank 1" in result.stderr
     assert "aborting every rank" in result.stderr
+
+
+def test_timeout_kills_every_rank_not_only_mpirun(tmp_path: Path) -> None:
+    """A hung job is ended whole: Open MPI puts each rank in its own process group, so killing
+    mpirun's group alone would leave the ranks running, holding the pipes the test reads."""
+    marker = f"hpcdl-harness-{tmp_path.name}"
+    start = time.monotonic()
+    result = run_mpi(2, ["-c", f"import time; time.sleep(600)  # {marker}"], timeout=10)
+    assert result.returncode == 124
+    assert time.monotonic() - start < 60  # not waiting on pipes held by orphaned ranks
+    time.sleep(1)
+    survivors = [p for p in Path("/proc").glob("[0-9]*/cmdline")
+                 if marker in p.read_bytes().decode(errors="replace") if p.exists()]
+    assert not survivors, survivors

@@ -9,11 +9,9 @@ communicator, on the whole global batch. Verdicts are collective, so a failure n
 
 from __future__ import annotations
 
-import os
-
-# Horovod reads this when it starts; K-FAC then uses Horovod process sets for its rank groups.
-# (Without it K-FAC falls back to mpi4py sub-communicators, tested below as well.)
-os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+# tests/conftest.py sets HOROVOD_DYNAMIC_PROCESS_SETS=1 for the --with-mpi session (Horovod reads
+# it when it starts), so K-FAC uses Horovod process sets for its rank groups; without it K-FAC falls
+# back to mpi4py sub-communicators, tested below as well.
 
 import pytest
 import torch

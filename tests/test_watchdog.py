@@ -8,11 +8,13 @@ its diagnosis as a plain function.
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
 
 from hpcdl.watchdog import StallWatchdog
+from mpi_harness import PYTHON, REPO
 
 
 class FakeComm:
@@ -138,3 +140,40 @@ def test_the_others_name_a_silent_rank_0() -> None:
     ok = verdicts == [] if rank == 0 else bool(verdicts) and all(
         f"stall: rank {rank} completed no step for" in v and "and rank 0 went silent" in v for v in verdicts)
     assert_all_ranks(ok, f"rank {rank}: {verdicts}")
+
+
+BLOCKED_WITH_THE_GIL = """
+import ctypes, sys
+from mpi4py import MPI
+from hpcdl.watchdog import StallWatchdog
+watchdog = StallWatchdog(MPI.COMM_SELF, timeout=1.0, interval=0.2).start()
+print(f"backstop {watchdog.backstop:g}", flush=True)
+# {how}: PyDLL keeps the GIL through the C call, as Horovod's allreduce does while it waits for
+# a lock; time.sleep releases it.
+{call}
+print("not reached", flush=True)
+"""
+
+
+def _blocked(how: str, call: str) -> subprocess.CompletedProcess[str]:
+    code = BLOCKED_WITH_THE_GIL.replace("{how}", how).replace("{call}", call)
+    return subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_backstop_ends_a_process_whose_main_thread_holds_the_gil() -> None:
+    """The Python watchdog thread cannot run at all; faulthandler's C thread still ends the process."""
+    start = time.monotonic()
+    result = _blocked("main thread blocked in C holding the GIL", "ctypes.PyDLL(None).sleep(60)")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "backstop 16" in result.stdout and "not reached" not in result.stdout
+    assert "Timeout (0:00:16)!" in result.stderr  # faulthandler's dump: where each thread was
+    assert "stall:" not in result.stderr  # the Python thread never got to speak
+    assert 15 < elapsed < 50, elapsed
+
+
+def test_python_watchdog_speaks_first_when_it_can() -> None:
+    result = _blocked("main thread asleep without the GIL", "import time; time.sleep(60)")
+    assert result.returncode == 3, result.stdout + result.stderr  # EXIT_STALL, through MPI_Abort
+    assert "hpcdl: stall: no training step completed for" in result.stderr
+    assert "Timeout (" not in result.stderr
