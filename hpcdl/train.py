@@ -16,7 +16,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import horovod.torch as hvd
 import torch
@@ -35,6 +35,9 @@ from hpcdl.schedule import LRSchedule, lr_scale
 from hpcdl.signals import GracefulStop
 from hpcdl.watchdog import StallWatchdog
 from hpcdl.watchdog import stop_all as stop_all_watchdogs
+
+if TYPE_CHECKING:
+    from kfac import KFACPreconditioner
 
 
 @dataclasses.dataclass
@@ -117,6 +120,51 @@ def autocast_context(config: TrainConfig, device: torch.device):
         return contextlib.nullcontext()
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def check_adasum(config: TrainConfig, world_size: int, cuda: bool) -> None:
+    """What Horovod's Adasum optimizer cannot do, as one line instead of a traceback mid-step."""
+    if world_size & (world_size - 1):
+        raise UsageError(f"--use-adasum needs a power-of-two number of ranks (Horovod's Adasum), got {world_size}")
+    if config.kfac_update_freq > 0:
+        raise UsageError("--use-adasum cannot be combined with K-FAC (--kfac-update-freq > 0): Horovod's Adasum "
+                         "optimizer takes its step inside backward, before K-FAC could precondition the gradient")
+    if config.amp and cuda:
+        raise UsageError("--use-adasum cannot be combined with --amp on CUDA: the GradScaler must unscale "
+                         "gradients before the step, and Adasum steps inside backward")
+
+
+def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, preconditioner: KFACPreconditioner | None,
+                    scaler: torch.amp.GradScaler | None, world_size: int, adasum: bool, comm,
+                    watchdog: StallWatchdog) -> bool:
+    """Average the gradients over the ranks, precondition and step; False when they were not finite.
+
+    Horovod's DistributedOptimizer allreduces in backward hooks; ``synchronize`` waits for them,
+    then K-FAC and the step run inside ``skip_synchronize``. On one rank there is nothing to
+    average (Horovod registers no hooks, and its ``synchronize`` would still copy every gradient
+    through its queue: a measurable cost). Horovod's Adasum optimizer (2+ ranks) differs: its hooks
+    apply the local step inside backward and ``step`` combines the ranks' updates, so there is
+    nothing to skip; the ranks agree on finiteness so that they stop together.
+    """
+    if adasum and world_size > 1:
+        optimizer.step()
+        watchdog.beat(phase="compute")
+        return comm.allreduce(0 if gradients_finite(model) else 1) == 0
+    if world_size > 1:
+        optimizer.synchronize()
+    watchdog.beat(phase="compute")
+    if scaler:
+        scaler.unscale_(optimizer)
+    finite = gradients_finite(model)
+    if finite and preconditioner is not None:
+        preconditioner.step()
+    with optimizer.skip_synchronize():
+        if scaler:
+            scaler.step(optimizer)  # skips the update itself when gradients are not finite
+            scaler.update()
+        elif finite:
+            optimizer.step()
+    return finite
 
 
 def gradients_finite(model: nn.Module) -> bool:
@@ -325,6 +373,8 @@ def _train(config: TrainConfig) -> TrainResult:
     steps_per_epoch = len(train_loader)
 
     # ---- optimisation: linear lr scaling, warm-up, decay; Horovod allreduce in the optimizer
+    if config.use_adasum and me.size > 1:
+        check_adasum(config, me.size, cuda)
     peak_lr = config.base_lr * lr_scale(me.size, config.batches_per_allreduce, config.use_adasum, me.local_size, cuda)
     schedule = LRSchedule(config.base_lr, peak_lr, config.warmup_epochs, config.epochs, config.lr_schedule,
                           config.lr_decay)
@@ -403,19 +453,7 @@ def _train(config: TrainConfig) -> TrainResult:
                 (scaler.scale(scaled) if scaler else scaled).backward()
                 sums.add(loss=loss.detach() * y.numel(), correct=(logits.argmax(1) == y).sum(), count=y.numel())
             watchdog.beat(phase="collective")
-            optimizer.synchronize()
-            watchdog.beat(phase="compute")
-            if scaler:
-                scaler.unscale_(optimizer)
-            finite = gradients_finite(model)
-            if finite and preconditioner is not None:
-                preconditioner.step()
-            with optimizer.skip_synchronize():
-                if scaler:
-                    scaler.step(optimizer)  # skips the update itself when gradients are not finite
-                    scaler.update()
-                elif finite:
-                    optimizer.step()
+            finite = apply_gradients(model, optimizer, preconditioner, scaler, me.size, config.use_adasum, comm, watchdog)
             optimizer.zero_grad()  # Horovod's wrapper sets gradients to None (torch default)
 
             progress.nonfinite_streak = 0 if finite else progress.nonfinite_streak + 1

@@ -115,6 +115,16 @@ def test_more_ranks_than_samples(tmp_path: Path) -> None:
     assert_usage_error(job, "48 training samples cannot give 2 ranks a batch of 32 each")
 
 
+def test_adasum_on_a_world_size_that_is_not_a_power_of_two(tmp_path: Path) -> None:
+    job = run_job(3, tmp_path / "run", "--use-adasum", *SHORT, timeout=120)
+    assert_usage_error(job, "--use-adasum needs a power-of-two number of ranks (Horovod's Adasum), got 3")
+
+
+def test_adasum_with_kfac(tmp_path: Path) -> None:
+    job = bad_run(tmp_path, "--use-adasum", "--kfac-update-freq", "10", *SHORT)
+    assert_usage_error(job, "--use-adasum cannot be combined with K-FAC (--kfac-update-freq > 0)")
+
+
 def test_diverging_learning_rate_stops_with_a_clear_message(tmp_path: Path) -> None:
     """A learning rate far too high: the loss overflows, updates are skipped, then the run stops."""
     job = bad_run(tmp_path, "--base-lr", "1e6", "--warmup-epochs", "0", "--epochs", "1")
