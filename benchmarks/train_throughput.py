@@ -115,6 +115,7 @@ def main() -> None:
     report = {
         "model": "resnet32", "batch_size": args.batch_size, "threads": me.threads, "steps": args.steps,
         "rounds": args.rounds, "hpcdl_step_seconds": hpcdl_times, "bare_step_seconds": bare_times,
+        "malloc_tuning": os.environ.get("HPCDL_MALLOC_TUNING", "1") != "0",  # hpcdl/allocator.py, both loops
         "paired_ratios": ratios, "overhead_ratio": statistics.median(ratios),
         "ratio_of_medians": hpcdl_median / bare_median,
     }

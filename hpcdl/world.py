@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 import torch
 
+from hpcdl import allocator
+
 # Launchers announce the node-local rank under different names. The MPI launcher's own variable
 # comes first: under `mpirun` inside an sbatch job every rank sees SLURM_LOCALID=0.
 LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
@@ -136,6 +138,7 @@ def init(use_horovod: bool = True) -> World:
         torch.cuda.set_device(device)
     threads = threads_per_rank(local_size)
     torch.set_num_threads(threads)
+    allocator.keep_freed_memory()
 
     _world = World(
         rank=comm.Get_rank(),
