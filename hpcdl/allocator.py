@@ -3,9 +3,9 @@
 A CPU training step allocates and frees the same large activation buffers (4 MiB each for a
 CIFAR ResNet at batch 64) every step. glibc's malloc serves blocks above its mmap threshold
 with fresh ``mmap`` calls and hands freed memory at the top of the heap back to the kernel, so
-every step faults the same pages in again. Its threshold adapts upwards on its own, but other
-work between epochs (evaluation, checkpoints) resets the pattern. On the development VM that
-cost 7-20 % of a resnet32 step (README, "Measured on this machine"). Raising the mmap and trim
+every step faults the same pages in again. On the development VM that cost 18 % of hpcdl's
+resnet32 step, and more in hpcdl's loop than in a bare one (README, "Measured on this
+machine"); we did not trace why the two differ. Raising the mmap and trim
 thresholds keeps the pages. The price is resident memory that stays at the step's peak, which a
 training job reaches every step anyway.
 

@@ -70,8 +70,8 @@ class StallWatchdog:
     def start(self) -> "StallWatchdog":
         if self.timeout > 0:
             self.last_progress = time.monotonic()
-            self._arm_backstop(self.last_progress)
             self._thread.start()
+            self._arm_backstop(self.last_progress)
             _running.append(self)
             # Before mpi4py's own exit handler finalizes MPI (atexit runs newest first): the thread
             # must not be inside an MPI call while MPI shuts down, e.g. after a usage error.
@@ -89,7 +89,7 @@ class StallWatchdog:
             self.phase = phase
 
     def _arm_backstop(self, now: float) -> None:
-        if self.timeout > 0 and not self._done.is_set():
+        if self._thread.ident is not None and not self._done.is_set():  # only a started watchdog
             self._armed_at = now
             faulthandler.dump_traceback_later(self.backstop, exit=True, file=sys.stderr)
 

@@ -84,7 +84,7 @@ def test_bad_flag_under_mpirun(tmp_path: Path) -> None:
 def test_resume_without_output_dir(tmp_path: Path) -> None:
     result = run_mpi(RANKS, ["-m", "hpcdl.train", "--resume", "--no-progress"], timeout=120, env={"HPCDL_FAULT": ""},
                      cwd=tmp_path)
-    job = Job(result, 0.0, 0.0)
+    job = Job(result, 0.0, 0.0, tmp_path)
     assert_usage_error(job, "--resume needs --output-dir")
     assert not (tmp_path / "runs").exists()  # and it did not start a fresh run somewhere
 
