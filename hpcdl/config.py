@@ -20,6 +20,8 @@ from hpcdl.errors import UsageError
 PRESETS: dict[str, dict[str, Any]] = {
     "digits": dict(model="digits_cnn", epochs=15, batch_size=32, base_lr=0.02, lr_schedule="cosine",
                    lr_decay=[], warmup_epochs=1.0, weight_decay=1e-4, workers=0),
+    "mnist": dict(model="mnist_cnn", epochs=10, batch_size=64, base_lr=0.02, lr_schedule="cosine",
+                  lr_decay=[], warmup_epochs=0.5, weight_decay=5e-4, workers=0),
     "cifar10": dict(model="resnet32", epochs=100, batch_size=128, base_lr=0.1, lr_schedule="step",
                     lr_decay=[35, 75, 90], warmup_epochs=5.0, weight_decay=5e-4, workers=2),
     "imagenet": dict(model="resnet50", epochs=90, batch_size=32, base_lr=0.0125, lr_schedule="step",

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 
 from hpcdl.errors import UsageError
 
-DATASETS = ("digits", "cifar10", "imagenet", "synthetic")
+DATASETS = ("digits", "mnist", "cifar10", "imagenet", "synthetic")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -221,6 +221,10 @@ def load_dataset(
         raise UsageError(f"--data-dir {data_dir} is a file, not a folder (extract the dataset archive first)")
     if not os.access(path, os.R_OK | os.X_OK):
         raise UsageError(f"--data-dir {data_dir} is not readable")
+    if name == "mnist":
+        from hpcdl.data.mnist import load_mnist
+
+        return load_mnist(path)
     return load_cifar10(path) if name == "cifar10" else load_imagenet(path)
 
 
