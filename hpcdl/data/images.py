@@ -1,0 +1,79 @@
+"""Encoded images: where their bytes come from (a folder of files, or packed shards) and how they are
+decoded (libjpeg-turbo on the CPU through torchvision.io, or nvJPEG in batches on a CUDA device).
+
+A corrupt file is an OSError naming it (the message is the whole story: hpcdl.errors prints it as
+one line). On the device, a batch that nvJPEG rejects is decoded image by image, and an image it
+cannot handle (a PNG, a CMYK JPEG) falls back to the CPU decoder before anything is called corrupt.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+class ByteSource(Protocol):
+    """Random access to the encoded samples of one split."""
+
+    labels: np.ndarray  # int64 (N,)
+
+    def __len__(self) -> int: ...
+
+    def read(self, index: int) -> torch.Tensor:
+        """The encoded bytes of sample ``index`` as a uint8 tensor."""
+        ...
+
+    def name(self, index: int) -> str:
+        """Where the sample lives, for error messages."""
+        ...
+
+
+class FolderSource:
+    """One file per sample (ImageNet's class folders)."""
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[int]) -> None:
+        self.paths = list(paths)
+        self.labels = np.asarray(labels, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def read(self, index: int) -> torch.Tensor:
+        with open(self.paths[index], "rb") as handle:
+            data = handle.read()
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def name(self, index: int) -> str:
+        return self.paths[index]
+
+
+def is_jpeg(data: torch.Tensor) -> bool:
+    return bytes(data[:3].tolist()) == JPEG_MAGIC
+
+
+def decode_cpu(data: torch.Tensor, name: str, mode: ImageReadMode = ImageReadMode.RGB) -> torch.Tensor:
+    """Any format torchvision.io reads (JPEG through libjpeg-turbo, PNG, ...) -> uint8 (C, H, W)."""
+    try:
+        return decode_image(data, mode=mode)
+    except (RuntimeError, ValueError) as exc:
+        raise OSError(f"cannot decode image {name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+
+
+def decode_on_device(datas: list[torch.Tensor], names: list[str], device: torch.device) -> list[torch.Tensor]:
+    """A batch of JPEG byte tensors -> uint8 (3, H, W) tensors on ``device`` (one batched nvJPEG call on CUDA)."""
+    try:
+        return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:
+        pass
+    images = []
+    for data, name in zip(datas, names):  # find the culprit(s); decode the rest as usual
+        try:
+            images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:
+            images.append(decode_cpu(data, name).to(device, non_blocking=True))
+    return images

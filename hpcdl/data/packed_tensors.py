@@ -1,0 +1,30 @@
+"""Small datasets (CIFAR-10, MNIST) read back from shards into memory as uint8 tensors."""
+
+from __future__ import annotations
+
+import torch
+from torchvision.io import ImageReadMode
+
+from hpcdl.data.images import ByteSource, decode_cpu
+from hpcdl.data.spec import CIFAR_NORM, MNIST_NORM
+from hpcdl.data.tensors import ImageTensors, validate_images
+from hpcdl.errors import UsageError
+
+LAYOUTS = {"cifar10": (ImageReadMode.RGB, (3, 32, 32), CIFAR_NORM), "mnist": (ImageReadMode.GRAY, (1, 28, 28), MNIST_NORM)}
+
+
+def decode_all(dataset: str, source: ByteSource) -> ImageTensors:
+    mode, shape, norm = LAYOUTS[dataset]
+    images = []
+    for index in range(len(source)):
+        try:
+            image = decode_cpu(source.read(index), source.name(index), mode)
+        except OSError as exc:
+            raise UsageError(str(exc)) from exc
+        if tuple(image.shape) != shape:
+            raise UsageError(f"image {source.name(index)} is {tuple(image.shape)}, expected {shape} for {dataset}")
+        images.append(image)
+    tensors = torch.stack(images)
+    labels = torch.from_numpy(source.labels.copy())
+    validate_images(f"{dataset} shards in {getattr(source, 'paths', ['?'])[0]}..", tensors, labels, 10, shape)
+    return ImageTensors(tensors, labels, norm)
