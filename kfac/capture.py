@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac.factors import BatchStatistics
 from kfac.layers import KFACLayer
+from kfac.precision import ieee_fp32
 
 
 class LayerCapture:
@@ -67,7 +68,7 @@ class LayerCapture:
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         x = inputs[0].detach()
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # factors stay in float32
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False), ieee_fp32():  # float32, no TF32
             moment, count = self.layer.a_moment(x)
         self.a_sum = moment if self.a_sum is None else self.a_sum.add_(moment)
         self.a_count += count
@@ -75,7 +76,7 @@ class LayerCapture:
         output.register_hook(self._gradient_hook)
 
     def _gradient_hook(self, grad_output: Tensor) -> None:
-        with torch.no_grad(), torch.autocast(grad_output.device.type, enabled=False):
+        with torch.no_grad(), torch.autocast(grad_output.device.type, enabled=False), ieee_fp32():
             moment, count = self.layer.g_moment(grad_output)
             if self._per_example_factor:  # the per-example gradient of a mean-reduced loss: N x grad_output
                 moment.mul_((self._per_example_factor * self.layer.examples(grad_output)) ** 2)

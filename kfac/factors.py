@@ -9,30 +9,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Union
 
 import torch
 from torch import Tensor
 
+Count = Union[float, Tensor]
+
 
 @lru_cache(maxsize=None)
-def _upper_positions(n: int) -> tuple[Tensor, Tensor]:
-    """Flat positions of the upper triangle of an n x n matrix, and of its mirror image."""
-    rows, cols = torch.triu_indices(n, n)
+def _upper_positions(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Flat positions of the upper triangle of an n x n matrix, and of its mirror image.
+
+    Kept on the device they index (built there once, not copied from the host every call).
+    """
+    rows, cols = torch.triu_indices(n, n, device=device)
     return rows * n + cols, cols * n + rows
 
 
 def pack_upper(matrix: Tensor) -> Tensor:
     """The upper triangle (diagonal included) of a symmetric matrix as a vector: n(n+1)/2 numbers."""
-    upper, _ = _upper_positions(matrix.shape[0])
-    return matrix.reshape(-1).index_select(0, upper.to(matrix.device))
+    upper, _ = _upper_positions(matrix.shape[0], matrix.device)
+    return matrix.reshape(-1).index_select(0, upper)
 
 
 def unpack_upper(vector: Tensor, n: int) -> Tensor:
     """The symmetric matrix whose upper triangle is ``vector``."""
-    upper, lower = _upper_positions(n)
+    upper, lower = _upper_positions(n, vector.device)
     flat = vector.new_empty(n * n)
-    flat.index_copy_(0, lower.to(vector.device), vector)
-    flat.index_copy_(0, upper.to(vector.device), vector)
+    flat.index_copy_(0, lower, vector)
+    flat.index_copy_(0, upper, vector)
     return flat.view(n, n)
 
 
@@ -42,26 +48,32 @@ def upper_size(n: int) -> int:
 
 @dataclass
 class BatchStatistics:
-    """One layer's sums over one step's batch, before they are averaged into factors."""
+    """One layer's sums over one step's batch, before they are averaged into factors.
+
+    The counts are numbers on the host when they come from this rank's shapes, and 0-dim tensors
+    on the device after an allreduce (reading them back would stall the GPU).
+    """
 
     a_sum: Tensor
-    a_count: float
+    a_count: Count
     g_sum: Tensor
-    g_count: float
+    g_count: Count
 
     def pack(self) -> Tensor:
         """[triu(Σ a aᵀ), triu(Σ g gᵀ), a_count, g_count] as one buffer for a single allreduce."""
-        counts = self.a_sum.new_tensor([self.a_count, self.g_count])
-        return torch.cat([pack_upper(self.a_sum), pack_upper(self.g_sum), counts])
+        buffer = torch.cat([pack_upper(self.a_sum), pack_upper(self.g_sum), self.a_sum.new_empty(2)])
+        buffer[-2] = self.a_count  # filled on the device: no host-to-device copy to wait for
+        buffer[-1] = self.g_count
+        return buffer
 
     @classmethod
     def unpack(cls, buffer: Tensor, a_dim: int, g_dim: int) -> "BatchStatistics":
         na, ng = upper_size(a_dim), upper_size(g_dim)
         return cls(
             a_sum=unpack_upper(buffer[:na], a_dim),
-            a_count=float(buffer[na + ng]),
+            a_count=buffer[na + ng],
             g_sum=unpack_upper(buffer[na : na + ng], g_dim),
-            g_count=float(buffer[na + ng + 1]),
+            g_count=buffer[na + ng + 1],
         )
 
     @classmethod
@@ -72,13 +84,10 @@ class BatchStatistics:
             return first
         return cls(
             a_sum=sum((p.a_sum for p in parts[1:]), first.a_sum.clone()),
-            a_count=sum(p.a_count for p in parts),
+            a_count=sum((p.a_count for p in parts[1:]), first.a_count),
             g_sum=sum((p.g_sum for p in parts[1:]), first.g_sum.clone()),
-            g_count=sum(p.g_count for p in parts),
+            g_count=sum((p.g_count for p in parts[1:]), first.g_count),
         )
-
-    def is_finite(self) -> bool:
-        return bool(torch.isfinite(self.a_sum).all()) and bool(torch.isfinite(self.g_sum).all())
 
     @staticmethod
     def empty_buffer(a_dim: int, g_dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -91,3 +100,17 @@ def running_average(old: Tensor | None, new: Tensor, decay: float) -> Tensor:
     if old is None:
         return new.clone()
     return old.mul_(decay).add_(new, alpha=1.0 - decay)
+
+
+def masked_running_averages(olds: list[Tensor], news: list[Tensor], decay: float, keep: list[Tensor]) -> list[Tensor]:
+    """[ξF + (1−ξ)F_batch, or F where ``keep``] for many factors, without reading ``keep`` on the host.
+
+    ``keep`` holds 0-dim booleans on the factors' device (a skipped or non-finite step): the old
+    factor is selected element by element, so a non-finite batch never reaches the result. New
+    tensors are returned; the old ones are left as they were.
+    """
+    if not olds:
+        return []
+    mixed = torch._foreach_mul(olds, decay)
+    torch._foreach_add_(mixed, news, alpha=1.0 - decay)
+    return [torch.where(k, old, m) for old, m, k in zip(olds, mixed, keep)]

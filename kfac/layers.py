@@ -136,9 +136,20 @@ class Conv2dLayer(KFACLayer):
         if grad_output.dim() == 3:
             grad_output = grad_output.unsqueeze(0)
         n, out = grad_output.shape[:2]
-        per_example = grad_output.reshape(n, out, -1).to(self.dtype)  # (N, out, positions): no transpose copy
-        moment = torch.bmm(per_example, per_example.transpose(1, 2)).sum(0)
-        return moment, float(n * per_example.shape[2])
+        positions = grad_output[0, 0].numel()
+        if positions >= out and not grad_output.is_contiguous(memory_format=torch.channels_last):
+            # Per-example Grams straight from the NCHW layout, no transpose copy: the (N, out, out)
+            # intermediate is no larger than the gradient itself when positions >= out.
+            per_example = grad_output.reshape(n, out, positions).to(self.dtype)
+            moment = torch.bmm(per_example, per_example.transpose(1, 2)).sum(0)
+        else:
+            # Deep layers (few positions, many channels: ResNet-50's layer4 has 49 and 2,048): one
+            # (N·positions, out) matrix, like a weight gradient, instead of an (N, out, out) stack that
+            # would be N·out/positions times the gradient's size (a GiB at batch 64). Free of copies
+            # for a channels-last gradient.
+            rows = grad_output.movedim(1, -1).reshape(-1, out).to(self.dtype)
+            moment = rows.T @ rows
+        return moment, float(n * positions)
 
     def examples(self, grad_output: Tensor) -> int:
         return 1 if grad_output.dim() == 3 else grad_output.shape[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence, Union
 
@@ -28,8 +29,10 @@ from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work
 from kfac.capture import LayerCapture
 from kfac.comm import Communicator, buffer_to_tensors, default_communicator, tensors_to_buffer
-from kfac.factors import BatchStatistics, running_average
+from kfac.decompose import EigenJob, Recoveries, Results, decompose_eigen
+from kfac.factors import BatchStatistics, masked_running_averages
 from kfac.layers import KFACLayer, SkipSpec, find_layers
+from kfac.precision import ieee_fp32
 from kfac.workers import map_largest_first
 
 Schedule = Union[float, Callable[[int], float]]
@@ -71,6 +74,12 @@ class KFACPreconditioner:
         grad_scaler: the torch GradScaler of an AMP run; its scale is divided out of G.
         communicator: the collectives to use; by default Horovod's when it is initialised with
             several ranks, else none.
+        late_decompositions: compute each inverse update's decompositions in the background and
+            use them from the next inverse update on (one period late), so that a GPU's training
+            steps overlap them. Off by default: with it a run no longer equals the synchronous one.
+        cpu_eigen_limit: on a GPU, factors with at most this many rows are decomposed on the host's
+            worker threads (faster there for small matrices), overlapping the GPU's large ones; 0
+            keeps them all on the GPU.
 
     ``damping``, ``factor_decay``, ``kl_clip`` and ``lr`` may be callables of the step number.
     """
@@ -94,6 +103,8 @@ class KFACPreconditioner:
         backward_passes_per_step: int = 1,
         grad_scaler: Any = None,
         communicator: Communicator | None = None,
+        late_decompositions: bool = False,
+        cpu_eigen_limit: int = 512,
     ) -> None:
         for name, freq in (
             ("factor_update_freq", factor_update_freq),
@@ -112,6 +123,8 @@ class KFACPreconditioner:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if eigen_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"eigen_dtype must be torch.float32 or torch.float64, got {eigen_dtype}")
+        if not isinstance(cpu_eigen_limit, int) or cpu_eigen_limit < 0:
+            raise ValueError(f"cpu_eigen_limit must be a non-negative integer, got {cpu_eigen_limit!r}")
 
         self.factor_update_freq = factor_update_freq
         self.inv_update_freq = inv_update_freq
@@ -125,8 +138,18 @@ class KFACPreconditioner:
         self.loss_reduction = loss_reduction
         self.grad_scaler = grad_scaler
         self.backward_passes_per_step = backward_passes_per_step
+        self.late_decompositions = late_decompositions
+        self.cpu_eigen_limit = cpu_eigen_limit
         self.steps = 0
-        self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, for benchmarks
+        # Host seconds per phase, for benchmarks (on a GPU: the time to launch the work, not to finish it).
+        self.timings: dict[str, float] = defaultdict(float)
+        # Decompositions that needed a recovery, by kind (solve.RECOVERIES), on the rank that computed them.
+        self.eigen_recoveries: dict[str, int] = {kind: 0 for kind in solve.RECOVERIES}
+        self._warned_recovery = False
+        self._skipped_updates: Tensor | None = None  # on the device: layer factor updates left out
+        self._pending: tuple[list[int], Future, Any] | None = None  # late decompositions in flight
+        self._late_runner: ThreadPoolExecutor | None = None
+        self._side_stream: Any = None
 
         self.layers: list[KFACLayer] = find_layers(model, skip_layers)
         if not self.layers:
@@ -162,12 +185,19 @@ class KFACPreconditioner:
         ]
 
     # ------------------------------------------------------------------ public API
-    def step(self) -> None:
-        """Precondition the gradients in place (after backward, before the optimizer's step)."""
+    def step(self, found_inf: Tensor | None = None) -> None:
+        """Precondition the gradients in place (after backward, before the optimizer's step).
+
+        ``found_inf``: a 0-dim tensor on the gradients' device, 1.0 when this step's gradients are
+        not finite and the optimizer will skip the step (GradScaler's verdict). The step's factor
+        statistics are then left out of the running factors, on the device, without a host read;
+        the gradients it writes do not matter (the optimizer skips them). Without it, statistics
+        that are not finite are left out all the same.
+        """
         step = self.steps
         if step % self.factor_update_freq == 0:
             with self._timed("factors"):
-                self._update_factors(step)
+                self._update_factors(step, found_inf)
         stale = [
             i
             for i in range(len(self.layers))
@@ -176,17 +206,25 @@ class KFACPreconditioner:
         if stale:
             with self._timed("decompositions"):
                 self._update_decompositions(stale, step)
-        with self._timed("precondition"):
+        with self._timed("precondition"), ieee_fp32():
             self._precondition(step)
         self.steps += 1
 
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters for logs: decompositions recovered by kind, and factor updates left out (skipped
+        or non-finite steps, summed over layers). Reading them waits for the device."""
+        skipped = 0 if self._skipped_updates is None else int(self._skipped_updates)
+        return {"eigen_recoveries": dict(self.eigen_recoveries), "skipped_factor_updates": skipped}
+
     def state_dict(self) -> dict[str, Any]:
-        """The running factors and the step count; decompositions are recomputed after loading."""
+        """The running factors, the step count and the recovery counters; decompositions are recomputed after loading."""
         return {
             "steps": self.steps,
             "layers": [layer.name for layer in self.layers],
             "a_factors": [None if f is None else f.detach().clone() for f in self.a_factors],
             "g_factors": [None if f is None else f.detach().clone() for f in self.g_factors],
+            "eigen_recoveries": dict(self.eigen_recoveries),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -201,6 +239,8 @@ class KFACPreconditioner:
                 device = layer.module.weight.device
                 factors[i] = None if saved is None else saved.detach().to(device=device, dtype=layer.dtype).clone()
         self.steps = int(state["steps"])
+        self.eigen_recoveries.update(state.get("eigen_recoveries", {}))
+        self._discard_pending()  # late decompositions of the old factors are of no use now
         self._decompositions = [None] * len(self.layers)
         self._decomposed = [False] * len(self.layers)
         self._denominators.clear()
@@ -244,7 +284,7 @@ class KFACPreconditioner:
             buffer = stats.pack()
         self._in_flight[index] = self.comm.allreduce_sum_async(buffer, f"kfac.factors.{index}")
 
-    def _update_factors(self, step: int) -> None:
+    def _update_factors(self, step: int, found_inf: Tensor | None) -> None:
         decay = _value(self.factor_decay, step)
         loss_scale = self._loss_scale()
         if self.comm.size > 1:
@@ -258,6 +298,7 @@ class KFACPreconditioner:
                 "times in one step; the extra passes only count on this rank",
                 stacklevel=3,
             )
+        batches: list[tuple[int, Tensor, Tensor]] = []  # (layer, A of this batch, G of this batch)
         for index, layer in enumerate(self.layers):
             self._captures[index].reset()
             if self.comm.size > 1:
@@ -267,34 +308,61 @@ class KFACPreconditioner:
             extra = self._late.pop(index, None)
             if extra is not None:
                 stats = extra if stats is None else BatchStatistics.merge([stats, extra])
-            if stats is None or stats.a_count == 0 or stats.g_count == 0:
+            if stats is None:
                 continue
-            if not stats.is_finite():  # an AMP overflow step: keep the old factors
-                continue
-            a_batch = stats.a_sum / stats.a_count
-            g_batch = stats.g_sum / (stats.g_count * loss_scale**2)
-            self.a_factors[index] = running_average(self.a_factors[index], a_batch, decay)
-            self.g_factors[index] = running_average(self.g_factors[index], g_batch, decay)
+            if not isinstance(stats.a_count, Tensor) and (stats.a_count == 0 or stats.g_count == 0):
+                continue  # counts known on the host: nothing ran. Device counts of 0 give 0/0 below, masked.
+            scale = loss_scale.to(stats.g_sum.device) ** 2 if isinstance(loss_scale, Tensor) else loss_scale**2
+            batches.append((index, stats.a_sum / stats.a_count, stats.g_sum / (stats.g_count * scale)))
         self._gathered.clear()
         self._passes.clear()
+        if batches:
+            self._average_into_factors(batches, decay, found_inf)
 
-    def _loss_scale(self) -> float:
+    def _average_into_factors(self, batches: list[tuple[int, Tensor, Tensor]], decay: float, found_inf: Tensor | None) -> None:
+        """F ← ξF + (1−ξ)F_batch for every layer whose batch factors are usable, decided on the device.
+
+        A batch is left out when it is not finite (an fp16 overflow, a layer no rank ran: 0/0) or
+        when ``found_inf`` says the optimizer skips this step. One fused max-norm over all layers
+        gives the verdicts; the old factors are selected with torch.where, so nothing is read back
+        to the host, except once for a layer's first factors (whether it has factors at all decides
+        which layers are decomposed, on the host).
+        """
+        usable = _usable(batches, found_inf)
+        keep = [~ok for ok in usable]
+        old = [(k, b) for k, b in enumerate(batches) if self.a_factors[b[0]] is not None]
+        for factors, side in ((self.a_factors, 1), (self.g_factors, 2)):
+            olds = [factors[b[0]] for _, b in old]
+            news = [b[side] for _, b in old]
+            averaged = masked_running_averages(olds, news, decay, [keep[k] for k, _ in old])  # type: ignore[arg-type]
+            for (_, b), factor in zip(old, averaged):
+                factors[b[0]] = factor
+        first = [(k, b) for k, b in enumerate(batches) if self.a_factors[b[0]] is None]
+        if first:
+            verdicts = torch.stack([usable[k].to(usable[0].device) for k, _ in first]).tolist()  # the one host read
+            for (_, (index, a_batch, g_batch)), ok in zip(first, verdicts):
+                if ok:
+                    self.a_factors[index], self.g_factors[index] = a_batch, g_batch
+        skipped = torch.stack([k.to(keep[0].device) for k in keep]).sum()
+        self._skipped_updates = skipped if self._skipped_updates is None else self._skipped_updates + skipped
+
+    def _loss_scale(self) -> float | Tensor:
+        """The GradScaler's current scale, as the tensor it keeps on the device (no host read)."""
         scaler = self.grad_scaler
         if scaler is None or not scaler.is_enabled():
             return 1.0
-        return float(scaler.get_scale())
+        scale = getattr(scaler, "_get_scale_async", None)
+        value = scale() if scale is not None else None
+        return value if isinstance(value, Tensor) else float(scaler.get_scale())
 
     # ------------------------------------------------------------------ decompositions
-    def _decompose(self, index: int, kind: str, damping: float) -> solve.Decomposition:
-        a, g = self.a_factors[index], self.g_factors[index]
+    def _decompose_inverse(self, item: tuple[int, str], damping: float, factors: tuple[list, list]) -> solve.Decomposition:
+        index, kind = item
+        a, g = factors[0][index], factors[1][index]
         assert a is not None and g is not None
-        factor = a if kind == "A" else g
-        dtype = torch.promote_types(self.eigen_dtype, factor.dtype)
-        if self.method == "eigen":
-            return solve.eigen_decomposition(factor, dtype)
         pi = solve.tikhonov_pi(a, g)
         gamma = damping**0.5 * (pi if kind == "A" else 1.0 / pi)
-        return solve.damped_inverse(factor, gamma, dtype)
+        return solve.damped_inverse(a if kind == "A" else g, gamma, self._decomposition_dtype(index))
 
     def _decomposition_shapes(self, index: int, kind: str) -> tuple[tuple[int, ...], ...]:
         layer = self.layers[index]
@@ -302,13 +370,47 @@ class KFACPreconditioner:
         return solve.eigen_shapes(n) if self.method == "eigen" else solve.inverse_shapes(n)
 
     def _update_decompositions(self, stale: list[int], step: int) -> None:
-        rank, damping = self.comm.rank, _value(self.damping, step)
+        """Decompose the stale layers' factors (this rank's share) and share them with the grad workers.
+
+        With ``late_decompositions`` an inverse-update step installs the decompositions started at
+        the previous one and starts the next in the background; a layer's first decompositions are
+        always computed at once.
+        """
+        damping = _value(self.damping, step)
+        factors = (list(self.a_factors), list(self.g_factors))  # this step's factors (updates replace, never mutate)
+        if not self.late_decompositions:
+            self._install(stale, *self._compute_owned(stale, damping, factors))
+            return
+        first = [i for i in stale if not self._decomposed[i]]
+        if first:
+            self._install(first, *self._compute_owned(first, damping, factors))
+        if step % self.inv_update_freq == 0:
+            self._install_pending()
+            later = [i for i in stale if i not in first]
+            if later:
+                self._start_late(later, damping, factors)
+
+    def _compute_owned(self, stale: list[int], damping: float, factors: tuple[list, list]) -> tuple[Results, Recoveries]:
+        """This rank's decompositions of the stale layers' factors, and which of them needed a recovery."""
         todo = set(stale)
-        owned = [(i, kind) for i, kind in self.assignment.owned_factors(rank) if i in todo]
+        owned = [(i, kind) for i, kind in self.assignment.owned_factors(self.comm.rank) if i in todo]
+        if self.method == "eigen":
+            jobs = []
+            for i, kind in owned:
+                previous = self._decompositions[i]
+                jobs.append(EigenJob((i, kind), factors[0 if kind == "A" else 1][i], None if previous is None else previous[kind == "G"]))
+            dtype = self._decomposition_dtype(owned[0][0]) if owned else self.eigen_dtype
+            return decompose_eigen(jobs, dtype, self.cpu_eigen_limit)
         sizes = [self.layers[i].a_dim if kind == "A" else self.layers[i].g_dim for i, kind in owned]
         on_cpu = all(self.layers[i].module.weight.device.type == "cpu" for i, _ in owned)
-        decomposed = map_largest_first(lambda item: self._decompose(*item, damping), owned, [n**3 for n in sizes], on_cpu)
-        results: dict[tuple[int, str], solve.Decomposition] = dict(zip(owned, decomposed))
+        inverses = map_largest_first(lambda item: self._decompose_inverse(item, damping, factors), owned, [n**3 for n in sizes], on_cpu)
+        return dict(zip(owned, inverses)), {}
+
+    def _install(self, stale: list[int], results: Results, recoveries: Recoveries) -> None:
+        """Record recoveries, broadcast every owner's decompositions in its worker group, keep the grad workers'."""
+        rank = self.comm.rank
+        self._record_recoveries(recoveries)
+        todo = set(stale)
         group = self._worker_group
         if len(group.ranks) > 1:
             payloads = {}
@@ -319,14 +421,72 @@ class KFACPreconditioner:
                 payloads[root] = (shapes, sent, self._decomposition_dtype(stale[0]))
             received = self._broadcast_from_each(group, "kfac.decompositions", payloads)
             for root, tensors in received.items():
-                items = iter(tensors)
+                items_of_root = iter(tensors)
                 for item in [(i, kind) for i, kind in self.assignment.owned_factors(root) if i in todo]:
-                    results[item] = tuple(next(items) for _ in self._decomposition_shapes(*item))
+                    results[item] = tuple(next(items_of_root) for _ in self._decomposition_shapes(*item))
         for i in stale:
             if self.assignment.is_grad_worker(i, rank):
                 self._decompositions[i] = (results[(i, "A")], results[(i, "G")])
             self._decomposed[i] = True
         self._stack_same_shapes()
+
+    def _record_recoveries(self, recoveries: Recoveries) -> None:
+        for kind in recoveries.values():
+            self.eigen_recoveries[kind] += 1
+        if recoveries and not self._warned_recovery:
+            self._warned_recovery = True
+            names = ", ".join(f"{self.layers[i].name} {side} ({how})" for (i, side), how in sorted(recoveries.items()))  # type: ignore[misc]
+            where = f"rank {self.comm.rank}: " if self.comm.size > 1 else ""
+            warnings.warn(
+                f"K-FAC {where}the eigendecomposition of {names} failed to converge (a singular or badly "
+                "conditioned factor) and was recovered; training goes on. Counts: pre.stats['eigen_recoveries'] "
+                "(this warning is given once)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _start_late(self, stale: list[int], damping: float, factors: tuple[list, list]) -> None:
+        """Compute this rank's decompositions of ``factors`` in a background thread (a side stream on a GPU)."""
+        if self._late_runner is None:
+            self._late_runner = ThreadPoolExecutor(1, thread_name_prefix="kfac-late")
+        device = self.layers[stale[0]].module.weight.device
+        ready = None
+        if device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device)
+            ready = torch.cuda.current_stream(device).record_event()
+            for side in factors:
+                for i in stale:
+                    side[i].record_stream(self._side_stream)  # type: ignore[union-attr]
+
+        def run() -> tuple[Results, Recoveries, Any]:
+            if ready is None:
+                return (*self._compute_owned(stale, damping, factors), None)
+            with torch.cuda.stream(self._side_stream):
+                self._side_stream.wait_event(ready)
+                results, recoveries = self._compute_owned(stale, damping, factors)
+                return results, recoveries, self._side_stream.record_event()
+
+        self._pending = (stale, self._late_runner.submit(run), device)
+
+    def _install_pending(self) -> None:
+        if self._pending is None:
+            return
+        stale, future, device = self._pending
+        self._pending = None
+        results, recoveries, done = future.result()
+        if done is not None:  # the side stream's results, used from now on by the current stream
+            current = torch.cuda.current_stream(device)
+            current.wait_event(done)
+            for decomposition in results.values():
+                for tensor in decomposition:
+                    tensor.record_stream(current)
+        self._install(stale, results, recoveries)
+
+    def _discard_pending(self) -> None:
+        if self._pending is not None:
+            self._pending[1].result()
+            self._pending = None
 
     def _stack_same_shapes(self) -> None:
         """Stack the eigenbases of layers with the same shapes, so that one batched product serves them all.
@@ -385,17 +545,16 @@ class KFACPreconditioner:
                 directions[i] = solve.precondition_inverse(grads[i], a, g)
         self._share_directions(grads, directions)
 
-        if self.kl_clip is not None and directions:
+        order = sorted(directions)
+        if self.kl_clip is not None and order:
             lr = _value(self.lr, step)
-            # in layer order on every rank: the same sum to the last bit
-            vg = sum(float(torch.dot(directions[i].reshape(-1), grads[i].reshape(-1))) for i in sorted(directions))
-            scale = solve.kl_clip_scale(abs(vg) * lr**2, _value(self.kl_clip, step))
-        else:
-            scale = 1.0
-        for i, direction in sorted(directions.items()):
-            if scale != 1.0:
-                direction = direction.mul_(scale)
-            self.layers[i].set_grad(direction)
+            # One reduction on the device for all layers, in layer order on every rank (the same sum to
+            # the last bit), and the scale applied there too: no host read, the step stays asynchronous.
+            dots = torch.stack([torch.dot(directions[i].reshape(-1), grads[i].reshape(-1)) for i in order])
+            scale = solve.kl_clip_scale_tensor(dots.sum().abs() * lr**2, _value(self.kl_clip, step))
+            torch._foreach_mul_([directions[i] for i in order], scale)
+        for i in order:
+            self.layers[i].set_grad(directions[i])
 
     def _denominator(self, key: Any, damping: float, da: Tensor, dg: Tensor) -> Tensor:
         """d_G d_Aᵀ + λ for the eigen method, kept until the decompositions or the damping change."""
@@ -450,6 +609,25 @@ class KFACPreconditioner:
             yield
         finally:
             self.timings[phase] += time.perf_counter() - start
+
+
+def _usable(batches: list[tuple[int, Tensor, Tensor]], found_inf: Tensor | None) -> list[Tensor]:
+    """Per batch, a 0-dim boolean on its device: both factors finite and the step not skipped.
+
+    The max-norm of a tensor is finite exactly when every entry is (NaN propagates), and unlike
+    a sum it cannot overflow; torch._foreach_norm computes all of them in a few fused kernels.
+    """
+    norms = torch._foreach_norm([t for _, a, g in batches for t in (a, g)], float("inf"))
+    if len({n.device for n in norms}) == 1:
+        finite = torch.isfinite(torch.stack(norms)).view(-1, 2).all(1)
+        if found_inf is not None:
+            finite &= found_inf.to(finite.device).reshape(()) == 0
+        return list(finite.unbind(0))
+    # layers on several devices (model parallel): one verdict per layer where it lives
+    verdicts = [torch.isfinite(norms[2 * k]) & torch.isfinite(norms[2 * k + 1]) for k in range(len(batches))]
+    if found_inf is None:
+        return verdicts
+    return [ok & (found_inf.to(ok.device).reshape(()) == 0) for ok in verdicts]
 
 
 def _numel(shape: Sequence[int]) -> int:

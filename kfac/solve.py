@@ -16,6 +16,7 @@ A decomposition is a tuple of tensors, so that it can be packed into one buffer 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -23,12 +24,67 @@ from torch import Tensor
 Decomposition = tuple[Tensor, ...]
 METHODS = ("eigen", "inverse")
 
+# How a decomposition was obtained when the plain float32 eigh failed (see robust_eigen_decomposition).
+RECOVERIES = ("float64_retry", "extra_damping", "kept_previous", "diagonal")
+EXTRA_DAMPING = 1e-6  # relative to the factor's mean eigenvalue (its mean diagonal)
+
 
 def eigen_decomposition(factor: Tensor, dtype: torch.dtype) -> Decomposition:
     """(Q, d) of a symmetric factor in ``dtype`` (float32 at least), eigenvalues clamped at 0."""
     work_dtype = torch.promote_types(dtype, torch.float32)
     eigenvalues, eigenvectors = torch.linalg.eigh(factor.to(work_dtype))
     return eigenvectors, eigenvalues.clamp_(min=0.0)
+
+
+def eigen_decompositions(factors: Sequence[Tensor], dtype: torch.dtype) -> list[Decomposition] | None:
+    """(Q, d) of several factors of one size with one batched eigh (one launch and one check on a GPU).
+
+    None when the batch fails: the caller then decomposes them one by one with the recovery ladder.
+    """
+    work_dtype = torch.promote_types(dtype, torch.float32)
+    try:
+        eigenvalues, eigenvectors = torch.linalg.eigh(torch.stack([f.to(work_dtype) for f in factors]))
+    except RuntimeError:  # torch.linalg.LinAlgError: some member did not converge
+        return None
+    eigenvalues.clamp_(min=0.0)
+    return list(zip(eigenvectors.unbind(0), eigenvalues.unbind(0)))
+
+
+def robust_eigen_decomposition(
+    factor: Tensor, dtype: torch.dtype, previous: Decomposition | None
+) -> tuple[Decomposition, str | None]:
+    """(Q, d) as :func:`eigen_decomposition`, never raising: returns the decomposition and how it was recovered.
+
+    LAPACK's and cuSOLVER's symmetric eigensolvers can fail to converge on a singular factor with
+    a large cluster of zero eigenvalues (a ResNet-50 layer4 conv on a batch of 2: A of size 4,608
+    and rank 2). The ladder: float64 (the iteration that failed in float32 converges there in
+    practice); then the factor plus a tiny multiple of its mean eigenvalue on the diagonal (which
+    separates the clustered eigenvalues; the eigenvalues keep that extra damping); then the
+    previous decomposition; with none, the diagonal approximation (Q = I, d = diag F). The
+    second element names the recovery (one of :data:`RECOVERIES`), None when eigh just worked.
+    """
+    work_dtype = torch.promote_types(dtype, torch.float32)
+    try:
+        return eigen_decomposition(factor, work_dtype), None
+    except RuntimeError:
+        pass
+    if work_dtype != torch.float64:
+        try:
+            vectors, values = eigen_decomposition(factor, torch.float64)
+            return (vectors.to(work_dtype), values.to(work_dtype)), "float64_retry"
+        except RuntimeError:
+            pass
+    wide = factor.to(torch.float64)
+    shift = EXTRA_DAMPING * max(float(wide.diagonal().mean()), torch.finfo(torch.float32).tiny)
+    try:
+        vectors, values = eigen_decomposition(wide + shift * torch.eye(wide.shape[0], dtype=wide.dtype, device=wide.device), torch.float64)
+        return (vectors.to(work_dtype), values.to(work_dtype)), "extra_damping"
+    except RuntimeError:
+        pass
+    if previous is not None:
+        return previous, "kept_previous"
+    eye = torch.eye(factor.shape[0], dtype=work_dtype, device=factor.device)
+    return (eye, factor.diagonal().to(work_dtype).clamp(min=0.0)), "diagonal"
 
 
 def eigen_shapes(n: int) -> tuple[tuple[int, ...], ...]:
@@ -87,3 +143,10 @@ def kl_clip_scale(vg_sum: float, kl_clip: float | None) -> float:
     if kl_clip is None or vg_sum <= 0.0 or not math.isfinite(vg_sum):
         return 1.0
     return min(1.0, math.sqrt(kl_clip / vg_sum))
+
+
+def kl_clip_scale_tensor(vg_sum: Tensor, kl_clip: float) -> Tensor:
+    """:func:`kl_clip_scale` on the device: a 0-dim tensor, no host read (the step stays asynchronous)."""
+    usable = torch.isfinite(vg_sum) & (vg_sum > 0)
+    safe = torch.where(usable, vg_sum, torch.ones_like(vg_sum))
+    return torch.where(usable, torch.clamp(torch.sqrt(kl_clip / safe), max=1.0), torch.ones_like(vg_sum))

@@ -8,7 +8,7 @@ threads each. LAPACK releases the GIL, so Python threads are enough.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -36,6 +36,17 @@ def _get_pool(size: int) -> ThreadPoolExecutor:
         return _pool
 
 
+def submit_largest_first(fn: Callable[[T], R], items: Sequence[T], costs: Sequence[float]) -> list[Future[R]]:
+    """Start fn(item) for every item on the single-threaded workers, largest first; futures in item order.
+
+    The caller may do other work (decompositions on the GPU) while these run.
+    """
+    pool = _get_pool(max(1, torch.get_num_threads()))
+    order = sorted(range(len(items)), key=lambda i: -costs[i])
+    futures = {i: pool.submit(fn, items[i]) for i in order}
+    return [futures[i] for i in range(len(items))]
+
+
 def map_largest_first(fn: Callable[[T], R], items: Sequence[T], costs: Sequence[float], on_cpu: bool) -> list[R]:
     """[fn(item) for item in items], spread over torch.get_num_threads() single-threaded workers on the CPU.
 
@@ -45,7 +56,4 @@ def map_largest_first(fn: Callable[[T], R], items: Sequence[T], costs: Sequence[
     threads = torch.get_num_threads()
     if not on_cpu or threads <= 1 or len(items) <= 1:
         return [fn(item) for item in items]
-    pool = _get_pool(threads)
-    order = sorted(range(len(items)), key=lambda i: -costs[i])
-    futures = {i: pool.submit(fn, items[i]) for i in order}
-    return [futures[i].result() for i in range(len(items))]
+    return [future.result() for future in submit_largest_first(fn, items, costs)]

@@ -1,0 +1,39 @@
+"""The precision of each K-FAC stage, whatever the training script chose for its own matmuls.
+
+K-FAC's products are not the model's: its factors are sums of millions of small outer products
+and its solve divides by eigenvalues that span many orders of magnitude, so TF32's 10-bit
+mantissa (about 1e-3 relative) would put the result far outside the dense-solve tolerance the
+tests hold (1e-5). The policy, documented in docs/kfac.md:
+
+- factors: float32 (float64 for a float64 model), autocast off, cuBLAS and cuDNN in IEEE fp32;
+- decompositions: float32 ``eigh`` (or ``eigen_dtype``), retried in float64 when it fails;
+- preconditioning: the decompositions' dtype, cuBLAS in IEEE fp32.
+
+:func:`ieee_fp32` switches TF32 off for the duration of a K-FAC stage and restores the caller's
+setting afterwards. It uses PyTorch's ``fp32_precision`` flags (mixing them with the legacy
+``allow_tf32`` flags is an error in recent PyTorch; saving and restoring the new ones keeps a
+script's legacy flags readable, which is tested).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+@contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """cuBLAS matmuls and cuDNN convolutions in full float32 inside the block (no TF32)."""
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = (matmul.fp32_precision, conv.fp32_precision)
+    if saved == ("ieee", "ieee"):
+        yield
+        return
+    matmul.fp32_precision = "ieee"
+    conv.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = saved
