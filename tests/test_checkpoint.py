@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -67,12 +70,130 @@ def test_a_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path: Path)
 
 
 def test_leftover_temporary_of_a_killed_writer_is_ignored_then_removed(tmp_path: Path) -> None:
+    """Callers that pass no run id (pid-named temporaries) keep the behaviour they had."""
     checkpoint.save(tmp_path, state(10), keep=3)
     leftover = tmp_path / ".ckpt-000000020.pt.tmp-4242"
     leftover.write_bytes(b"half a checkpoint")
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-000000010.pt"]
     checkpoint.save(tmp_path, state(20), keep=3)
     assert names(tmp_path) == ["ckpt-000000010.pt", "ckpt-000000020.pt"]
+
+
+MINE = "20261123T110000-node1-100-aaaaaa"
+OTHER = "20261123T110001-node2-200-bbbbbb"
+
+
+def test_temporaries_carry_the_run_id_and_clean_up_spares_other_runs(tmp_path: Path) -> None:
+    """Two runs writing one folder (which the run-directory lock prevents, but a clean-up must never make
+    worse): a run removes its own abandoned temporary, never the other's, which may be mid-write."""
+    seen: list[str] = []
+    checkpoint.save(tmp_path, state(10), keep=3, run_id=MINE, before_rename=lambda t: seen.append(t.name))
+    assert seen == [f".ckpt-000000010.pt.tmp-{MINE}"]
+    mine = tmp_path / f".ckpt-000000015.pt.tmp-{MINE}"
+    theirs = tmp_path / f".ckpt-000000015.pt.tmp-{OTHER}"
+    legacy = tmp_path / ".ckpt-000000015.pt.tmp-4242"
+    for path in (mine, theirs, legacy):
+        path.write_bytes(b"half a checkpoint")
+    checkpoint.save(tmp_path, state(20), keep=3, run_id=MINE)
+    assert names(tmp_path) == sorted([legacy.name, theirs.name, "ckpt-000000010.pt", "ckpt-000000020.pt"])
+
+
+def _disk_fails(code: int, as_torch_does: bool):
+    """A torch.save that writes part of the file, then hits ``code`` -- raw, or wrapped as torch reports it."""
+    def fake_save(obj, handle) -> None:
+        handle.write(b"x" * 4096)
+        handle.flush()
+        if not as_torch_does:
+            raise OSError(code, os.strerror(code))
+        try:
+            raise OSError(code, os.strerror(code))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 4096 vs 2048") from None
+    return fake_save
+
+
+@pytest.mark.parametrize(("code", "as_torch_does", "words"), [
+    (errno.ENOSPC, True, "no space left on device (ENOSPC)"),
+    (errno.ENOSPC, False, "no space left on device (ENOSPC)"),
+    (errno.EDQUOT, True, "disk quota exceeded (EDQUOT)"),
+    (errno.EIO, False, "I/O error (EIO)"),
+])
+def test_a_failed_write_is_one_line_naming_the_file_and_leaves_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch, code: int, as_torch_does: bool, words: str) -> None:
+    good = checkpoint.save(tmp_path, state(10), keep=1, run_id=MINE)
+    before = good.read_bytes()
+    monkeypatch.setattr(checkpoint.torch, "save", _disk_fails(code, as_torch_does))
+    with pytest.raises(checkpoint.WriteError) as raised:
+        checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
+    line = str(raised.value)
+    assert line.startswith(f"cannot write {tmp_path / 'ckpt-000000020.pt'}: {words}")
+    assert "\n" not in line and raised.value.errno == code and isinstance(raised.value, OSError)
+    assert names(tmp_path) == ["ckpt-000000010.pt"] and good.read_bytes() == before  # no partial file, old one intact
+
+
+@pytest.mark.parametrize(("code", "words"), [(errno.EACCES, "permission denied (EACCES)"),
+                                             (errno.EROFS, "read-only file system (EROFS)")])
+def test_a_folder_that_refuses_new_files(tmp_path: Path, monkeypatch, code: int, words: str) -> None:
+    good = checkpoint.save(tmp_path, state(10), keep=1, run_id=MINE)
+    real_open = os.open
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if ".tmp-" in os.fspath(path) and flags & os.O_CREAT:
+            raise OSError(code, os.strerror(code), os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.raises(checkpoint.WriteError, match=rf"^cannot write {re.escape(str(tmp_path))}/ckpt-000000020.pt: "
+                                                   rf"{re.escape(words)}"):
+        checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
+    assert names(tmp_path) == ["ckpt-000000010.pt"] and checkpoint.read(good)["global_step"] == 10
+
+
+def test_an_uncreatable_checkpoint_folder_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(checkpoint.WriteError, match=r"cannot write .*file/checkpoints: a path component is a file"):
+        checkpoint.save(tmp_path / "file" / "checkpoints", state(10), keep=1)
+
+
+def test_a_failed_rename_leaves_no_temporary(tmp_path: Path, monkeypatch) -> None:
+    checkpoint.save(tmp_path, state(10), keep=1, run_id=MINE)
+
+    def refuse(src, dst) -> None:
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(checkpoint.WriteError, match="permission denied"):
+        checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
+    assert names(tmp_path) == ["ckpt-000000010.pt"]
+
+
+def test_pruning_that_fails_only_warns(tmp_path: Path, monkeypatch, capsys) -> None:
+    checkpoint.save(tmp_path, state(10), keep=1)
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name == "ckpt-000000010.pt":
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    checkpoint.save(tmp_path, state(20), keep=1)
+    assert names(tmp_path) == ["ckpt-000000010.pt", "ckpt-000000020.pt"]
+    assert "hpcdl: warning: could not prune" in capsys.readouterr().err
+
+
+def test_text_results_are_written_atomically(tmp_path: Path, monkeypatch) -> None:
+    summary = tmp_path / "summary.json"
+    checkpoint.write_text_atomically(summary, '{"epochs": 1}\n', run_id=MINE)
+    assert summary.read_text() == '{"epochs": 1}\n'
+
+    def full_disk(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(checkpoint.WriteError, match=rf"cannot write {re.escape(str(summary))}: no space left"):
+        checkpoint.write_text_atomically(summary, '{"epochs": 2}\n', run_id=MINE)
+    assert summary.read_text() == '{"epochs": 1}\n' and names(tmp_path) == ["summary.json"]
 
 
 def test_truncated_newest_is_skipped_saying_so(tmp_path: Path, capsys) -> None:
@@ -132,20 +253,37 @@ def test_a_torch_file_that_is_not_an_hpcdl_checkpoint(tmp_path: Path) -> None:
         checkpoint.read(tmp_path / "ckpt-000000005.pt")
 
 
-def test_full_disk_is_reported_as_the_os_error(tmp_path: Path) -> None:
-    """torch reports a failed write as "unexpected pos"; save() raises the OSError behind it instead."""
-    import subprocess
-
-    mount = tmp_path / "small"
+def _tmpfs(mount: Path, options: str) -> None:
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
+
+
+def test_full_disk_is_reported_as_the_os_error(tmp_path: Path) -> None:
+    """A real 64 kB file system: torch reports the failed write as "unexpected pos"; save() raises a one-line
+    WriteError (an OSError with errno ENOSPC) instead, and the previous checkpoint stays."""
+    mount = tmp_path / "small"
+    _tmpfs(mount, "size=64k")
     try:
-        big = state(10)
+        good = checkpoint.save(mount, state(10), keep=3, run_id=MINE)
+        before = good.read_bytes()
+        big = state(20)
         big["model"] = {"w": torch.zeros(100_000)}  # 400 kB into 64 kB
         with pytest.raises(OSError) as raised:
-            checkpoint.save(mount, big, keep=3)
-        assert raised.value.errno == 28  # ENOSPC
-        assert os.listdir(mount) == []  # the partial temporary file is gone
+            checkpoint.save(mount, big, keep=3, run_id=MINE)
+        assert raised.value.errno == errno.ENOSPC
+        assert str(raised.value).startswith(f"cannot write {mount / 'ckpt-000000020.pt'}: no space left on device")
+        assert os.listdir(mount) == [good.name] and good.read_bytes() == before  # the partial temporary is gone
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_read_only_file_system(tmp_path: Path) -> None:
+    mount = tmp_path / "ro"
+    _tmpfs(mount, "size=64k,ro")
+    try:
+        with pytest.raises(checkpoint.WriteError, match=r"cannot write .*ckpt-000000010.pt: read-only file system"):
+            checkpoint.save(mount, state(10), keep=3, run_id=MINE)
+        assert os.listdir(mount) == []
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
