@@ -94,7 +94,7 @@ def test_resnet18_trains_a_step_on_cifar_files(tmp_path: Path) -> None:
     write_cifar10(tmp_path / "data", per_batch=8)
     result = run_train(1, tmp_path / "run", "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"),
                        "--model", "resnet18", "--batch-size", "4", "--max-steps", "2", "--epochs", "1",
-                       "--workers", "1", timeout=240)
+                       "--workers", "1", "--warmup-epochs", "0", timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / "summary.json").exists()
 

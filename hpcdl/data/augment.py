@@ -71,24 +71,36 @@ def eval_view(image: torch.Tensor, size: int) -> torch.Tensor:
     return F.center_crop(resized, [size, size])
 
 
-def pad_crop_flip(images: torch.Tensor, padding: int, generator: torch.Generator) -> torch.Tensor:
-    """RandomCrop(H, padding) + RandomHorizontalFlip for a whole batch (N, C, H, W), on its device.
-
-    Zero padding as RandomCrop's default; offsets uniform in 0..2*padding per image; the flip is
-    folded into the column indices, so crop and flip are one gather.
-    """
-    n, c, h, w = images.shape
-    device = images.device
-    padded = torch.nn.functional.pad(images, (padding, padding, padding, padding))
+def draw_crop_flip(n: int, padding: int, generator: torch.Generator,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per image: top and left offsets uniform in 0..2*padding, and a fair flip; (N, 1) tensors on ``device``."""
     top = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device=device)
     left = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device=device)
     flip = torch.rand(n, 1, generator=generator, device=device) < 0.5
+    return top, left, flip
+
+
+def apply_crop_flip(images: torch.Tensor, padding: int, top: torch.Tensor, left: torch.Tensor,
+                    flip: torch.Tensor) -> torch.Tensor:
+    """Zero-pad (N, C, H, W) by ``padding``, crop H x W at (top, left), flip where asked: one gather.
+
+    The flip is folded into the column indices, so crop and flip cost one pass over the batch.
+    """
+    n, _, h, w = images.shape
+    device = images.device
+    padded = torch.nn.functional.pad(images, (padding, padding, padding, padding))
     cols = torch.arange(w, device=device).expand(n, w)
     cols = torch.where(flip, w - 1 - cols, cols) + left  # (N, W)
     rows = torch.arange(h, device=device).expand(n, h) + top  # (N, H)
     batch = torch.arange(n, device=device).view(n, 1, 1)
     out = padded.permute(0, 2, 3, 1)[batch, rows.unsqueeze(2), cols.unsqueeze(1)]  # (N, H, W, C)
     return out.permute(0, 3, 1, 2).contiguous()
+
+
+def pad_crop_flip(images: torch.Tensor, padding: int, generator: torch.Generator) -> torch.Tensor:
+    """RandomCrop(H, padding) + RandomHorizontalFlip for a whole batch, on its device, from ``generator``."""
+    top, left, flip = draw_crop_flip(len(images), padding, generator, images.device)
+    return apply_crop_flip(images, padding, top, left, flip)
 
 
 class Normalizer:

@@ -60,11 +60,12 @@ def check_header(path: Path, data: bytes, magic: int) -> int:
     dims = 3 if magic == IMAGE_MAGIC else 1
     header = 4 + 4 * dims
     kind = "image" if dims == 3 else "label"
+    if len(data) >= 4 and struct.unpack(">I", data[:4])[0] != magic:
+        found = struct.unpack(">I", data[:4])[0]
+        raise UsageError(f"MNIST file {path}: IDX magic number {found:#010x}, expected {magic:#010x} ({kind} file)")
     if len(data) < header:
         raise UsageError(f"MNIST file {path}: {len(data)} bytes, too short for an IDX {kind} header")
-    found, *shape = struct.unpack(f">{1 + dims}I", data[:header])
-    if found != magic:
-        raise UsageError(f"MNIST file {path}: IDX magic number {found:#010x}, expected {magic:#010x} ({kind} file)")
+    _, *shape = struct.unpack(f">{1 + dims}I", data[:header])
     if dims == 3 and shape[1:] != [IMAGE_SIDE, IMAGE_SIDE]:
         raise UsageError(f"MNIST file {path}: images are {shape[1]}x{shape[2]}, expected {IMAGE_SIDE}x{IMAGE_SIDE}")
     per_item = IMAGE_SIDE * IMAGE_SIDE if dims == 3 else 1
