@@ -64,7 +64,10 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    batch = (torch.randn(args.batch_size, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch_size,), generator=g))
+    batch = (
+        torch.randn(args.batch_size, 3, 32, 32, generator=g),
+        torch.randint(0, 10, (args.batch_size,), generator=g),
+    )
 
     def fresh():
         torch.manual_seed(0)
@@ -102,14 +105,19 @@ def run(args: argparse.Namespace) -> dict:
             sgd, kfac = sgd / period, kfac / period
             phases = {k: (v - before.get(k, 0.0)) / period * 1e3 for k, v in pre.timings.items()}
             rounds.append({"sgd_ms": sgd * 1e3, "kfac_ms": kfac * 1e3, "ratio": kfac / sgd, "phases": phases})
-            print(f"({factor_freq:>2}, {inv_freq:>3}) round {r + 1}/{args.rounds}: SGD {sgd * 1e3:7.1f} ms  "
-                  f"K-FAC {kfac * 1e3:7.1f} ms  ratio {kfac / sgd:.2f}", flush=True)
+            print(
+                f"({factor_freq:>2}, {inv_freq:>3}) round {r + 1}/{args.rounds}: SGD {sgd * 1e3:7.1f} ms  "
+                f"K-FAC {kfac * 1e3:7.1f} ms  ratio {kfac / sgd:.2f}",
+                flush=True,
+            )
         # Interference only ever adds time: the median of the per-round ratios is reported, with the
         # phases of the round closest to it.
         ratio = statistics.median(r["ratio"] for r in rounds)
         typical = min(rounds, key=lambda r: abs(r["ratio"] - ratio))
         phases = {k: round(v, 2) for k, v in typical["phases"].items()}
-        phases["hooks and the rest"] = round(typical["kfac_ms"] - typical["sgd_ms"] - sum(typical["phases"].values()), 2)
+        phases["hooks and the rest"] = round(
+            typical["kfac_ms"] - typical["sgd_ms"] - sum(typical["phases"].values()), 2
+        )
         results.append(
             {
                 "factor_update_freq": factor_freq,
@@ -150,7 +158,9 @@ def run(args: argparse.Namespace) -> dict:
 def write(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = ["factor_update_freq,inv_update_freq,sgd_ms,kfac_ms,median_ratio,min_ratio,max_ratio,target,kfac_pytorch_ratio"]
+    lines = [
+        "factor_update_freq,inv_update_freq,sgd_ms,kfac_ms,median_ratio,min_ratio,max_ratio,target,kfac_pytorch_ratio"
+    ]
     for r in report["results"]:
         lines.append(
             f"{r['factor_update_freq']},{r['inv_update_freq']},{r['sgd_ms']:.1f},{r['kfac_ms']:.1f},{r['ratio']:.3f},"
@@ -167,13 +177,18 @@ def write(report: dict, out: Path) -> None:
     xs = range(len(labels))
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     ratios = [r["ratio"] for r in report["results"]]
-    spread = [[r["ratio"] - r["min_ratio"] for r in report["results"]], [r["max_ratio"] - r["ratio"] for r in report["results"]]]
+    spread = [
+        [r["ratio"] - r["min_ratio"] for r in report["results"]],
+        [r["max_ratio"] - r["ratio"] for r in report["results"]],
+    ]
     ax.bar([x - 0.2 for x in xs], ratios, width=0.4, yerr=spread, capsize=4, label="hpcdl kfac (median, min-max)")
     ref = [r["kfac_pytorch_ratio"] or 0 for r in report["results"]]
     ax.bar([x + 0.2 for x in xs], ref, width=0.4, label="kfac-pytorch (issue)", color="tab:gray")
-    for x, r in zip(xs, report["results"]):
+    for x, r in zip(xs, report["results"], strict=False):
         if r["target"]:
-            ax.hlines(r["target"], x - 0.45, x + 0.45, colors="tab:red", linestyles="--", label="target" if x == 0 else None)
+            ax.hlines(
+                r["target"], x - 0.45, x + 0.45, colors="tab:red", linestyles="--", label="target" if x == 0 else None
+            )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(list(xs), labels)
     ax.set_xlabel("(factor, inverse) update frequency")
@@ -198,8 +213,12 @@ def main(argv: list[str] | None = None) -> None:
     report = run(args)
     write(report, args.out)
     for r in report["results"]:
-        verdict = "" if r["target"] is None else ("  (target met)" if r["ratio"] <= r["target"] else "  (target MISSED)")
-        print(f"({r['factor_update_freq']}, {r['inv_update_freq']}): K-FAC/SGD = {r['ratio']:.2f}{verdict}  {r['phase_ms_per_step']}")
+        verdict = (
+            "" if r["target"] is None else ("  (target met)" if r["ratio"] <= r["target"] else "  (target MISSED)")
+        )
+        print(
+            f"({r['factor_update_freq']}, {r['inv_update_freq']}): K-FAC/SGD = {r['ratio']:.2f}{verdict}  {r['phase_ms_per_step']}"
+        )
     print(f"wrote {args.out.with_suffix('.json')}, .csv, .png")
 
 

@@ -17,8 +17,8 @@ longest-processing-time-first rule, which is deterministic, so every rank comput
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 def grad_worker_count(world_size: int, fraction: float) -> int:
@@ -88,7 +88,7 @@ class WorkAssignment:
     def loads(self, a_dims: Sequence[int], g_dims: Sequence[int]) -> list[float]:
         """Decomposition cost per rank, Σ n³ of the factors it owns."""
         load = [0.0] * self.world_size
-        for layer, (a, g) in enumerate(zip(a_dims, g_dims)):
+        for layer, (a, g) in enumerate(zip(a_dims, g_dims, strict=False)):
             load[self.a_owner[layer]] += float(a) ** 3
             load[self.g_owner[layer]] += float(g) ** 3
         return load
@@ -106,7 +106,7 @@ def assign_work(
         raise ValueError("a_dims and g_dims must have one entry per layer")
     workers = grad_worker_count(world_size, grad_worker_fraction)
     m = world_size // workers
-    layer_costs = [float(a) ** 3 + float(g) ** 3 for a, g in zip(a_dims, g_dims)]
+    layer_costs = [float(a) ** 3 + float(g) ** 3 for a, g in zip(a_dims, g_dims, strict=False)]
     layer_group = longest_first(layer_costs, list(range(m)), {c: 0.0 for c in range(m)})
 
     a_owner = [-1] * len(a_dims)
@@ -117,13 +117,13 @@ def assign_work(
         layers = [i for i, c in enumerate(layer_group) if c == group]
         if colocate_factors:
             owners = longest_first([layer_costs[i] for i in layers], ranks, load)
-            for i, owner in zip(layers, owners):
+            for i, owner in zip(layers, owners, strict=False):
                 a_owner[i] = g_owner[i] = owner
         else:
             jobs = [(i, "A") for i in layers] + [(i, "G") for i in layers]
             costs = [float(a_dims[i] if kind == "A" else g_dims[i]) ** 3 for i, kind in jobs]
             owners = longest_first(costs, ranks, load)
-            for (i, kind), owner in zip(jobs, owners):
+            for (i, kind), owner in zip(jobs, owners, strict=False):
                 (a_owner if kind == "A" else g_owner)[i] = owner
     return WorkAssignment(
         world_size=world_size,

@@ -11,7 +11,7 @@ gradient (an unused branch) simply never completes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,7 @@ class LayerCapture:
         layer: KFACLayer,
         is_capturing: Callable[[], bool],
         per_example_factor: float,
-        on_complete: Callable[["LayerCapture"], None],
+        on_complete: Callable[[LayerCapture], None],
     ) -> None:
         self.layer = layer
         self._is_capturing = is_capturing

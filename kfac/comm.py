@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -132,16 +133,16 @@ class HorovodCommunicator(Communicator):
         return tensor
 
     def groups(self, partition: Sequence[Sequence[int]]) -> Group:
-        partition = [tuple(sorted(group)) for group in partition]
-        mine = next(group for group in partition if self.rank in group)
-        if len(mine) == 1 and all(len(group) == 1 for group in partition):
+        groups = [tuple(sorted(group)) for group in partition]
+        mine = next(group for group in groups if self.rank in group)
+        if len(mine) == 1 and all(len(group) == 1 for group in groups):
             return _SoloGroup(mine)
         if len(mine) == self.size:
             return _HorovodGroup(mine, self._hvd, self._hvd.global_process_set)
-        sets = self._process_sets(partition)
+        sets = self._process_sets(groups)
         if sets is not None:
             return _HorovodGroup(mine, self._hvd, sets[mine])
-        return self._mpi_group(partition, mine)
+        return self._mpi_group(groups, mine)
 
     def _process_sets(self, partition: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any] | None:
         """Horovod process sets for every group, or None when Horovod cannot add them now."""

@@ -10,8 +10,8 @@ Whatever fails goes through :func:`kfac.solve.robust_eigen_decomposition` one fa
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -48,7 +48,7 @@ def decompose_eigen(jobs: Sequence[EigenJob], dtype: torch.dtype, cpu_limit: int
     costs = [float(job.factor.shape[0]) ** 3 for job in jobs]
     if device.type == "cpu":
         outcomes = map_largest_first(lambda job: _recover(job, dtype), jobs, costs, on_cpu=True)
-        for job, (decomposition, recovery) in zip(jobs, outcomes):
+        for job, (decomposition, recovery) in zip(jobs, outcomes, strict=False):
             results[job.key] = decomposition
             if recovery is not None:
                 recoveries[job.key] = recovery
@@ -64,7 +64,9 @@ def decompose_eigen(jobs: Sequence[EigenJob], dtype: torch.dtype, cpu_limit: int
             n = job.factor.shape[0]
             host_jobs.append(EigenJob(job.key, flat[offset : offset + n * n].view(n, n), None))
             offset += n * n
-        futures = submit_largest_first(lambda job: _recover(job, dtype), host_jobs, [float(j.factor.shape[0]) ** 3 for j in small])
+        futures = submit_largest_first(
+            lambda job: _recover(job, dtype), host_jobs, [float(j.factor.shape[0]) ** 3 for j in small]
+        )
 
     by_size: dict[int, list[EigenJob]] = defaultdict(list)
     for job in large:
@@ -72,7 +74,7 @@ def decompose_eigen(jobs: Sequence[EigenJob], dtype: torch.dtype, cpu_limit: int
     for group in by_size.values():
         batched = solve.eigen_decompositions([job.factor for job in group], dtype) if len(group) > 1 else None
         if batched is not None:
-            results.update(zip((job.key for job in group), batched))
+            results.update(zip((job.key for job in group), batched, strict=False))
             continue
         for job in group:
             decomposition, recovery = _recover(job, dtype)
@@ -80,7 +82,7 @@ def decompose_eigen(jobs: Sequence[EigenJob], dtype: torch.dtype, cpu_limit: int
             if recovery is not None:
                 recoveries[job.key] = recovery
 
-    for job, future in zip(small, futures):
+    for job, future in zip(small, futures, strict=False):
         (vectors, values), recovery = future.result()
         if recovery == "diagonal" and job.previous is not None:  # the host copy had no previous one
             results[job.key], recovery = job.previous, "kept_previous"

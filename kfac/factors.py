@@ -8,16 +8,15 @@ average however the batch was split, which is why a 4-rank run equals a 1-rank r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Union
+from functools import cache
 
 import torch
 from torch import Tensor
 
-Count = Union[float, Tensor]
+Count = float | Tensor
 
 
-@lru_cache(maxsize=None)
+@cache
 def _upper_positions(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Flat positions of the upper triangle of an n x n matrix, and of its mirror image.
 
@@ -67,7 +66,7 @@ class BatchStatistics:
         return buffer
 
     @classmethod
-    def unpack(cls, buffer: Tensor, a_dim: int, g_dim: int) -> "BatchStatistics":
+    def unpack(cls, buffer: Tensor, a_dim: int, g_dim: int) -> BatchStatistics:
         na, ng = upper_size(a_dim), upper_size(g_dim)
         return cls(
             a_sum=unpack_upper(buffer[:na], a_dim),
@@ -77,7 +76,7 @@ class BatchStatistics:
         )
 
     @classmethod
-    def merge(cls, parts: list["BatchStatistics"]) -> "BatchStatistics":
+    def merge(cls, parts: list[BatchStatistics]) -> BatchStatistics:
         """Several forward/backward passes of one step (gradient accumulation) added up."""
         first = parts[0]
         if len(parts) == 1:
@@ -113,4 +112,4 @@ def masked_running_averages(olds: list[Tensor], news: list[Tensor], decay: float
         return []
     mixed = torch._foreach_mul(olds, decay)
     torch._foreach_add_(mixed, news, alpha=1.0 - decay)
-    return [torch.where(k, old, m) for old, m, k in zip(olds, mixed, keep)]
+    return [torch.where(k, old, m) for old, m, k in zip(olds, mixed, keep, strict=False)]

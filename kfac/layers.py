@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from typing import Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from kfac.patches import ConvGeometry, bordered_moment, patch_moment
 
-SkipSpec = Union[str, type]
+SkipSpec = str | type
 
 
 def factor_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,11 +29,25 @@ def factor_dtype(dtype: torch.dtype) -> torch.dtype:
 class KFACLayer(ABC):
     """One preconditioned module: its factor statistics and its gradient as a matrix."""
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    module: nn.Linear | nn.Conv2d
+
+    def __init__(self, name: str, module: nn.Linear | nn.Conv2d) -> None:
         self.name = name
         self.module = module
-        self.has_bias = getattr(module, "bias", None) is not None
+        self.has_bias = module.bias is not None
         self.dtype = factor_dtype(module.weight.dtype)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.module.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.module.bias
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.weight.device
 
     @property
     @abstractmethod
@@ -58,28 +72,28 @@ class KFACLayer(ABC):
         """How many examples a mean-reduced loss averaged over: the per-example gradient scale."""
 
     def parameters(self) -> list[Tensor]:
-        return [self.module.weight] + ([self.module.bias] if self.has_bias else [])
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
 
     def grad_matrix(self, dtype: torch.dtype) -> Tensor | None:
         """The gradient as (out, in[+1]) in ``dtype``; None when the weight has no gradient."""
-        weight_grad = self.module.weight.grad
+        weight_grad = self.weight.grad
         if weight_grad is None:
             return None
         matrix = weight_grad.reshape(weight_grad.shape[0], -1).to(dtype)
-        if self.has_bias:
-            bias_grad = self.module.bias.grad
+        if self.bias is not None:
+            bias_grad = self.bias.grad
             column = torch.zeros_like(matrix[:, :1]) if bias_grad is None else bias_grad.to(dtype)[:, None]
             matrix = torch.cat([matrix, column], dim=1)
         return matrix
 
     def set_grad(self, matrix: Tensor) -> None:
         """Write a preconditioned gradient matrix back into the parameters' .grad."""
-        weight = self.module.weight
-        weight_part = matrix[:, :-1] if self.has_bias else matrix
+        weight, bias = self.weight, self.bias
+        weight_part = matrix[:, :-1] if bias is not None else matrix
         if weight.grad is not None:
             weight.grad.copy_(weight_part.reshape(weight.shape))
-        if self.has_bias and self.module.bias.grad is not None:
-            self.module.bias.grad.copy_(matrix[:, -1])
+        if bias is not None and bias.grad is not None:
+            bias.grad.copy_(matrix[:, -1])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, A {self.a_dim}x{self.a_dim}, G {self.g_dim}x{self.g_dim})"
@@ -87,6 +101,8 @@ class KFACLayer(ABC):
 
 class LinearLayer(KFACLayer):
     """nn.Linear: every row of the input (all leading dimensions) is one example."""
+
+    module: nn.Linear
 
     @property
     def a_dim(self) -> int:
@@ -113,6 +129,8 @@ class LinearLayer(KFACLayer):
 
 class Conv2dLayer(KFACLayer):
     """nn.Conv2d after KFC: A sums over output positions, G averages over them (docs/kfac.md)."""
+
+    module: nn.Conv2d
 
     def __init__(self, name: str, module: nn.Conv2d) -> None:
         super().__init__(name, module)

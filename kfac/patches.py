@@ -34,7 +34,7 @@ class ConvGeometry:
     padding_mode: str  # F.pad's mode: 'constant', 'reflect', 'replicate' or 'circular'
 
     @classmethod
-    def of(cls, conv: nn.Conv2d) -> "ConvGeometry":
+    def of(cls, conv: nn.Conv2d) -> ConvGeometry:
         kh, kw = conv.kernel_size
         dh, dw = conv.dilation
         if isinstance(conv.padding, str):
@@ -84,7 +84,10 @@ def patch_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> Tensor:
         moment, sums, count = _row_shift_moment(x, geometry, with_bias)
     else:
         moment, sums, count = _unfold_moment(geometry.pad(x), geometry)
-    return bordered_moment(moment, sums, count) if with_bias else moment
+    if not with_bias:
+        return moment
+    assert sums is not None
+    return bordered_moment(moment, sums, count)
 
 
 def bordered_moment(moment: Tensor, sums: Tensor, count: float) -> Tensor:
@@ -167,6 +170,7 @@ def _row_shift_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tup
                 if a < b:
                     part = rows(a, b) @ rows(a + step, b + step).T
                     block = part if block is None else block + part
+            assert block is not None  # every window has at least one row
             blocks[i1, :, i1 + shift, :] = block
             if shift:
                 blocks[i1 + shift, :, i1, :] = block.T
@@ -258,7 +262,9 @@ def _autocorrelation_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) 
     }
     xt = x.transpose(2, 3)  # columns as rows of the transposed image: thin column strips convolve slowly
     col_products = {
-        q: _weight_gradient(xt[:, :, q : q + 1].contiguous(), around_row(xt, q, ew, eh), shifts[::-1], (dw, dh)).permute(3, 2, 0, 1)
+        q: _weight_gradient(
+            xt[:, :, q : q + 1].contiguous(), around_row(xt, q, ew, eh), shifts[::-1], (dw, dh)
+        ).permute(3, 2, 0, 1)
         for q in border_cols
     }
     corners = {}
@@ -268,7 +274,7 @@ def _autocorrelation_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) 
         around = torch.stack([row_windows[r][:, :, ::dh, q : q + 2 * ew + 1 : dw] for r, q in pairs], dim=1)
         around = around.reshape(n, len(pairs), -1).transpose(0, 1)  # (P, N, C * shifts)
         products = torch.bmm(centre, around).view(len(pairs), c, c, *shifts).permute(0, 3, 4, 1, 2)
-        corners = dict(zip(pairs, products))
+        corners = dict(zip(pairs, products, strict=False))
 
     zero = full.new_zeros(full.shape)
 
@@ -284,9 +290,9 @@ def _autocorrelation_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) 
                     missing[i1, j1] -= corners[(r, q)]
 
     # blocks[i1, j1, i2, j2] = (full - missing[i1, j1])[shift], shift index (i2 - i1 + kh - 1, j2 - j1 + kw - 1)
-    i1, j1, i2, j2 = torch.meshgrid(*(torch.arange(k, device=x.device) for k in (kh, kw, kh, kw)), indexing="ij")
-    a, b = i2 - i1 + kh - 1, j2 - j1 + kw - 1
-    blocks = full[a, b] - missing[i1, j1, a, b]  # (kh, kw, kh, kw, C, C)
+    o1, p1, o2, p2 = torch.meshgrid(*(torch.arange(k, device=x.device) for k in (kh, kw, kh, kw)), indexing="ij")
+    a_shift, b_shift = o2 - o1 + kh - 1, p2 - p1 + kw - 1
+    blocks = full[a_shift, b_shift] - missing[o1, p1, a_shift, b_shift]  # (kh, kw, kh, kw, C, C)
     d = c * kh * kw
     moment = blocks.permute(4, 0, 1, 5, 2, 3).reshape(d, d)  # features (channel, row, column)
     moment = (moment + moment.T) / 2  # equal up to rounding; keep it exactly symmetric

@@ -17,8 +17,8 @@ script's legacy flags readable, which is tested).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -26,7 +26,7 @@ import torch
 @contextmanager
 def ieee_fp32() -> Iterator[None]:
     """cuBLAS matmuls and cuDNN convolutions in full float32 inside the block (no TF32)."""
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv  # type: ignore[attr-defined]
     saved = (matmul.fp32_precision, conv.fp32_precision)
     if saved == ("ieee", "ieee"):
         yield

@@ -18,9 +18,10 @@ from __future__ import annotations
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +36,7 @@ from kfac.layers import KFACLayer, SkipSpec, find_layers
 from kfac.precision import ieee_fp32
 from kfac.workers import map_largest_first
 
-Schedule = Union[float, Callable[[int], float]]
+Schedule = float | Callable[[int], float]
 
 
 def _value(schedule: Schedule, step: int) -> float:
@@ -218,7 +219,7 @@ class KFACPreconditioner:
         return {"eigen_recoveries": dict(self.eigen_recoveries), "skipped_factor_updates": skipped}
 
     def state_dict(self) -> dict[str, Any]:
-        """The running factors, the step count and the recovery counters; decompositions are recomputed after loading."""
+        """Running factors, step count and recovery counters; decompositions are recomputed after loading."""
         return {
             "steps": self.steps,
             "layers": [layer.name for layer in self.layers],
@@ -232,11 +233,16 @@ class KFACPreconditioner:
         if list(state["layers"]) != names:
             raise ValueError(f"K-FAC state is for layers {list(state['layers'])}, this model has {names}")
         for i, layer in enumerate(self.layers):
-            for factors, key, dim in ((self.a_factors, "a_factors", layer.a_dim), (self.g_factors, "g_factors", layer.g_dim)):
+            for factors, key, dim in (
+                (self.a_factors, "a_factors", layer.a_dim),
+                (self.g_factors, "g_factors", layer.g_dim),
+            ):
                 saved = state[key][i]
                 if saved is not None and tuple(saved.shape) != (dim, dim):
-                    raise ValueError(f"K-FAC state for {layer.name}: {key} has shape {tuple(saved.shape)}, expected {(dim, dim)}")
-                device = layer.module.weight.device
+                    raise ValueError(
+                        f"K-FAC state for {layer.name}: {key} has shape {tuple(saved.shape)}, expected {(dim, dim)}"
+                    )
+                device = layer.device
                 factors[i] = None if saved is None else saved.detach().to(device=device, dtype=layer.dtype).clone()
         self.steps = int(state["steps"])
         self.eigen_recoveries.update(state.get("eigen_recoveries", {}))
@@ -279,7 +285,7 @@ class KFACPreconditioner:
         layer = self.layers[index]
         stats = self._gathered.pop(index, None)
         if stats is None:  # this rank's pass never reached the layer: it still joins, with zero counts
-            buffer = BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, layer.module.weight.device)
+            buffer = BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, layer.device)
         else:
             buffer = stats.pack()
         self._in_flight[index] = self.comm.allreduce_sum_async(buffer, f"kfac.factors.{index}")
@@ -301,11 +307,12 @@ class KFACPreconditioner:
         batches: list[tuple[int, Tensor, Tensor]] = []  # (layer, A of this batch, G of this batch)
         for index, layer in enumerate(self.layers):
             self._captures[index].reset()
+            stats: BatchStatistics | None
             if self.comm.size > 1:
                 stats = BatchStatistics.unpack(self.comm.wait(self._in_flight.pop(index)), layer.a_dim, layer.g_dim)
             else:
-                stats = self._gathered.pop(index, None)
-            extra = self._late.pop(index, None)
+                stats = self._gathered.pop(index) if index in self._gathered else None
+            extra = self._late.pop(index) if index in self._late else None
             if extra is not None:
                 stats = extra if stats is None else BatchStatistics.merge([stats, extra])
             if stats is None:
@@ -319,7 +326,9 @@ class KFACPreconditioner:
         if batches:
             self._average_into_factors(batches, decay, found_inf)
 
-    def _average_into_factors(self, batches: list[tuple[int, Tensor, Tensor]], decay: float, found_inf: Tensor | None) -> None:
+    def _average_into_factors(
+        self, batches: list[tuple[int, Tensor, Tensor]], decay: float, found_inf: Tensor | None
+    ) -> None:
         """F ← ξF + (1−ξ)F_batch for every layer whose batch factors are usable, decided on the device.
 
         A batch is left out when it is not finite (an fp16 overflow, a layer no rank ran: 0/0) or
@@ -335,12 +344,12 @@ class KFACPreconditioner:
             olds = [factors[b[0]] for _, b in old]
             news = [b[side] for _, b in old]
             averaged = masked_running_averages(olds, news, decay, [keep[k] for k, _ in old])  # type: ignore[arg-type]
-            for (_, b), factor in zip(old, averaged):
+            for (_, b), factor in zip(old, averaged, strict=False):
                 factors[b[0]] = factor
         first = [(k, b) for k, b in enumerate(batches) if self.a_factors[b[0]] is None]
         if first:
             verdicts = torch.stack([usable[k].to(usable[0].device) for k, _ in first]).tolist()  # the one host read
-            for (_, (index, a_batch, g_batch)), ok in zip(first, verdicts):
+            for (_, (index, a_batch, g_batch)), ok in zip(first, verdicts, strict=False):
                 if ok:
                     self.a_factors[index], self.g_factors[index] = a_batch, g_batch
         skipped = torch.stack([k.to(keep[0].device) for k in keep]).sum()
@@ -356,7 +365,9 @@ class KFACPreconditioner:
         return value if isinstance(value, Tensor) else float(scaler.get_scale())
 
     # ------------------------------------------------------------------ decompositions
-    def _decompose_inverse(self, item: tuple[int, str], damping: float, factors: tuple[list, list]) -> solve.Decomposition:
+    def _decompose_inverse(
+        self, item: tuple[int, str], damping: float, factors: tuple[list, list]
+    ) -> solve.Decomposition:
         index, kind = item
         a, g = factors[0][index], factors[1][index]
         assert a is not None and g is not None
@@ -390,7 +401,9 @@ class KFACPreconditioner:
             if later:
                 self._start_late(later, damping, factors)
 
-    def _compute_owned(self, stale: list[int], damping: float, factors: tuple[list, list]) -> tuple[Results, Recoveries]:
+    def _compute_owned(
+        self, stale: list[int], damping: float, factors: tuple[list, list]
+    ) -> tuple[Results, Recoveries]:
         """This rank's decompositions of the stale layers' factors, and which of them needed a recovery."""
         todo = set(stale)
         owned = [(i, kind) for i, kind in self.assignment.owned_factors(self.comm.rank) if i in todo]
@@ -398,13 +411,21 @@ class KFACPreconditioner:
             jobs = []
             for i, kind in owned:
                 previous = self._decompositions[i]
-                jobs.append(EigenJob((i, kind), factors[0 if kind == "A" else 1][i], None if previous is None else previous[kind == "G"]))
+                jobs.append(
+                    EigenJob(
+                        (i, kind),
+                        factors[0 if kind == "A" else 1][i],
+                        None if previous is None else previous[kind == "G"],
+                    )
+                )
             dtype = self._decomposition_dtype(owned[0][0]) if owned else self.eigen_dtype
             return decompose_eigen(jobs, dtype, self.cpu_eigen_limit)
         sizes = [self.layers[i].a_dim if kind == "A" else self.layers[i].g_dim for i, kind in owned]
-        on_cpu = all(self.layers[i].module.weight.device.type == "cpu" for i, _ in owned)
-        inverses = map_largest_first(lambda item: self._decompose_inverse(item, damping, factors), owned, [n**3 for n in sizes], on_cpu)
-        return dict(zip(owned, inverses)), {}
+        on_cpu = all(self.layers[i].device.type == "cpu" for i, _ in owned)
+        inverses = map_largest_first(
+            lambda item: self._decompose_inverse(item, damping, factors), owned, [n**3 for n in sizes], on_cpu
+        )
+        return dict(zip(owned, inverses, strict=False)), {}
 
     def _install(self, stale: list[int], results: Results, recoveries: Recoveries) -> None:
         """Record recoveries, broadcast every owner's decompositions in its worker group, keep the grad workers'."""
@@ -435,7 +456,8 @@ class KFACPreconditioner:
             self.eigen_recoveries[kind] += 1
         if recoveries and not self._warned_recovery:
             self._warned_recovery = True
-            names = ", ".join(f"{self.layers[i].name} {side} ({how})" for (i, side), how in sorted(recoveries.items()))  # type: ignore[misc]
+            keys = cast(list[tuple[int, str]], sorted(recoveries))
+            names = ", ".join(f"{self.layers[i].name} {side} ({recoveries[(i, side)]})" for i, side in keys)
             where = f"rank {self.comm.rank}: " if self.comm.size > 1 else ""
             warnings.warn(
                 f"K-FAC {where}the eigendecomposition of {names} failed to converge (a singular or badly "
@@ -449,7 +471,7 @@ class KFACPreconditioner:
         """Compute this rank's decompositions of ``factors`` in a background thread (a side stream on a GPU)."""
         if self._late_runner is None:
             self._late_runner = ThreadPoolExecutor(1, thread_name_prefix="kfac-late")
-        device = self.layers[stale[0]].module.weight.device
+        device = self.layers[stale[0]].device
         ready = None
         if device.type == "cuda":
             if self._side_stream is None:
@@ -457,7 +479,9 @@ class KFACPreconditioner:
             ready = torch.cuda.current_stream(device).record_event()
             for side in factors:
                 for i in stale:
-                    side[i].record_stream(self._side_stream)  # type: ignore[union-attr]
+                    factor = side[i]
+                    assert factor is not None
+                    factor.record_stream(self._side_stream)
 
         def run() -> tuple[Results, Recoveries, Any]:
             if ready is None:
@@ -505,7 +529,8 @@ class KFACPreconditioner:
         for layers in by_shape.values():
             if len(layers) < 2:
                 continue
-            stacks = [torch.stack([self._decompositions[i][side][part] for i in layers]) for side in (0, 1) for part in (0, 1)]
+            held = [self._decompositions[i] for i in layers]
+            stacks = [torch.stack([d[side][part] for d in held if d is not None]) for side in (0, 1) for part in (0, 1)]
             qa, da, qg, dg = stacks
             for k, i in enumerate(layers):
                 self._decompositions[i] = ((qa[k], da[k]), (qg[k], dg[k]))
@@ -526,7 +551,9 @@ class KFACPreconditioner:
             if grad is None:
                 if self.comm.size == 1:
                     continue  # nothing to precondition; with several ranks zeros keep the buffers aligned
-                grad = torch.zeros(layer.g_dim, layer.a_dim, dtype=self._decomposition_dtype(i), device=layer.module.weight.device)
+                grad = torch.zeros(
+                    layer.g_dim, layer.a_dim, dtype=self._decomposition_dtype(i), device=layer.device
+                )
             grads[i] = grad
         for b, (layers, qa, da, qg, dg) in enumerate(self._batches):
             present = [i for i in layers if i in grads]
@@ -534,7 +561,7 @@ class KFACPreconditioner:
                 continue
             denominator = self._denominator(("batch", b), damping, da, dg)
             stacked = solve.precondition_eigen(torch.stack([grads[i] for i in layers]), (qa, da), (qg, dg), denominator)
-            directions.update(zip(layers, stacked))
+            directions.update(zip(layers, stacked, strict=False))
         for i in grads:
             if i in directions or not self.assignment.is_grad_worker(i, rank):
                 continue
@@ -576,7 +603,7 @@ class KFACPreconditioner:
             sent = [directions[i] for i in layers_of[root]] if root == self.comm.rank else None
             payloads[root] = ([tuple(grads[i].shape) for i in layers_of[root]], sent, dtype)
         for root, tensors in self._broadcast_from_each(block, "kfac.directions", payloads).items():
-            for i, tensor in zip(layers_of[root], tensors):
+            for i, tensor in zip(layers_of[root], tensors, strict=False):
                 # The root too takes the copy it sent: same memory layout, same rounding downstream.
                 directions[i] = tensor
 
@@ -587,7 +614,7 @@ class KFACPreconditioner:
         with nothing to send still broadcasts one number, so that every rank issues the same number of
         Horovod operations (Horovod names unnamed operations by a per-rank counter).
         """
-        device = self.layers[0].module.weight.device
+        device = self.layers[0].device
         transfers = []
         for root, (shapes, tensors, dtype) in payloads.items():
             size = max(1, sum(_numel(shape) for shape in shapes))

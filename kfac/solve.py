@@ -16,7 +16,7 @@ A decomposition is a tuple of tensors, so that it can be packed into one buffer 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -47,7 +47,7 @@ def eigen_decompositions(factors: Sequence[Tensor], dtype: torch.dtype) -> list[
     except RuntimeError:  # torch.linalg.LinAlgError: some member did not converge
         return None
     eigenvalues.clamp_(min=0.0)
-    return list(zip(eigenvectors.unbind(0), eigenvalues.unbind(0)))
+    return list(zip(eigenvectors.unbind(0), eigenvalues.unbind(0), strict=False))
 
 
 def robust_eigen_decomposition(
@@ -77,7 +77,9 @@ def robust_eigen_decomposition(
     wide = factor.to(torch.float64)
     shift = EXTRA_DAMPING * max(float(wide.diagonal().mean()), torch.finfo(torch.float32).tiny)
     try:
-        vectors, values = eigen_decomposition(wide + shift * torch.eye(wide.shape[0], dtype=wide.dtype, device=wide.device), torch.float64)
+        vectors, values = eigen_decomposition(
+            wide + shift * torch.eye(wide.shape[0], dtype=wide.dtype, device=wide.device), torch.float64
+        )
         return (vectors.to(work_dtype), values.to(work_dtype)), "extra_damping"
     except RuntimeError:
         pass

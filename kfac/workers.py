@@ -8,8 +8,9 @@ threads each. LAPACK releases the GIL, so Python threads are enough.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 

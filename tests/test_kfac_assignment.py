@@ -53,7 +53,7 @@ def test_resnet32_decompositions_are_balanced_over_ranks() -> None:
 
 def _optimum(costs: list[float], bins: int) -> float:
     return min(
-        max(sum(c for c, b in zip(costs, choice) if b == k) for k in range(bins))
+        max(sum(c for c, b in zip(costs, choice, strict=False) if b == k) for k in range(bins))
         for choice in itertools.product(range(bins), repeat=len(costs))
     )
 

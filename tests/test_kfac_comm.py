@@ -22,7 +22,7 @@ def test_buffers_round_trip_several_tensors() -> None:
     tensors = [torch.randn(2, 3), torch.randn(4), torch.randn(1, 1)]
     buffer = tensors_to_buffer(tensors, torch.float64, torch.device("cpu"))
     assert buffer.dtype == torch.float64 and buffer.numel() == 11
-    for got, want in zip(buffer_to_tensors(buffer, [t.shape for t in tensors]), tensors):
+    for got, want in zip(buffer_to_tensors(buffer, [t.shape for t in tensors]), tensors, strict=False):
         torch.testing.assert_close(got.float(), want)
     assert tensors_to_buffer([], torch.float32, torch.device("cpu")).numel() == 0
     with pytest.raises(ValueError, match="buffer holds"):

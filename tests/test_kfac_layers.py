@@ -65,7 +65,10 @@ def test_conv_g_moment_sums_over_examples_and_positions() -> None:
 
 
 def test_factors_are_float32_for_half_models_and_float64_for_double() -> None:
-    assert LinearLayer("a", nn.Linear(2, 2).to(torch.bfloat16)).a_moment(torch.randn(3, 2).bfloat16())[0].dtype == torch.float32
+    assert (
+        LinearLayer("a", nn.Linear(2, 2).to(torch.bfloat16)).a_moment(torch.randn(3, 2).bfloat16())[0].dtype
+        == torch.float32
+    )
     assert LinearLayer("a", nn.Linear(2, 2).double()).a_moment(torch.randn(3, 2).double())[0].dtype == torch.float64
 
 

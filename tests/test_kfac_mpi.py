@@ -1,6 +1,7 @@
 """K-FAC on several ranks equals K-FAC on one rank with the whole batch.
 
-Run with ``timeout 900 mpiexec --oversubscribe -n 4 .venv/bin/python -m pytest --with-mpi -m mpi tests/test_kfac_mpi.py``.
+Run with
+``timeout 900 mpiexec --oversubscribe -n 4 .venv/bin/python -m pytest --with-mpi -m mpi tests/test_kfac_mpi.py``.
 Each rank trains a Horovod data-parallel model on its shard of every global batch (Horovod's
 DistributedOptimizer: synchronize, precondition, step inside skip_synchronize). The reference is
 computed on every rank without any communication: the same model, K-FAC with a single-process
@@ -12,7 +13,6 @@ from __future__ import annotations
 # tests/conftest.py sets HOROVOD_DYNAMIC_PROCESS_SETS=1 for the --with-mpi session (Horovod reads
 # it when it starts), so K-FAC uses Horovod process sets for its rank groups; without it K-FAC falls
 # back to mpi4py sub-communicators, tested below as well.
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,9 +84,17 @@ def _flat(model: nn.Module) -> torch.Tensor:
 def _train_distributed(hvd, fraction: float, passes: int = 1, **extra) -> tuple[torch.Tensor, KFACPreconditioner]:
     model = _model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), backward_passes_per_step=passes)
-    pre = KFACPreconditioner(model, grad_worker_fraction=fraction, skip_layers=["extra"], backward_passes_per_step=passes,
-                             **SETTINGS, **extra)
+    optimizer = hvd.DistributedOptimizer(
+        base, named_parameters=model.named_parameters(), backward_passes_per_step=passes
+    )
+    pre = KFACPreconditioner(
+        model,
+        grad_worker_fraction=fraction,
+        skip_layers=["extra"],
+        backward_passes_per_step=passes,
+        **SETTINGS,
+        **extra,
+    )
     rank, size = hvd.rank(), hvd.size()
     for step in range(STEPS):
         x, y = _batch(step, PER_RANK * size)
@@ -157,7 +165,9 @@ def test_gradient_accumulation_on_every_rank_equals_one_rank() -> None:
     hvd = _horovod()
     params, _ = _train_distributed(hvd, 1.0 / hvd.size(), passes=2)
     err = _rel(params, _train_single_process(hvd.size()))
-    assert_all_ranks(err < 1e-5 and _same_on_all_ranks(hvd, params, "test.kfac.accumulation"), f"relative error {err:.2e}")
+    assert_all_ranks(
+        err < 1e-5 and _same_on_all_ranks(hvd, params, "test.kfac.accumulation"), f"relative error {err:.2e}"
+    )
 
 
 def test_memory_optimal_ranks_keep_only_their_layers_decompositions() -> None:
@@ -183,7 +193,9 @@ def test_mpi4py_groups_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> 
     params, pre = _train_distributed(hvd, 0.5)
     reference = _train_single_process(hvd.size())
     ok = type(pre._worker_group).__name__ == "_MpiGroup" and _rel(params, reference) < 1e-5
-    assert_all_ranks(ok and _same_on_all_ranks(hvd, params, "test.kfac.mpi4py"), f"mpi4py groups: {type(pre._worker_group).__name__}")
+    assert_all_ranks(
+        ok and _same_on_all_ranks(hvd, params, "test.kfac.mpi4py"), f"mpi4py groups: {type(pre._worker_group).__name__}"
+    )
 
 
 def test_process_sets_are_used_when_horovod_allows_them() -> None:
@@ -203,7 +215,9 @@ def test_a_branch_used_on_one_rank_only_does_not_break_step() -> None:
     hvd = _horovod()
     rank, size = hvd.rank(), hvd.size()
     model = _model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     pre = KFACPreconditioner(model, grad_worker_fraction=1.0 / size, **SETTINGS)
     extra = next(i for i, layer in enumerate(pre.layers) if layer.name == "extra")
     x, y = _batch(0, PER_RANK * size)

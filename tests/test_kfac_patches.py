@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac.patches import ConvGeometry, _autocorrelation_moment, _row_shift_moment, bordered_moment, conv_patches, patch_moment
+from kfac.patches import (
+    ConvGeometry,
+    _autocorrelation_moment,
+    _row_shift_moment,
+    bordered_moment,
+    conv_patches,
+    patch_moment,
+)
 
 CASES = [
     dict(kernel_size=3, stride=1, padding=1, dilation=1),
@@ -45,15 +52,18 @@ def test_patch_moment_matches_unfold(case: dict, with_bias: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("case", CASES + [dict(kernel_size=3, padding=1), dict(kernel_size=5, padding=2, dilation=2)],
-                         ids=lambda c: "-".join(f"{k[0]}{v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "case",
+    CASES + [dict(kernel_size=3, padding=1), dict(kernel_size=5, padding=2, dilation=2)],
+    ids=lambda c: "-".join(f"{k[0]}{v}" for k, v in c.items()),
+)
 @pytest.mark.parametrize("mode", ["zeros", "reflect"])
 def test_each_fast_method_matches_unfold_where_it_applies(case: dict, mode: str) -> None:
     """patch_moment picks a method by stride and image size; each one is checked on its own here."""
     torch.manual_seed(2)
     conv = nn.Conv2d(3, 4, padding_mode=mode, **case).double()
     geometry = ConvGeometry.of(conv)
-    if mode == "reflect" and any(p >= s for p, s in zip(geometry.padding, (11, 11, 9, 9))):
+    if mode == "reflect" and any(p >= s for p, s in zip(geometry.padding, (11, 11, 9, 9), strict=False)):
         pytest.skip("reflect padding must be smaller than the image")
     x = torch.randn(2, 3, 9, 11, dtype=torch.float64)
     want = _unfold_reference(x, conv, True)
@@ -99,7 +109,13 @@ def test_patches_reproduce_the_convolution(case: dict) -> None:
     rebuilt = patches @ conv.weight.reshape(5, -1).T + conv.bias
     torch.testing.assert_close(rebuilt.transpose(1, 2).reshape(out.shape), out)
     # and the fast moment agrees with these patches, padding modes included
-    rows = torch.cat([patches.reshape(-1, patches.shape[2]), torch.ones(patches.shape[0] * patches.shape[1], 1, dtype=torch.float64)], 1)
+    rows = torch.cat(
+        [
+            patches.reshape(-1, patches.shape[2]),
+            torch.ones(patches.shape[0] * patches.shape[1], 1, dtype=torch.float64),
+        ],
+        1,
+    )
     torch.testing.assert_close(patch_moment(x, geometry, True), rows.T @ rows)
 
 

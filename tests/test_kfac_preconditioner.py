@@ -61,10 +61,10 @@ def test_state_dict_round_trip_continues_exactly_from_an_inverse_update_boundary
     optimizer2.load_state_dict(saved["opt"])
     pre2.load_state_dict(saved["kfac"])
     assert pre2.steps == 4
-    for a, b in zip(saved["kfac"]["a_factors"], pre2.a_factors):
+    for a, b in zip(saved["kfac"]["a_factors"], pre2.a_factors, strict=False):
         assert (a is None and b is None) or torch.equal(a, b)
     _train(model2, optimizer2, pre2, 3, start=4)
-    for p, q in zip(model.parameters(), model2.parameters()):
+    for p, q in zip(model.parameters(), model2.parameters(), strict=False):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8)
 
 
@@ -111,7 +111,9 @@ def test_schedules_may_be_callables_of_the_step() -> None:
 
         return schedule
 
-    model, optimizer, pre = _setup(lr=record("lr", 0.05), damping=record("damping", 0.01), factor_decay=record("decay", 0.9))
+    model, optimizer, pre = _setup(
+        lr=record("lr", 0.05), damping=record("damping", 0.01), factor_decay=record("decay", 0.9)
+    )
     _train(model, optimizer, pre, 3)
     assert set(seen["lr"]) == set(seen["damping"]) == set(seen["decay"]) == {0, 1, 2}
 
@@ -139,7 +141,7 @@ def test_amp_grad_scaler_scale_is_divided_out_of_g() -> None:
     scaler.scale(F.cross_entropy(scaled_model(x), y)).backward()
     scaler.unscale_(optimizer)  # unscale before K-FAC reads the gradients, as with gradient clipping
     scaled.step()
-    for a, b in zip(plain.g_factors + plain.a_factors, scaled.g_factors + scaled.a_factors):
+    for a, b in zip(plain.g_factors + plain.a_factors, scaled.g_factors + scaled.a_factors, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(plain_model.fc.weight.grad, scaled_model.fc.weight.grad, rtol=1e-4, atol=1e-7)
 
@@ -157,7 +159,7 @@ def test_an_overflowing_amp_step_leaves_the_factors_alone() -> None:
     pre.step()
     scaler.step(optimizer)  # skipped: the gradients are not finite
     scaler.update()
-    assert all(torch.equal(a, b) for a, b in zip(before, [f for f in pre.g_factors if f is not None]))
+    assert all(torch.equal(a, b) for a, b in zip(before, [f for f in pre.g_factors if f is not None], strict=False))
     assert scaler.get_scale() < 2.0**10
 
 
@@ -216,7 +218,7 @@ def test_gradient_accumulation_gives_the_factors_of_the_whole_batch() -> None:
     for part in (slice(0, 4), slice(4, 8)):
         (F.cross_entropy(split_model(x[part]), y[part]) / 2).backward()
     split.step()
-    for a, b in zip(whole.a_factors + whole.g_factors, split.a_factors + split.g_factors):
+    for a, b in zip(whole.a_factors + whole.g_factors, split.a_factors + split.g_factors, strict=False):
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
     got, want = split_model.fc.weight.grad, whole_model.fc.weight.grad

@@ -61,7 +61,9 @@ def _with_ones(rows: torch.Tensor, bias: bool) -> torch.Tensor:
     return torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1) if bias else rows
 
 
-def reference_factors(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def reference_factors(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(A, G) per layer from the textbook definitions, one example at a time."""
     inputs: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
@@ -82,7 +84,7 @@ def reference_factors(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dic
         loss_i = F.cross_entropy(model(x[i : i + 1]), y[i : i + 1], reduction="sum")  # this example's loss
         names = list(modules)
         grads = torch.autograd.grad(loss_i, [outputs[name] for name in names])
-        for name, grad in zip(names, grads):
+        for name, grad in zip(names, grads, strict=False):
             m = modules[name]
             bias = m.bias is not None
             if isinstance(m, nn.Conv2d):
@@ -95,7 +97,7 @@ def reference_factors(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dic
     for h in handles:
         h.remove()
     factors = {}
-    for name, m in modules.items():
+    for name in modules:
         a = torch.stack(a_rows[name])  # (N, positions, in)
         g = torch.stack(g_rows[name])  # (N, positions, out)
         # A: sum over positions, mean over examples; G: mean over examples and positions (KFC).
@@ -121,7 +123,10 @@ def dense_inverse_solve(big_a, big_g, grad, damping):
     """(G + γ_G I)⁻¹ ∇W (A + γ_A I)⁻¹ as a dense Kronecker solve, π from the traces."""
     pi = math.sqrt((torch.trace(big_a) / big_a.shape[0]) / (torch.trace(big_g) / big_g.shape[0]))
     gamma_a, gamma_g = pi * math.sqrt(damping), math.sqrt(damping) / pi
-    kron = torch.kron(big_g + gamma_g * torch.eye(big_g.shape[0], dtype=DTYPE), big_a + gamma_a * torch.eye(big_a.shape[0], dtype=DTYPE))
+    kron = torch.kron(
+        big_g + gamma_g * torch.eye(big_g.shape[0], dtype=DTYPE),
+        big_a + gamma_a * torch.eye(big_a.shape[0], dtype=DTYPE),
+    )
     return torch.linalg.solve(kron, grad.reshape(-1)).reshape(grad.shape)
 
 
@@ -186,7 +191,9 @@ def test_sum_reduction_gives_the_same_factors_as_mean() -> None:
     x, y = _data("conv", 6, seed=3)
     _, mean_pre = _precondition_once(_model("conv"), x, y, reduction="mean")
     _, sum_pre = _precondition_once(_model("conv"), x, y, reduction="sum")
-    for a_mean, a_sum, g_mean, g_sum in zip(mean_pre.a_factors, sum_pre.a_factors, mean_pre.g_factors, sum_pre.g_factors):
+    for a_mean, a_sum, g_mean, g_sum in zip(
+        mean_pre.a_factors, sum_pre.a_factors, mean_pre.g_factors, sum_pre.g_factors, strict=False
+    ):
         assert rel_err(a_sum, a_mean) < TOL
         assert rel_err(g_sum, g_mean) < TOL
 

@@ -125,7 +125,7 @@ def test_batched_decompositions_equal_one_by_one_and_fall_back_on_failure(monkey
     factors = [_rank_deficient(6, 6, seed=s) for s in range(3)]
     batched = solve.eigen_decompositions(factors, torch.float32)
     assert batched is not None
-    for factor, decomposition in zip(factors, batched):
+    for factor, decomposition in zip(factors, batched, strict=False):
         assert _reconstructs(decomposition, factor, 1e-5)
     _failing_eigh(monkeypatch, lambda m: m.dim() == 3)  # the batch fails, single ones work
     assert solve.eigen_decompositions(factors, torch.float32) is None
@@ -176,7 +176,9 @@ def _run(steps: list[int], skipped: set[int], overflow_statistics: bool = False,
 def test_a_skipped_step_leaves_no_trace_in_the_factors(overflow_statistics: bool) -> None:
     _, with_skip = _run([0, 1, 2, 3], skipped={2}, overflow_statistics=overflow_statistics)
     _, without = _run([0, 1, 3], skipped=set())
-    for got, want in zip(with_skip.a_factors + with_skip.g_factors, without.a_factors + without.g_factors):
+    for got, want in zip(
+        with_skip.a_factors + with_skip.g_factors, without.a_factors + without.g_factors, strict=False
+    ):
         assert torch.isfinite(got).all()
         assert torch.equal(got, want)
     assert with_skip.stats["skipped_factor_updates"] == 2  # two layers, one skipped step
@@ -186,7 +188,9 @@ def test_a_skipped_step_leaves_no_trace_in_the_factors(overflow_statistics: bool
 def test_a_skipped_first_step_starts_the_factors_at_the_next_one() -> None:
     _, with_skip = _run([0, 1, 2], skipped={0}, overflow_statistics=True)
     _, without = _run([1, 2], skipped=set())
-    for got, want in zip(with_skip.a_factors + with_skip.g_factors, without.a_factors + without.g_factors):
+    for got, want in zip(
+        with_skip.a_factors + with_skip.g_factors, without.a_factors + without.g_factors, strict=False
+    ):
         assert torch.equal(got, want)
 
 
@@ -202,7 +206,7 @@ def test_found_inf_zero_changes_nothing() -> None:
         F.cross_entropy(model_b(x), y).backward()
         pre_b.step()
         optimizer.step()
-    for p, q in zip(model_a.parameters(), model_b.parameters()):
+    for p, q in zip(model_a.parameters(), model_b.parameters(), strict=False):
         assert torch.equal(p, q)
 
 
@@ -261,5 +265,5 @@ def test_late_decompositions_are_off_by_default_and_equal_the_synchronous_run_at
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, late = _run([0, 1], skipped=set(), late_decompositions=True)
-    for a, b in zip(pre._decompositions, late._decompositions):
-        assert all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1]))
+    for a, b in zip(pre._decompositions, late._decompositions, strict=False):
+        assert all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1], strict=False))

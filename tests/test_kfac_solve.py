@@ -31,8 +31,10 @@ def test_inverse_direction_uses_factored_tikhonov_damping() -> None:
     a_inv = solve.damped_inverse(a, pi * math.sqrt(damping), torch.float64)
     g_inv = solve.damped_inverse(g, math.sqrt(damping) / pi, torch.float64)
     got = solve.precondition_inverse(grad, a_inv, g_inv)
-    want = torch.linalg.inv(g + math.sqrt(damping) / pi * torch.eye(3, dtype=torch.float64)) @ grad @ torch.linalg.inv(
-        a + pi * math.sqrt(damping) * torch.eye(4, dtype=torch.float64)
+    want = (
+        torch.linalg.inv(g + math.sqrt(damping) / pi * torch.eye(3, dtype=torch.float64))
+        @ grad
+        @ torch.linalg.inv(a + pi * math.sqrt(damping) * torch.eye(4, dtype=torch.float64))
     )
     torch.testing.assert_close(got, want)
 
