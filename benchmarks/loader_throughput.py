@@ -1,0 +1,284 @@
+"""Input pipeline throughput: folder vs shards, PIL vs libjpeg-turbo vs nvJPEG decode, against workers.
+
+    .venv/bin/python benchmarks/loader_throughput.py                  # CPU: a couple of minutes on 2 cores
+    .venv/bin/python benchmarks/loader_throughput.py --device cuda    # GPU: adds nvJPEG decode, ResNet-50 AMP
+    .venv/bin/python benchmarks/loader_throughput.py --images 2000 --workers 2 4 8 --device cuda
+
+It writes its own ImageNet-like data first (JPEG files of 500x375 pixels at quality 90, about
+110 KB each, in class folders; then the same set packed with hpcdl.pack), so anyone can rerun it.
+Contenders, every one producing normalised 224x224 training batches on the device:
+
+* ``pil-folder``: the old path (torchvision ImageFolder, PIL decode, transforms on PIL images,
+  float32 batches from the workers), the baseline;
+* ``folder-cpu`` / ``shards-cpu``: hpcdl.data with libjpeg-turbo decode in the workers, uint8 batches;
+* ``folder-gpu`` / ``shards-gpu`` (CUDA only): bytes from the workers, nvJPEG batch decode and crops on the GPU.
+
+Part 1 times each pipeline alone (images/s), for each worker count. Part 2 times training fed by
+each (a small CNN on CPU; ResNet-50 with bf16 autocast and channels_last on CUDA), next to the same
+training on device-resident synthetic data. Measurements alternate between contenders round by
+round (the order rotates), and ratios are taken within a round, so a machine shared with other
+work biases no contender. Results: JSON and a plot under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO))
+
+
+def write_jpegs(root: Path, images: int, classes: int, seed: int = 0) -> Path:
+    """ImageNet-like class folders (train and a small val): smooth colour fields plus luminance noise,
+    which JPEG at quality 90 compresses to about 110 KB, like ImageNet's average file."""
+    from PIL import Image
+    from tqdm import tqdm
+
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", images), ("val", max(classes, images // 8))):
+        for i in tqdm(range(count), desc=f"writing {split} JPEGs", disable=None):
+            folder = root / split / f"n{i % classes:08d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            coarse = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize((500, 375), Image.BICUBIC)
+            medium = Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).resize((500, 375), Image.BICUBIC)
+            pixels = (0.6 * np.asarray(coarse, np.float32) + 0.4 * np.asarray(medium, np.float32)
+                      + rng.normal(0, 20, (375, 500, 1)))
+            Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(folder / f"img_{i:06d}.JPEG", quality=90)
+    return root
+
+
+Batches = Callable[[int], Iterator]  # epoch -> iterator of (images, labels) on the device
+
+
+def contenders(names: list[str], folder: Path, shards: Path, workers: int, batch: int, device) -> dict:  # type: ignore[no-untyped-def]
+    """name -> (epoch -> batch iterator, closer)."""
+    import torch
+
+    from hpcdl.data import DataSpec, build_pipeline, load_dataset, make_loaders
+
+    built: dict = {}
+    for name in names:
+        if name == "pil-folder":
+            data = load_dataset("imagenet", str(folder), seed=0)
+            loader, sampler, _ = make_loaders(data, 0, 1, batch, batch, workers, seed=0,
+                                              pin_memory=device.type == "cuda")
+
+            def pil_epoch(epoch: int, loader=loader, sampler=sampler) -> Iterator:  # type: ignore[no-untyped-def]
+                sampler.set_epoch(epoch)
+                for images, labels in loader:
+                    yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+            built[name] = (pil_epoch, lambda: None)
+        else:
+            source, decode = name.split("-")
+            spec = DataSpec("imagenet", str(folder if source == "folder" else shards), batch, batch, workers, 0,
+                            decode=decode, channels_last=device.type == "cuda")
+            pipeline = build_pipeline(spec, 0, 1, device)
+            built[name] = (pipeline.train_epoch, pipeline.close)
+    del torch
+    return built
+
+
+def sync(device) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_batches(epoch_batches: Batches, epoch: int, count: int, device, step=None) -> float:  # type: ignore[no-untyped-def]
+    """images/s over ``count`` batches after the first (which pays for workers starting and prefetching)."""
+    iterator = epoch_batches(epoch)
+    images, labels = next(iterator)
+    if step is not None:
+        step(images, labels)
+    sync(device)
+    start, seen = time.perf_counter(), 0
+    for _ in range(count):
+        images, labels = next(iterator)
+        if step is not None:
+            step(images, labels)
+        seen += len(labels)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    with contextlib.suppress(Exception):
+        iterator.close()  # type: ignore[attr-defined]
+    return seen / elapsed
+
+
+def training_step(device):  # type: ignore[no-untyped-def]
+    """A forward/backward/SGD step: ResNet-50 (bf16 autocast, channels_last) on CUDA; a small CNN on CPU,
+    light enough that the loader's own cost stays visible on 2 cores."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        import torchvision
+
+        model = torchvision.models.resnet50(num_classes=1000).to(device, memory_format=torch.channels_last)
+        autocast: contextlib.AbstractContextManager = torch.autocast("cuda", dtype=torch.bfloat16)
+        torch.backends.cudnn.benchmark = True
+    else:
+        model = nn.Sequential(nn.Conv2d(3, 16, 7, stride=4, padding=3), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2),
+                              nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 1000))
+        autocast = contextlib.nullcontext()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()
+
+    def step(images, labels) -> None:  # type: ignore[no-untyped-def]
+        with autocast:
+            loss = criterion(model(images).float(), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def measure(names: list[str], folder: Path, shards: Path, workers: int, args: argparse.Namespace, device,  # type: ignore[no-untyped-def]
+            step=None, extra: dict | None = None) -> dict[str, list[float]]:
+    built = {**contenders(names, folder, shards, workers, args.batch_size, device), **(extra or {})}
+    order = list(built)
+    rates: dict[str, list[float]] = {name: [] for name in order}
+    try:
+        for round_ in range(args.rounds):
+            rotated = order[round_ % len(order):] + order[:round_ % len(order)]
+            for name in rotated:
+                rates[name].append(time_batches(built[name][0], round_, args.batches, device, step))
+    finally:
+        for epoch_batches, close in built.values():
+            close()
+    return rates
+
+
+def paired_ratio(rates: dict[str, list[float]], numerator: str, denominator: str) -> float | None:
+    if numerator not in rates or denominator not in rates:
+        return None
+    return statistics.median(a / b for a, b in zip(rates[numerator], rates[denominator]))
+
+
+def synthetic_contender(args: argparse.Namespace, device) -> dict:  # type: ignore[no-untyped-def]
+    from hpcdl.data import DataSpec, build_pipeline
+
+    spec = DataSpec("synthetic", None, args.batch_size, args.batch_size, 0, 0, channels_last=device.type == "cuda",
+                    synthetic_shape=(3, 224, 224), synthetic_classes=1000,
+                    synthetic_size=args.batch_size * (args.batches + 2))
+    pipeline = build_pipeline(spec, 0, 1, device)
+    return {"synthetic-device": (pipeline.train_epoch, pipeline.close)}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (alone, fed) = plt.subplots(1, 2, figsize=(12, 4.3))
+    workers = [int(w) for w in report["pipeline_alone"]]
+    names = list(next(iter(report["pipeline_alone"].values())))
+    for name in names:
+        alone.plot(workers, [statistics.median(report["pipeline_alone"][str(w)][name]) for w in workers], "o-",
+                   label=name)
+    alone.set(xlabel="loader workers", ylabel="images/s", title="input pipeline alone (224x224 training batches)")
+    alone.set_xticks(workers)
+    alone.grid(alpha=0.3)
+    alone.legend(fontsize=8)
+    if report.get("training"):
+        rates = report["training"]["images_per_second"]
+        labels = list(rates)
+        fed.bar(range(len(labels)), [statistics.median(rates[n]) for n in labels])
+        fed.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
+        fed.set(ylabel="images/s", title=f"training fed by it ({report['training']['model']}, "
+                                         f"{report['training']['workers']} workers)")
+        fed.grid(alpha=0.3, axis="y")
+    shared = "; machine shared with other work" if report["device"] == "cpu" else ""
+    fig.suptitle(f"{report['device_name']}; {report['images']} JPEGs of ~{report['mean_jpeg_kb']:.0f} KB{shared}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--images", type=int, default=288, help="training JPEGs to write (default 288)")
+    parser.add_argument("--classes", type=int, default=8)
+    parser.add_argument("--workers", type=int, nargs="+", help="worker counts (default 0 1 2 on CPU, 2 4 8 on CUDA)")
+    parser.add_argument("--batch-size", type=int, help="default 32 on CPU, 128 on CUDA")
+    parser.add_argument("--batches", type=int, default=6, help="timed batches per measurement (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender")
+    parser.add_argument("--data", type=Path, help="reuse (or create) the generated data here instead of a temp dir")
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--output", type=Path, help="JSON path (default benchmarks/results/loader_throughput_<device>.json)")
+    args = parser.parse_args()
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("loader_throughput.py: error: --device cuda but torch sees no GPU")
+    device = torch.device(args.device)
+    args.workers = args.workers or ([0, 1, 2] if args.device == "cpu" else [2, 4, 8])
+    args.batch_size = args.batch_size or (32 if args.device == "cpu" else 128)
+    if args.images < args.batch_size * (args.batches + 1):
+        sys.exit(f"loader_throughput.py: error: --images {args.images} is fewer than one epoch of "
+                 f"{args.batches + 1} batches of {args.batch_size}")
+    names = ["pil-folder", "folder-cpu", "shards-cpu"] + (["folder-gpu", "shards-gpu"] if args.device == "cuda" else [])
+
+    from hpcdl.pack import pack
+
+    with tempfile.TemporaryDirectory() as scratch:
+        root = args.data or Path(scratch)
+        folder, shards = root / "folder", root / "shards"
+        if not (folder / "train").is_dir():
+            write_jpegs(folder, args.images, args.classes)
+        if not (shards / "index.json").is_file():
+            pack("imagenet", folder, shards, shard_bytes=64 * 2**20, seed=0, force=False)
+        sizes = [p.stat().st_size for p in (folder / "train").rglob("*.JPEG")]
+        device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+        report: dict = {"device": args.device, "device_name": device_name, "images": len(sizes),
+                        "mean_jpeg_kb": sum(sizes) / len(sizes) / 1000, "batch_size": args.batch_size,
+                        "timed_batches": args.batches, "rounds": args.rounds, "pipeline_alone": {}, "ratios": {}}
+        for workers in args.workers:
+            rates = measure(names, folder, shards, workers, args, device)
+            report["pipeline_alone"][str(workers)] = rates
+            report["ratios"][str(workers)] = {
+                "folder-cpu/pil-folder": paired_ratio(rates, "folder-cpu", "pil-folder"),
+                "shards-cpu/folder-cpu": paired_ratio(rates, "shards-cpu", "folder-cpu"),
+                "folder-gpu/folder-cpu": paired_ratio(rates, "folder-gpu", "folder-cpu"),
+                "shards-gpu/folder-gpu": paired_ratio(rates, "shards-gpu", "folder-gpu"),
+            }
+            summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
+            print(f"workers {workers}: images/s {summary}", flush=True)
+        if not args.skip_training:
+            workers = max(args.workers)
+            step = training_step(device)
+            rates = measure(names, folder, shards, workers, args, device, step=step,
+                            extra=synthetic_contender(args, device))
+            report["training"] = {"model": "resnet50 bf16 channels_last" if args.device == "cuda" else "small CNN",
+                                  "workers": workers, "images_per_second": rates,
+                                  "fraction_of_synthetic": {n: paired_ratio(rates, n, "synthetic-device")
+                                                            for n in rates if n != "synthetic-device"}}
+            summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
+            print(f"training, {workers} workers: images/s {summary}", flush=True)
+    output = args.output or RESULTS / f"loader_throughput_{args.device}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, output.with_suffix(".png"))
+    print(f"wrote {output} and {output.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
