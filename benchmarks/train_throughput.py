@@ -1,19 +1,26 @@
-"""Training throughput: hpcdl.train's overhead over a bare PyTorch loop, and 1 vs 2 rank scaling.
+"""Training throughput: hpcdl.train against a bare PyTorch loop, side by side, in every speed mode.
 
-    .venv/bin/python benchmarks/train_throughput.py [--steps 12] [--rounds 8] [--batch-size 64]
+    .venv/bin/python benchmarks/train_throughput.py                       # CPU: resnet32, batch 64, 32x32
+    .venv/bin/python benchmarks/train_throughput.py --device cuda         # GPU: resnet50, batch 128, 224x224
+    .venv/bin/python benchmarks/train_throughput.py --modes fp32 amp --rounds 4 --skip-scaling
 
-Part 1 runs, in this one process and in pairs of alternating order (AB BA AB ...), the same
-ResNet-32 on the same synthetic CIFAR-shaped batches through (A) ``hpcdl.train.train`` with one
-rank and (B) a bare loop: forward, backward, SGD step, nothing else. The median over pairs of
-A's step time divided by B's is the framework's overhead (Horovod's DistributedOptimizer, lr schedule, finite check, signal check,
-watchdog, metrics). Part 2 launches ``mpirun -np 1`` and ``-np 2`` with one thread per rank and
-reports images/s and the scaling efficiency (ips_2 / (2 * ips_1)). Results go to
-benchmarks/results/train_throughput.json.
+For each mode (fp32; amp: bf16 autocast; amp+cl: bf16 + channels_last; compile: torch.compile, fp32
+on CPU and amp+cl on CUDA) this one process alternates, pair by pair (AB BA AB ...), between
+
+* A: ``hpcdl.train.train`` on one rank with ``--dataset synthetic`` (data generated on the device),
+  two epochs of ``--steps`` steps; the second epoch's time is measured (evaluation excluded), and
+* B: a bare loop: the same model, precision and memory format, the batch already on the device,
+  forward, backward, SGD step and nothing else, timed over the same number of steps after a warm-up.
+
+The median over pairs of B's step time / A's step time is hpcdl's speed relative to the bare loop
+(1.0 = as fast). Part 2 (CPU only) launches ``mpirun -np 1`` and ``-np 2`` and reports the scaling
+efficiency. Results: JSON and a bar chart, under benchmarks/results/ (``--output`` to write elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -25,109 +32,179 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO))
+
+MODES = ("fp32", "amp", "amp+cl", "compile")
+SHAPES = {"cpu": dict(model="resnet32", batch=64, size=32), "cuda": dict(model="resnet50", batch=128, size=224)}
 
 
-def hpcdl_step_seconds(steps: int, batch_size: int, output_dir: str) -> float:
-    """Median training-loop time per step of hpcdl.train (evaluation excluded), from its metrics."""
+def mode_flags(mode: str, device: str) -> list[str]:
+    """hpcdl.train flags of a mode; the bare loop reads the same choices from :func:`mode_settings`."""
+    amp, channels_last, compiled = mode_settings(mode, device)
+    return ["--amp", amp or "off", "--channels-last", "on" if channels_last else "off",
+            *(["--compile"] if compiled else [])]
+
+
+def mode_settings(mode: str, device: str) -> tuple[str | None, bool, bool]:
+    """(amp dtype name or None, channels_last, compiled)."""
+    if mode == "fp32":
+        return None, False, False
+    if mode == "amp":
+        return "bf16", False, False
+    if mode == "amp+cl":
+        return "bf16", True, False
+    return ("bf16", True, True) if device == "cuda" else (None, False, True)
+
+
+def hpcdl_step_seconds(mode: str, args: argparse.Namespace, output_dir: str) -> float:
+    """hpcdl.train's time per step in its second epoch (the first warms up: cuDNN autotuning, compilation)."""
     from hpcdl.config import parse_config
     from hpcdl.train import train
 
-    # Two epochs of `steps` steps; the first is warm-up, the second is measured.
+    shape = SHAPES[args.device]
     config = parse_config([
-        "--dataset", "synthetic", "--model", "resnet32", "--batch-size", str(batch_size),
-        "--synthetic-size", str(steps * batch_size), "--epochs", "2", "--output-dir", output_dir,
-        "--no-progress", "--keep-checkpoints", "1",
-    ])
+        "--dataset", "synthetic", "--model", shape["model"], "--batch-size", str(shape["batch"]),
+        "--synthetic-shape", "3", str(shape["size"]), str(shape["size"]), "--synthetic-size",
+        str(args.steps * shape["batch"]), "--epochs", "2", "--output-dir", output_dir, "--no-progress",
+        "--keep-checkpoints", "1", "--device", args.device, "--test-batch-size", str(shape["batch"]),
+        "--workers", "0", *mode_flags(mode, args.device)])
     train(config)
     rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-    return rows[-1]["epoch_seconds"] / steps
+    return rows[-1]["epoch_seconds"] / args.steps
 
 
-def bare_step_seconds(steps: int, batch_size: int) -> float:
-    """The same model, data and optimizer in a loop with nothing else in it."""
+def bare_step_seconds(mode: str, args: argparse.Namespace) -> float:
+    """The same model, precision and memory format in a loop with nothing else in it, the batch already on the
+    device (the fastest the framework could possibly be)."""
     import torch
     from torch import nn
 
-    from hpcdl.data import SyntheticImages
     from hpcdl.models import build_model
 
+    shape, device = SHAPES[args.device], torch.device(args.device)
+    amp, channels_last, compiled = mode_settings(mode, args.device)
     torch.manual_seed(0)
-    model = build_model("resnet32", 10, 3)
+    model = build_model(shape["model"], 10, 3).to(device)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=fmt)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-    loader = torch.utils.data.DataLoader(SyntheticImages(steps * batch_size, (3, 32, 32), 10, seed=0),
-                                         batch_size=batch_size, shuffle=True, drop_last=True)
+    step_model = torch.compile(model) if compiled else model
+    images = torch.randn(shape["batch"], 3, shape["size"], shape["size"], device=device).to(memory_format=fmt)
+    labels = torch.randint(0, 10, (shape["batch"],), device=device)
     criterion = nn.CrossEntropyLoss()
-    timings = []
-    for _epoch in range(2):
-        model.train()
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext())
+
+    def steps(n: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        for images, labels in loader:
-            loss = criterion(model(images), labels)
+        for _ in range(n):
+            with autocast:
+                loss = criterion(step_model(images).float(), labels)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        timings.append((time.perf_counter() - start) / steps)
-    return timings[-1]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n
+
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    steps(max(3, args.steps // 2))  # warm-up, as hpcdl's first epoch
+    return steps(args.steps)
 
 
-def scaling(steps: int, batch_size: int) -> dict[str, float]:
+def scaling(args: argparse.Namespace) -> dict[str, float]:
     """images/s of hpcdl.train on 1 and 2 ranks, one thread each (same per-rank batch)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    result = {}
+    batch, result = SHAPES["cpu"]["batch"], {}
     for ranks in (1, 2):
         with tempfile.TemporaryDirectory() as out:
             cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train",
-                   "--dataset", "synthetic", "--model", "resnet32", "--batch-size", str(batch_size),
-                   "--synthetic-size", str(steps * batch_size * ranks), "--epochs", "2", "--output-dir", out,
+                   "--dataset", "synthetic", "--model", "resnet32", "--batch-size", str(batch),
+                   "--synthetic-size", str(args.steps * batch * ranks), "--epochs", "2", "--output-dir", f"{out}/r",
                    "--no-progress", "--keep-checkpoints", "1"]
             subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800, capture_output=True)
-            rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+            rows = [json.loads(line) for line in (Path(out) / "r" / "metrics.jsonl").read_text().splitlines()]
             result[f"images_per_second_{ranks}_rank"] = rows[-1]["images_per_second"]
     result["scaling_efficiency_2_ranks"] = result["images_per_second_2_rank"] / (2 * result["images_per_second_1_rank"])
     return result
 
 
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["modes"])
+    shape = SHAPES[report["device"]]
+    ips = lambda seconds: shape["batch"] / seconds  # noqa: E731
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = range(len(modes))
+    ax.bar([i - 0.2 for i in x], [ips(statistics.median(report["modes"][m]["bare_step_seconds"])) for m in modes],
+           0.4, label="bare loop (batch on device)")
+    ax.bar([i + 0.2 for i in x], [ips(statistics.median(report["modes"][m]["hpcdl_step_seconds"])) for m in modes],
+           0.4, label="hpcdl.train")
+    for i, m in zip(x, modes, strict=True):
+        ax.annotate(f"{report['modes'][m]['speed_ratio']:.2f}x", (i + 0.2, 0), ha="center", va="bottom")
+    ax.set_xticks(list(x), modes)
+    ax.set_ylabel("images/s")
+    ax.set_title(f"{shape['model']}, batch {shape['batch']}, {report['device_name']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--steps", type=int, default=12, help="measured steps per round")
-    parser.add_argument("--rounds", type=int, default=8, help="pairs of hpcdl/bare measurements, in alternating order")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=4, help="pairs per mode, in alternating order")
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--output", type=Path,
+                        help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
     args = parser.parse_args()
 
+    import torch
     from tqdm import tqdm
 
     from hpcdl import world
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("train_throughput.py: error: --device cuda but torch sees no GPU")
     me = world.init()
-    hpcdl_times, bare_times = [], []
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
+    report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
+                    **SHAPES[args.device], "modes": {}}
     with tempfile.TemporaryDirectory() as scratch:
-        for round_ in tqdm(range(args.rounds), desc="overhead rounds"):
-            # Pairs in alternating order (AB BA AB ...), so that neither side always runs second.
-            pair = [lambda: hpcdl_times.append(hpcdl_step_seconds(args.steps, args.batch_size, f"{scratch}/r{round_}")),
-                    lambda: bare_times.append(bare_step_seconds(args.steps, args.batch_size))]
-            for measure in pair if round_ % 2 == 0 else reversed(pair):
-                measure()
-    # The machine's speed drifts between rounds by more than the overhead: the ratio within each
-    # pair cancels the drift, and the median of those ratios is the figure.
-    ratios = [h / b for h, b in zip(hpcdl_times, bare_times)]
-    hpcdl_median, bare_median = statistics.median(hpcdl_times), statistics.median(bare_times)
-    report = {
-        "model": "resnet32", "batch_size": args.batch_size, "threads": me.threads, "steps": args.steps,
-        "rounds": args.rounds, "hpcdl_step_seconds": hpcdl_times, "bare_step_seconds": bare_times,
-        "malloc_tuning": os.environ.get("HPCDL_MALLOC_TUNING", "1") != "0",  # hpcdl/allocator.py, both loops
-        "paired_ratios": ratios, "overhead_ratio": statistics.median(ratios),
-        "ratio_of_medians": hpcdl_median / bare_median,
-    }
-    print(f"step time: hpcdl.train {hpcdl_median * 1e3:.1f} ms, bare loop {bare_median * 1e3:.1f} ms (medians); "
-          f"paired ratios {min(ratios):.3f}-{max(ratios):.3f}, median {report['overhead_ratio']:.3f} "
-          f"-> overhead {100 * (report['overhead_ratio'] - 1):+.1f}% ({me.threads} threads, batch {args.batch_size})")
-    if not args.skip_scaling:
-        report.update(scaling(args.steps, args.batch_size))
-        print(f"1 rank {report['images_per_second_1_rank']:.0f} img/s, 2 ranks {report['images_per_second_2_rank']:.0f} "
-              f"img/s -> scaling efficiency {100 * report['scaling_efficiency_2_ranks']:.0f}% (1 thread per rank)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "train_throughput.json").write_text(json.dumps(report, indent=2) + "\n")
+        for mode in args.modes:
+            hpcdl_times: list[float] = []
+            bare_times: list[float] = []
+            for round_ in tqdm(range(args.rounds), desc=mode):
+                # Pairs in alternating order (AB BA ...): neither side always runs second on a drifting machine.
+                for side in ("hpcdl", "bare") if round_ % 2 == 0 else ("bare", "hpcdl"):
+                    if side == "hpcdl":
+                        hpcdl_times.append(hpcdl_step_seconds(mode, args, f"{scratch}/{mode}{round_}"))
+                    else:
+                        bare_times.append(bare_step_seconds(mode, args))
+            ratios = [b / h for h, b in zip(hpcdl_times, bare_times, strict=True)]
+            report["modes"][mode] = {"hpcdl_step_seconds": hpcdl_times, "bare_step_seconds": bare_times,
+                                     "paired_speed_ratios": ratios, "speed_ratio": statistics.median(ratios)}
+            batch = SHAPES[args.device]["batch"]
+            print(f"{mode:8s} hpcdl.train {batch / statistics.median(hpcdl_times):8.1f} img/s | bare loop "
+                  f"{batch / statistics.median(bare_times):8.1f} img/s | hpcdl/bare speed "
+                  f"{statistics.median(ratios):.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+    if args.device == "cpu" and not args.skip_scaling:
+        report.update(scaling(args))
+        print(f"1 rank {report['images_per_second_1_rank']:.0f} img/s, 2 ranks {report['images_per_second_2_rank']:.0f}"
+              f" img/s -> scaling efficiency {100 * report['scaling_efficiency_2_ranks']:.0f}% (1 thread per rank)")
+    output = args.output or RESULTS / f"train_throughput_{args.device}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, output.with_suffix(".png"))
+    print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -1,185 +1,249 @@
-"""Command-line configuration for ``python -m hpcdl.train``.
+"""Command-line configuration for ``python -m hpcdl.train``: every flag, written once.
 
-Flags follow the course's command line (``--data-dir --base-lr --batch-size --epochs
---kfac-update-freq --model --lr-decay``). Flags left unset take the preset of the chosen dataset,
-so ``python -m hpcdl.train`` alone trains the digits CNN and ``--dataset cifar10`` alone is the
-course's ResNet-32 recipe. The result is a plain dataclass that is saved in every checkpoint.
+Each field of :class:`TrainConfig` is one flag: its default, help text, accepted values and range
+live on the field and nowhere else. ``PRESETS`` holds only what a dataset's recipe changes from
+those defaults (``--dataset cifar10`` alone is the course's ResNet-32 recipe); flags given on the
+command line win over both. :func:`to_argv` turns a configuration back into flags, which
+tests/test_config.py uses to prove that every flag round-trips.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from hpcdl.data import DATASETS
 from hpcdl.errors import UsageError
 
-# Per-dataset recipes: what the flags default to when not given.
+# What each dataset's recipe changes from TrainConfig's defaults (which are the digits recipe).
 PRESETS: dict[str, dict[str, Any]] = {
-    "digits": dict(model="digits_cnn", epochs=15, batch_size=32, base_lr=0.02, lr_schedule="cosine",
-                   lr_decay=[], warmup_epochs=1.0, weight_decay=1e-4, workers=0),
-    "mnist": dict(model="mnist_cnn", epochs=10, batch_size=64, base_lr=0.02, lr_schedule="cosine",
-                  lr_decay=[], warmup_epochs=0.5, weight_decay=5e-4, workers=0),
+    "digits": {},
+    "mnist": dict(model="mnist_cnn", epochs=10, batch_size=64, warmup_epochs=0.5, weight_decay=5e-4),
     "cifar10": dict(model="resnet32", epochs=100, batch_size=128, base_lr=0.1, lr_schedule="step",
                     lr_decay=[35, 75, 90], warmup_epochs=5.0, weight_decay=5e-4, workers=2),
-    "imagenet": dict(model="resnet50", epochs=90, batch_size=32, base_lr=0.0125, lr_schedule="step",
+    "imagenet": dict(model="resnet50", epochs=90, base_lr=0.0125, lr_schedule="step",
                      lr_decay=[30, 60, 80], warmup_epochs=5.0, weight_decay=5e-5, workers=4),
     "synthetic": dict(model="resnet32", epochs=1, batch_size=64, base_lr=0.1, lr_schedule="step",
-                      lr_decay=[], warmup_epochs=0.0, weight_decay=5e-4, workers=0),
+                      warmup_epochs=0.0, weight_decay=5e-4),
 }
+
+
+@dataclass(frozen=True)
+class Range:
+    """The accepted interval of a numeric flag (always finite), phrased for the error message."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"{left}{self.low:g}, {self.high:g}{right}"
+
+
+AT_LEAST_1 = Range(1)
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, low_open=True)
+FRACTION = Range(0, 1, low_open=True)
+UNIT_INTERVAL_OPEN_TOP = Range(0, 1, high_open=True)
+
+
+def flag(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, choices: Sequence[str] | None = None,
+         nargs: str | int | None = None, valid: Range | None = None, metavar: str | Sequence[str] | None = None,
+         group: str = "run control") -> Any:
+    """A TrainConfig field that is also a command-line flag (``--field-name``)."""
+    meta = dict(help=help, parse=parse, choices=choices, nargs=nargs, valid=valid, metavar=metavar, group=group)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DATA, MODEL, SPEED, KFAC = "data", "model and optimisation", "speed (GPU)", "K-FAC (kfac.KFACPreconditioner)"
 
 
 @dataclass
 class TrainConfig:
     # data
-    dataset: str = "digits"
-    data_dir: str | None = None
-    synthetic_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
-    synthetic_classes: int = 10
-    synthetic_size: int = 2048
-    workers: int = 0
+    dataset: str = flag("digits", "digits and synthetic are built in; others read --data-dir", choices=DATASETS,
+                        group=DATA)
+    data_dir: str | None = flag(None, "dataset folder: cifar-10-batches-py, MNIST's IDX files, ImageNet's train/ and "
+                                      "val/, or packed shards (python -m hpcdl.pack)", parse=str, group=DATA)
+    synthetic_shape: list[int] = flag([3, 32, 32], "synthetic image shape", parse=int, nargs=3,
+                                      metavar=("C", "H", "W"), valid=AT_LEAST_1, group=DATA)
+    synthetic_classes: int = flag(10, "synthetic classes", parse=int, valid=Range(2), group=DATA)
+    synthetic_size: int = flag(2048, "synthetic training samples", parse=int, valid=AT_LEAST_1, group=DATA)
+    workers: int = flag(0, "data-loading worker processes per rank", parse=int, valid=NON_NEGATIVE, group=DATA)
+    decode: str = flag("auto", "where JPEGs are decoded: auto is gpu on CUDA, else cpu",
+                       choices=("auto", "cpu", "gpu"), group=DATA)
     # model and optimisation
-    model: str = "digits_cnn"
-    epochs: int = 15
-    batch_size: int = 32
-    test_batch_size: int = 256
-    base_lr: float = 0.02
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 1e-4
-    label_smoothing: float = 0.0
-    warmup_epochs: float = 1.0
-    lr_schedule: str = "cosine"
-    lr_decay: list[int] = field(default_factory=list)
-    batches_per_allreduce: int = 1
-    fp16_allreduce: bool = False
-    use_adasum: bool = False
-    amp: bool = False
+    model: str = flag("digits_cnn", "digits_cnn, mnist_cnn, resnet20/32/44/56/110, or a torchvision model name",
+                      parse=str, group=MODEL)
+    epochs: int = flag(15, "epochs to train", parse=int, valid=AT_LEAST_1, group=MODEL)
+    batch_size: int = flag(32, "per rank, per backward pass", parse=int, valid=AT_LEAST_1, group=MODEL)
+    test_batch_size: int = flag(256, "per rank, evaluation", parse=int, valid=AT_LEAST_1, group=MODEL)
+    base_lr: float = flag(0.02, "learning rate for one rank's batch; scaled by the world size", parse=float,
+                          valid=POSITIVE, group=MODEL)
+    optimizer: str = flag("sgd", "update rule", choices=("sgd", "adam", "adamw"), group=MODEL)
+    momentum: float = flag(0.9, "SGD momentum", parse=float, valid=Range(0, 1, high_open=True), group=MODEL)
+    nesterov: bool = flag(False, "Nesterov momentum (SGD)", group=MODEL)
+    weight_decay: float = flag(1e-4, "L2 weight decay", parse=float, valid=Range(0, 1), group=MODEL)
+    label_smoothing: float = flag(0.0, "label smoothing of the cross-entropy", parse=float,
+                                  valid=UNIT_INTERVAL_OPEN_TOP, group=MODEL)
+    warmup_epochs: float = flag(1.0, "linear per-step warm-up from --base-lr to the scaled rate", parse=float,
+                                valid=NON_NEGATIVE, group=MODEL)
+    lr_schedule: str = flag("cosine", "after warm-up: --lr-decay milestones, or cosine", choices=("step", "cosine"),
+                            group=MODEL)
+    lr_decay: list[int] = flag([], "epochs at which the rate is multiplied by 0.1", parse=int, nargs="*",
+                               valid=AT_LEAST_1, group=MODEL)
+    batches_per_allreduce: int = flag(1, "local gradient accumulation steps", parse=int, valid=AT_LEAST_1, group=MODEL)
+    fp16_allreduce: bool = flag(False, "compress gradients to fp16 for the allreduce", group=MODEL)
+    use_adasum: bool = flag(False, "Horovod's Adasum instead of averaging", group=MODEL)
+    # speed
+    device: str = flag("auto", "auto takes this rank's GPU when CUDA sees one; cuda makes a missing GPU an error",
+                       choices=("auto", "cuda", "cpu"), group=SPEED)
+    amp: str = flag("off", "mixed precision: bf16 (no loss scaling), fp16 (GradScaler, CUDA only), auto (bf16 where "
+                           "supported, else fp16); a bare --amp means auto", choices=("off", "auto", "bf16", "fp16"),
+                    nargs="?", group=SPEED)
+    channels_last: str = flag("auto", "NHWC memory format for convolutional models; auto is on for CUDA",
+                              choices=("auto", "on", "off"), group=SPEED)
+    cudnn_benchmark: bool = flag(True, "let cuDNN pick the fastest kernels for the fixed input shape", group=SPEED)
+    compile: bool = flag(False, "torch.compile the model (measured in benchmarks/train_throughput.py)", group=SPEED)
+    log_every: int = flag(50, "steps between reading metrics back from the device (and checking for a stop signal)",
+                          parse=int, valid=AT_LEAST_1, group=SPEED)
     # K-FAC
-    kfac_update_freq: int = 0
-    kfac_cov_update_freq: int = 1
-    damping: float = 0.01
-    kl_clip: float = 0.001
-    factor_decay: float = 0.95
-    kfac_grad_worker_fraction: float = 1.0
+    kfac_update_freq: int = flag(0, "steps between eigendecompositions; 0 disables K-FAC", parse=int,
+                                 valid=NON_NEGATIVE, group=KFAC)
+    kfac_cov_update_freq: int = flag(1, "steps between factor updates", parse=int, valid=AT_LEAST_1, group=KFAC)
+    damping: float = flag(0.01, "Tikhonov damping in kfac's batch-independent convention (docs/kfac.md)",
+                          parse=float, valid=POSITIVE, group=KFAC)
+    kl_clip: float = flag(0.001, "KL clip of the preconditioned step", parse=float, valid=POSITIVE, group=KFAC)
+    factor_decay: float = flag(0.95, "running-average decay of the factors", parse=float,
+                               valid=UNIT_INTERVAL_OPEN_TOP, group=KFAC)
+    kfac_grad_worker_fraction: float = flag(1.0, "KAISA: share of ranks that precondition each layer", parse=float,
+                                            valid=FRACTION, group=KFAC)
     # run control
-    output_dir: str | None = None
-    resume: bool = False
-    seed: int = 42
-    max_steps: int | None = None
-    target_accuracy: float | None = None
-    keep_checkpoints: int = 3
-    stall_timeout: float = 300.0
-    max_nonfinite_steps: int = 5
-    progress: bool = True
+    output_dir: str | None = flag(None, "run directory (default: a new runs/<time>-<id>)", parse=str)
+    resume: bool = flag(False, "continue from the newest valid checkpoint in --output-dir")
+    seed: int = flag(42, "seed of initial weights, data order and augmentation", parse=int, valid=NON_NEGATIVE)
+    max_steps: int | None = flag(None, "stop after this many optimizer steps", parse=int, valid=AT_LEAST_1)
+    target_accuracy: float | None = flag(None, "stop once test accuracy (a fraction) reaches this", parse=float,
+                                         valid=FRACTION)
+    keep_checkpoints: int = flag(3, "checkpoints kept in <output-dir>/checkpoints", parse=int, valid=AT_LEAST_1)
+    stall_timeout: float = flag(300.0, "end the job when no step completes for this many seconds (0 disables)",
+                                parse=float, valid=NON_NEGATIVE)
+    max_nonfinite_steps: int = flag(5, "stop after this many consecutive steps with non-finite loss or gradients",
+                                    parse=int, valid=AT_LEAST_1)
+    progress: bool = flag(True, "tqdm progress bar on rank 0 (--no-progress: epoch lines only)")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def option_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m hpcdl.train",
-        description="Data-parallel training with Horovod (run under mpirun/srun/ibrun for several ranks).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    """argparse from the fields. Every default is SUPPRESS: defaults come from the dataclass and the preset."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hpcdl.train", argument_default=argparse.SUPPRESS,
+        description="Data-parallel training with Horovod (run under mpirun/srun/ibrun for several ranks). "
+                    "Unset flags take the dataset's preset, then the defaults shown.",
     )
-    d = p.add_argument_group("data")
-    d.add_argument("--dataset", choices=DATASETS, default="digits", help="digits is embedded; others read --data-dir")
-    d.add_argument("--data-dir", help="cifar-10-batches-py folder (or its parent), or ImageNet root with train/ and val/")
-    d.add_argument("--synthetic-shape", type=int, nargs=3, default=[3, 32, 32], metavar=("C", "H", "W"))
-    d.add_argument("--synthetic-classes", type=int, default=10)
-    d.add_argument("--synthetic-size", type=int, default=2048, help="synthetic training samples")
-    d.add_argument("--workers", type=int, help="DataLoader worker processes per rank (preset)")
-
-    m = p.add_argument_group("model and optimisation (unset values come from the dataset preset)")
-    m.add_argument("--model", help="digits_cnn, resnet20/32/44/56/110, or a torchvision model name")
-    m.add_argument("--epochs", type=int)
-    m.add_argument("--batch-size", type=int, help="per rank, per backward pass")
-    m.add_argument("--test-batch-size", type=int, default=256)
-    m.add_argument("--base-lr", type=float, help="learning rate for one rank's batch; scaled by world size")
-    m.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd")
-    m.add_argument("--momentum", type=float, default=0.9)
-    m.add_argument("--nesterov", action="store_true")
-    m.add_argument("--weight-decay", type=float)
-    m.add_argument("--label-smoothing", type=float, default=0.0)
-    m.add_argument("--warmup-epochs", type=float, help="linear per-step warm-up from base-lr to the scaled lr")
-    m.add_argument("--lr-schedule", choices=("step", "cosine"), help="after warm-up: --lr-decay milestones or cosine")
-    m.add_argument("--lr-decay", type=int, nargs="*", help="epochs at which the lr is multiplied by 0.1")
-    m.add_argument("--batches-per-allreduce", type=int, default=1, help="local gradient accumulation steps")
-    m.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the allreduce")
-    m.add_argument("--use-adasum", action="store_true", help="Adasum instead of averaging")
-    m.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
-
-    k = p.add_argument_group("K-FAC (kfac.KFACPreconditioner)")
-    k.add_argument("--kfac-update-freq", type=int, default=0, help="steps between eigendecompositions; 0 disables K-FAC")
-    k.add_argument("--kfac-cov-update-freq", type=int, default=1, help="steps between factor updates")
-    k.add_argument("--damping", type=float, default=0.01,
-                   help="Tikhonov damping in kfac's batch-independent convention (docs/kfac.md maps kfac-pytorch's)")
-    k.add_argument("--kl-clip", type=float, default=0.001)
-    k.add_argument("--factor-decay", type=float, default=0.95)
-    k.add_argument("--kfac-grad-worker-fraction", type=float, default=1.0)
-
-    r = p.add_argument_group("run control")
-    r.add_argument("--output-dir", help="run directory (default runs/<timestamp>)")
-    r.add_argument("--resume", action="store_true", help="continue from the latest valid checkpoint in --output-dir")
-    r.add_argument("--seed", type=int, default=42)
-    r.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    r.add_argument("--target-accuracy", type=float, help="stop once test accuracy (fraction) reaches this")
-    r.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept in <output-dir>/checkpoints")
-    r.add_argument("--stall-timeout", type=float, default=300.0,
-                   help="end the job if no step completes for this many seconds (0 disables)")
-    r.add_argument("--max-nonfinite-steps", type=int, default=5,
-                   help="stop after this many consecutive steps with non-finite loss or gradients")
-    r.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar (epoch lines only)")
-    return p
+    groups: dict[str, Any] = {}
+    for f in FIELDS.values():
+        meta = f.metadata
+        group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = f"{meta['help']} (default: {default})"
+        if isinstance(default, bool):
+            group.add_argument(option_name(f.name), action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        kwargs: dict[str, Any] = dict(help=help_text, metavar=meta["metavar"])
+        if meta["choices"] is not None:
+            kwargs.update(choices=meta["choices"], metavar=None)
+        if meta["parse"] is not None:
+            kwargs["type"] = meta["parse"]
+        if meta["nargs"] is not None:
+            kwargs["nargs"] = meta["nargs"]
+        if f.name == "amp":
+            kwargs["const"] = "auto"
+        group.add_argument(option_name(f.name), **kwargs)
+    return parser
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Parse flags, fill unset ones from the dataset preset, and validate. Raises UsageError."""
+    """Flags, then the dataset's preset for what was not given, then the defaults; validated. Raises UsageError."""
     parser = build_parser()
-    # argparse prints usage and exits 2 on bad flags; make that a UsageError (one line, rank 0 only).
+    # argparse would print usage and exit 2: make it one line through the same path as every usage error.
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # type: ignore[method-assign]
-    args = vars(parser.parse_args(argv))
-    preset = PRESETS[args["dataset"]]
-    for key, value in preset.items():
-        if args.get(key) is None:
-            args[key] = value
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = TrainConfig(**{k: v for k, v in args.items() if k in known})
+    given = vars(parser.parse_args(argv))
+    dataset = given.get("dataset", FIELDS["dataset"].default)
+    config = TrainConfig(**{**PRESETS[dataset], **given})
     validate(config)
     return config
 
 
+def to_argv(config: TrainConfig) -> list[str]:
+    """Flags that parse back to ``config`` (every field spelled out)."""
+    argv: list[str] = []
+    for name in FIELDS:
+        value = getattr(config, name)
+        option = option_name(name)
+        if isinstance(value, bool):
+            argv.append(option if value else "--no-" + option[2:])
+        elif value is None:
+            continue  # None is the default of every optional flag: leaving it out gives it back
+        elif isinstance(value, list):
+            argv += [option, *map(str, value)]
+        else:
+            argv += [option, repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
 def validate(c: TrainConfig) -> None:
-    """Reject values that cannot work, with the flag named."""
-    positive = {"--epochs": c.epochs, "--batch-size": c.batch_size, "--test-batch-size": c.test_batch_size,
-                "--batches-per-allreduce": c.batches_per_allreduce, "--keep-checkpoints": c.keep_checkpoints,
-                "--synthetic-size": c.synthetic_size, "--synthetic-classes": c.synthetic_classes,
-                "--max-nonfinite-steps": c.max_nonfinite_steps}
-    for flag, value in positive.items():
-        if value < 1:
-            raise UsageError(f"{flag} must be at least 1 (got {value})")
-    if c.base_lr <= 0:
-        raise UsageError(f"--base-lr must be positive (got {c.base_lr})")
-    if c.workers < 0:
-        raise UsageError("--workers must be 0 or more")
-    if c.max_steps is not None and c.max_steps < 1:
-        raise UsageError("--max-steps must be at least 1")
-    if c.target_accuracy is not None and not 0 < c.target_accuracy <= 1:
-        raise UsageError("--target-accuracy is a fraction in (0, 1], e.g. 0.95")
-    if not 0 <= c.label_smoothing < 1:
-        raise UsageError("--label-smoothing must be in [0, 1)")
-    if c.warmup_epochs < 0 or c.weight_decay < 0 or c.stall_timeout < 0:
-        raise UsageError("--warmup-epochs, --weight-decay and --stall-timeout cannot be negative")
-    if any(m <= 0 for m in c.lr_decay) or sorted(c.lr_decay) != list(c.lr_decay):
-        raise UsageError("--lr-decay takes increasing positive epoch numbers, e.g. 35 75 90")
-    if c.kfac_update_freq < 0 or c.kfac_cov_update_freq < 1:
-        raise UsageError("--kfac-update-freq must be >= 0 and --kfac-cov-update-freq >= 1")
-    if not 0 < c.kfac_grad_worker_fraction <= 1:
-        raise UsageError("--kfac-grad-worker-fraction must be in (0, 1]")
-    if not 0 <= c.factor_decay < 1 or c.damping <= 0:
-        raise UsageError("--factor-decay must be in [0, 1) and --damping positive")
-    if c.dataset == "synthetic" and min(c.synthetic_shape) < 1:
-        raise UsageError("--synthetic-shape values must be positive")
+    """Every value in its range (finite), then the combinations that cannot work; one line naming the flag."""
+    for name, f in FIELDS.items():
+        valid: Range | None = f.metadata["valid"]
+        value = getattr(c, name)
+        if valid is None or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if not valid.contains(float(item)):
+                raise UsageError(f"{option_name(name)} must be {valid} (got {item})")
+    if c.kfac_update_freq < 0:
+        raise UsageError("--kfac-update-freq must be >= 0")
+    if sorted(set(c.lr_decay)) != list(c.lr_decay):
+        raise UsageError(f"--lr-decay takes strictly increasing epoch numbers, e.g. 35 75 90 (got {c.lr_decay})")
+    if c.lr_decay and c.lr_schedule != "step":
+        raise UsageError("--lr-decay milestones need --lr-schedule step (cosine has none)")
+    if c.warmup_epochs > c.epochs:
+        raise UsageError(f"--warmup-epochs ({c.warmup_epochs:g}) cannot exceed --epochs ({c.epochs})")
+    if c.nesterov and (c.optimizer != "sgd" or c.momentum == 0):
+        raise UsageError("--nesterov needs --optimizer sgd and a non-zero --momentum")
+    if c.dataset == "synthetic" and c.synthetic_shape[1] != c.synthetic_shape[2]:
+        raise UsageError(f"--synthetic-shape must be square, C H H (got {' '.join(map(str, c.synthetic_shape))})")
     if c.resume and not c.output_dir:
         raise UsageError("--resume needs --output-dir (the run directory to continue)")
+    if c.amp == "fp16" and c.device == "cpu":
+        raise UsageError("--amp fp16 needs CUDA (its GradScaler); on CPU use --amp bf16")
+    if c.compile and c.kfac_update_freq > 0:
+        raise UsageError("--compile cannot be combined with K-FAC (--kfac-update-freq > 0): K-FAC reads each layer "
+                         "through module hooks, which a compiled graph does not run")
+    if c.use_adasum and c.kfac_update_freq > 0:
+        raise UsageError("--use-adasum cannot be combined with K-FAC (--kfac-update-freq > 0): Horovod's Adasum "
+                         "optimizer takes its step inside backward, before K-FAC could precondition the gradient")

@@ -23,11 +23,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcdl.errors import UsageError
+
 KINDS = ("exception", "kill", "stop", "hang", "oom", "nan", "exit", "term", "killsave")
 ENV = "HPCDL_FAULT"
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(UsageError):
     """HPCDL_FAULT cannot be understood (the message says which entry and why)."""
 
 

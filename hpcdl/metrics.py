@@ -1,18 +1,20 @@
-"""Metrics: exact cross-rank sums, and the run directory's record (rank 0 only).
+"""Metrics: exact cross-rank sums kept on the device, and the run directory's record (rank 0 only).
 
-Ranks accumulate sums and counts locally (loss summed over examples, correct predictions,
-examples); :func:`allreduce_sums` adds them over ranks in float64, so the averages are exactly
-those of one process over the whole data, even when shards are uneven.
+Ranks accumulate sums (loss summed over examples, correct predictions) as device tensors, so a
+training step never waits for the GPU to report a number; the host reads them once per log
+interval. :func:`allreduce_sums` adds them over ranks in float64, so the averages are exactly those
+of one process over the whole data, even when shards are uneven.
 
 The run directory gets ``metrics.jsonl`` (one JSON object per epoch), TensorBoard event files
-under ``tensorboard/``, and ``summary.json`` at the end.
+under ``tensorboard/``, and ``summary.json`` at the end. Every file is strict JSON: a non-finite
+number is written as null, never as the NaN that JSON parsers reject.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +22,27 @@ import numpy as np
 import torch
 
 
-class Sums:
-    """Running per-rank sums, e.g. ``sums.add(loss=3.2, correct=5, count=8)``."""
+class DeviceSums:
+    """Per-rank running sums of loss and correct predictions on the device; the count on the host."""
 
-    def __init__(self) -> None:
-        self.values: dict[str, float] = defaultdict(float)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = 0
 
-    def add(self, **values: float | torch.Tensor) -> None:
-        for key, value in values.items():
-            self.values[key] += float(value)
+    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int) -> None:
+        self.loss += loss_sum.detach()
+        self.correct += correct
+        self.count += count
+
+    def read(self) -> dict[str, float]:
+        """This rank's sums as numbers: waits for the device, so call it once per log interval."""
+        both = torch.stack((self.loss, self.correct)).cpu()
+        return {"loss": float(both[0]), "correct": float(both[1]), "count": float(self.count)}
 
     def reduced(self, comm) -> dict[str, float]:
-        return allreduce_sums(dict(self.values), comm)
+        return allreduce_sums(self.read(), comm)
 
 
 def allreduce_sums(values: dict[str, float], comm) -> dict[str, float]:
@@ -42,17 +53,39 @@ def allreduce_sums(values: dict[str, float], comm) -> dict[str, float]:
     local = np.array([values[k] for k in keys], dtype=np.float64)
     total = np.empty_like(local)
     comm.Allreduce(local, total, op=MPI.SUM)
-    return dict(zip(keys, total.tolist()))
+    return dict(zip(keys, total.tolist(), strict=True))
+
+
+def averages(sums: dict[str, float]) -> tuple[float, float]:
+    """(mean loss, accuracy) of allreduced sums."""
+    count = max(sums["count"], 1.0)
+    return sums["loss"] / count, sums["correct"] / count
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None, so that json.dumps(allow_nan=False) succeeds."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def to_json(value: Any, indent: int | None = None) -> str:
+    return json.dumps(json_safe(value), indent=indent, allow_nan=False)
 
 
 class RunRecord:
     """Writes the run directory's metrics; a no-op object on ranks other than 0."""
 
-    def __init__(self, output_dir: Path, active: bool, resume: bool) -> None:
+    def __init__(self, output_dir: Path, active: bool, resume: bool, run_id: str = "") -> None:
         self.active = active
+        self.run_id = run_id
         self.path = output_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
-        self.writer = None
+        self.writer: Any = None
         if not active:
             return
         if resume and self.path.exists():
@@ -64,17 +97,18 @@ class RunRecord:
     def log_epoch(self, row: dict[str, Any]) -> None:
         if not self.active:
             return
+        row = {**row, "run_id": self.run_id}
         # A resumed run may repeat an epoch that was interrupted: the newer row replaces it.
         self.history = [r for r in self.history if r["epoch"] != row["epoch"]] + [row]
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.history))
+        atomic_write_text(self.path, "".join(to_json(r) + "\n" for r in self.history))
         for key, value in row.items():
-            if key != "epoch" and isinstance(value, (int, float)):
+            if key != "epoch" and isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(key, value, row["epoch"])
         self.writer.flush()
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.active:
-            atomic_write_text(self.path.parent / "summary.json", json.dumps(summary, indent=2) + "\n")
+            atomic_write_text(self.path.parent / "summary.json", to_json({**summary, "run_id": self.run_id}, 2) + "\n")
 
     def close(self) -> None:
         if self.writer is not None:
@@ -82,7 +116,12 @@ class RunRecord:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Replace a small file atomically (a kill mid-write leaves the previous version)."""
+    """Replace a small file atomically (a kill mid-write leaves the previous version; a failed write leaves no
+    temporary behind)."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text)
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

@@ -44,14 +44,15 @@ def bad_run(tmp_path: Path, *flags: str, fault: str | None = None, timeout: floa
 # ------------------------------------------------------------------ flags (rejected before MPI starts)
 
 FLAG_ROWS = {
-    "zero batch size": (["--batch-size", "0"], "--batch-size must be at least 1 (got 0)"),
+    "zero batch size": (["--batch-size", "0"], "--batch-size must be >= 1 (got 0)"),
     "misspelt flag": (["--bach-size", "8"], "unrecognized arguments: --bach-size 8"),
     "not a number": (["--base-lr", "fast"], "argument --base-lr: invalid float value: 'fast'"),
-    "unknown dataset": (["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),
-    "percent for a fraction": (["--target-accuracy", "95"], "--target-accuracy is a fraction in (0, 1]"),
-    "decreasing lr milestones": (["--lr-decay", "75", "35"], "--lr-decay takes increasing positive epoch numbers"),
-    "negative stall timeout": (["--stall-timeout", "-1"], "--stall-timeout cannot be negative"),
-    "keep no checkpoints": (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
+    "unknown dataset": (["--dataset", "mnits"], "argument --dataset: invalid choice: 'mnits'"),
+    "percent for a fraction": (["--target-accuracy", "95"], "--target-accuracy must be (0, 1] (got 95.0)"),
+    "decreasing lr milestones": (["--lr-decay", "75", "35"], "--lr-decay takes strictly increasing epoch numbers"),
+    "negative stall timeout": (["--stall-timeout", "-1"], "--stall-timeout must be >= 0 (got -1.0)"),
+    "keep no checkpoints": (["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1 (got 0)"),
+    "not-a-number learning rate": (["--base-lr", "nan"], "--base-lr must be > 0 (got nan)"),
 }
 
 
@@ -78,7 +79,7 @@ def test_bad_flag(row: str, rank: int, monkeypatch, capsys) -> None:
 
 
 def test_bad_flag_under_mpirun(tmp_path: Path) -> None:
-    assert_usage_error(bad_run(tmp_path, "--batch-size", "0"), "--batch-size must be at least 1 (got 0)")
+    assert_usage_error(bad_run(tmp_path, "--batch-size", "0"), "--batch-size must be >= 1 (got 0)")
 
 
 def test_resume_without_output_dir(tmp_path: Path) -> None:
@@ -103,11 +104,11 @@ def test_fault_switch_naming_a_rank_outside_the_job(tmp_path: Path) -> None:
 def test_malformed_fault_switch_is_a_usage_error(monkeypatch) -> None:
     """The same path in-process (tests/test_faults.py has every malformed form)."""
     from hpcdl.errors import UsageError
-    from hpcdl.train import make_fault_injector
+    from hpcdl.faults import FaultInjector
 
     monkeypatch.setenv("HPCDL_FAULT", "1:five:kill")
     with pytest.raises(UsageError, match=r"HPCDL_FAULT entry '1:five:kill' is not RANK:STEP:KIND"):
-        make_fault_injector(0, 2)
+        FaultInjector(0, world_size=2)
 
 
 def test_more_ranks_than_samples(tmp_path: Path) -> None:
