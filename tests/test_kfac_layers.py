@@ -64,6 +64,19 @@ def test_conv_g_moment_sums_over_examples_and_positions() -> None:
     assert count == 4 * 5 * 6 and layer.examples(grad) == 4
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_g_moment_of_a_deep_layer_needs_no_per_example_stack(channels_last: bool) -> None:
+    """More channels than positions (ResNet-50's layer4): G comes from one (N·positions, out) matrix."""
+    layer = Conv2dLayer("c", nn.Conv2d(2, 12, 3).double())
+    grad = torch.randn(5, 12, 2, 3, dtype=torch.float64)
+    if channels_last:
+        grad = grad.to(memory_format=torch.channels_last)
+    moment, count = layer.g_moment(grad)
+    want = sum(torch.outer(grad[n, :, i, j], grad[n, :, i, j]) for n in range(5) for i in range(2) for j in range(3))
+    torch.testing.assert_close(moment, want)
+    assert count == 5 * 2 * 3
+
+
 def test_factors_are_float32_for_half_models_and_float64_for_double() -> None:
     assert (
         LinearLayer("a", nn.Linear(2, 2).to(torch.bfloat16)).a_moment(torch.randn(3, 2).bfloat16())[0].dtype
