@@ -29,8 +29,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -50,8 +50,8 @@ def write_jpegs(root: Path, images: int, classes: int, seed: int = 0) -> Path:
         for i in tqdm(range(count), desc=f"writing {split} JPEGs", disable=None):
             folder = root / split / f"n{i % classes:08d}"
             folder.mkdir(parents=True, exist_ok=True)
-            coarse = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize((500, 375), Image.BICUBIC)
-            medium = Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).resize((500, 375), Image.BICUBIC)
+            coarse, medium = (Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8))
+                              .resize((500, 375), Image.BICUBIC) for shape in ((12, 16, 3), (48, 64, 3)))
             pixels = (0.6 * np.asarray(coarse, np.float32) + 0.4 * np.asarray(medium, np.float32)
                       + rng.normal(0, 20, (375, 500, 1)))
             Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(folder / f"img_{i:06d}.JPEG", quality=90)
@@ -158,7 +158,7 @@ def measure(names: list[str], folder: Path, shards: Path, workers: int, args: ar
             for name in rotated:
                 rates[name].append(time_batches(built[name][0], round_, args.batches, device, step))
     finally:
-        for epoch_batches, close in built.values():
+        for _, close in built.values():
             close()
     return rates
 
@@ -166,7 +166,7 @@ def measure(names: list[str], folder: Path, shards: Path, workers: int, args: ar
 def paired_ratio(rates: dict[str, list[float]], numerator: str, denominator: str) -> float | None:
     if numerator not in rates or denominator not in rates:
         return None
-    return statistics.median(a / b for a, b in zip(rates[numerator], rates[denominator]))
+    return statistics.median(a / b for a, b in zip(rates[numerator], rates[denominator], strict=True))
 
 
 def synthetic_contender(args: argparse.Namespace, device) -> dict:  # type: ignore[no-untyped-def]
@@ -222,7 +222,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender")
     parser.add_argument("--data", type=Path, help="reuse (or create) the generated data here instead of a temp dir")
     parser.add_argument("--skip-training", action="store_true")
-    parser.add_argument("--output", type=Path, help="JSON path (default benchmarks/results/loader_throughput_<device>.json)")
+    parser.add_argument("--output", type=Path,
+                        help="JSON path (default benchmarks/results/loader_throughput_<device>.json)")
     args = parser.parse_args()
 
     import torch
@@ -247,7 +248,8 @@ def main() -> None:
         if not (shards / "index.json").is_file():
             pack("imagenet", folder, shards, shard_bytes=64 * 2**20, seed=0, force=False)
         sizes = [p.stat().st_size for p in (folder / "train").rglob("*.JPEG")]
-        device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+        device_name = (torch.cuda.get_device_name() if args.device == "cuda"
+                       else f"CPU, {torch.get_num_threads()} threads")
         report: dict = {"device": args.device, "device_name": device_name, "images": len(sizes),
                         "mean_jpeg_kb": sum(sizes) / len(sizes) / 1000, "batch_size": args.batch_size,
                         "timed_batches": args.batches, "rounds": args.rounds, "pipeline_alone": {}, "ratios": {}}

@@ -15,9 +15,9 @@ import os
 import shutil
 import sys
 import tempfile
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -48,8 +48,8 @@ Split = tuple[int, Callable[[int], Sample]]  # number of samples, reader of samp
 
 def folder_samples(data_dir: Path) -> tuple[list[str], dict[str, Split]]:
     """ImageNet-style folders: the files' own bytes, as they are (no re-encoding)."""
-    from hpcdl.data.images import FolderSource
     from hpcdl.data.imagenet import list_imagenet
+    from hpcdl.data.images import FolderSource
 
     classes, train, val = list_imagenet(data_dir)
 

@@ -7,14 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_files import write_cifar10, write_imagenet, write_mnist
 from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 from torchvision.transforms import v2
 
-from data_files import write_cifar10, write_imagenet, write_mnist
 from hpcdl.data import DataSpec, build_pipeline, load_dataset
 from hpcdl.data.augment import (
-    Normalizer, apply_crop_flip, draw_crop_flip, eval_view, sample_train_params, train_view,
+    Normalizer,
+    apply_crop_flip,
+    draw_crop_flip,
+    eval_view,
+    sample_train_params,
+    train_view,
 )
 from hpcdl.data.imagenet import list_imagenet
 from hpcdl.data.pipeline import FilePipeline, ResidentPipeline
@@ -122,7 +127,7 @@ def test_epochs_differ_and_resume_mid_epoch_is_exact() -> None:
     torch.manual_seed(123)  # global RNG state must not matter
     resumed = list(indexed_pipeline(1, 2).train_epoch(3, start_step=2))
     assert len(resumed) == len(full) - 2
-    for (x, y), (rx, ry) in zip(full[2:], resumed):
+    for (x, y), (rx, ry) in zip(full[2:], resumed, strict=True):
         assert torch.equal(x, rx) and torch.equal(y, ry)
     other = [int(v) for _, y in pipeline.train_epoch(4) for v in y]
     assert other != [int(v) for _, y in full for v in y]
@@ -135,7 +140,7 @@ def test_cifar_pipeline_augments_on_the_device_and_resumes(tmp_path: Path) -> No
         10, (3, 32, 32), 40, 8)
     full = list(pipeline.train_epoch(0))
     again = list(build_pipeline(spec("cifar10", tmp_path), 0, 1, CPU).train_epoch(0, start_step=3))
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(full[3:], again))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full[3:], again, strict=True))
     raw = load_dataset("cifar10", str(tmp_path), seed=0).train
     x, y = full[0]
     # each augmented image is its source image under some 4-pixel padded crop and flip
@@ -181,9 +186,10 @@ def test_cpu_and_device_decode_paths_give_identical_batches(tmp_path: Path) -> N
     Image.new("RGB", (50, 41), (200, 10, 30)).save(png)
     cpu, device_path = file_pipelines(tmp_path, False), file_pipelines(tmp_path, True)
     for epoch in (0, 1):
-        for (x, y), (dx, dy) in zip(cpu.train_epoch(epoch, start_step=1), device_path.train_epoch(epoch, start_step=1)):
+        pairs = zip(cpu.train_epoch(epoch, start_step=1), device_path.train_epoch(epoch, start_step=1), strict=True)
+        for (x, y), (dx, dy) in pairs:
             assert torch.equal(x, dx) and torch.equal(y, dy)
-    for (x, y), (dx, dy) in zip(cpu.test_batches(), device_path.test_batches()):
+    for (x, y), (dx, dy) in zip(cpu.test_batches(), device_path.test_batches(), strict=True):
         assert torch.equal(x, dx) and torch.equal(y, dy)
     assert cpu.train_samples == 13 and cpu.steps_per_epoch == 3
 
@@ -194,7 +200,7 @@ def test_file_pipeline_with_a_worker_process_resumes_exactly(tmp_path: Path) -> 
     full = list(pipeline.train_epoch(2))
     resumed = list(pipeline.train_epoch(2, start_step=1))
     pipeline.close()
-    assert len(full) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(full[1:], resumed))
+    assert len(full) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(full[1:], resumed, strict=True))
     assert full[0][0].shape == (4, 3, 24, 24) and full[0][0].dtype == torch.float32
 
 
@@ -225,7 +231,7 @@ def test_gpu_decode_matches_cpu_decode_closely(tmp_path: Path) -> None:
     cuda = torch.device("cuda")
     gpu = build_pipeline(spec("imagenet", tmp_path, image_size=32, decode="gpu"), 0, 1, cuda)
     cpu = build_pipeline(spec("imagenet", tmp_path, image_size=32, decode="cpu"), 0, 1, cuda)
-    for (x, y), (cx, cy) in zip(gpu.train_epoch(0), cpu.train_epoch(0)):
+    for (x, y), (cx, cy) in zip(gpu.train_epoch(0), cpu.train_epoch(0), strict=True):
         assert x.device.type == "cuda" and torch.equal(y, cy)
         # nvJPEG and libjpeg-turbo differ in IDCT rounding; same crops give nearly the same pixels
         assert (x - cx).abs().mean().item() < 0.05

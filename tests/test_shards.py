@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from data_files import write_cifar10, write_imagenet, write_mnist
+
 from hpcdl.data import DataSpec, build_pipeline
 from hpcdl.data.pipeline import FilePipeline
 from hpcdl.errors import UsageError
@@ -92,7 +92,8 @@ def test_each_sample_once_per_epoch_over_ranks_like_the_folder_dataset(imagenet:
                 seen[kind] += [(digest(pipeline.train_source.read(i)), int(pipeline.train_source.labels[i]))
                                for i, _ in keys]
                 batches = list(pipeline.train_epoch(epoch))
-                assert [int(v) for _, y in batches for v in y] == [int(pipeline.train_source.labels[i]) for i, _ in keys]
+                labels = [int(pipeline.train_source.labels[i]) for i, _ in keys]
+                assert [int(v) for _, y in batches for v in y] == labels
                 steps.add(len(batches))
         assert len(steps) == 1  # every rank, either format: the same number of steps
         expected = (21 // size) // 2 * 2 * size
@@ -108,7 +109,7 @@ def test_evaluation_over_ranks_covers_the_folder_val_set_once(imagenet: tuple[Pa
     for kind, path in (("folder", folder), ("shards", shards)):
         for rank in range(size):
             for x, y in build_pipeline(spec(path), rank, size, CPU).test_batches():
-                views[kind] += [(digest(image), int(label)) for image, label in zip(x, y)]
+                views[kind] += [(digest(image), int(label)) for image, label in zip(x, y, strict=True)]
     assert len(views["shards"]) == 21
     assert Counter(views["shards"]) == Counter(views["folder"])  # the same decoded evaluation views
 
@@ -123,7 +124,7 @@ def test_resume_mid_epoch_from_shards_with_a_worker_is_exact(imagenet: tuple[Pat
     resumed = list(resumed_pipeline.train_epoch(4, start_step=3))
     resumed_pipeline.close()
     assert len(full) == 5 and len(resumed) == 2
-    for (x, y), (rx, ry) in zip(full[3:], resumed):
+    for (x, y), (rx, ry) in zip(full[3:], resumed, strict=True):
         assert torch.equal(x, rx) and torch.equal(y, ry)
 
 
@@ -139,7 +140,8 @@ def test_small_datasets_round_trip_through_png_shards(tmp_path: Path, dataset: s
     assert from_shards.train_samples == from_files.train_samples and from_shards.input_shape == from_files.input_shape
     (x, y), = list(from_files.test_batches())
     (sx, sy), = list(from_shards.test_batches())
-    assert Counter((digest(a), int(b)) for a, b in zip(x, y)) == Counter((digest(a), int(b)) for a, b in zip(sx, sy))
+    expected = Counter((digest(a), int(b)) for a, b in zip(x, y, strict=True))
+    assert Counter((digest(a), int(b)) for a, b in zip(sx, sy, strict=True)) == expected
 
 
 def test_pack_refuses_to_overwrite_and_force_replaces(tmp_path: Path) -> None:

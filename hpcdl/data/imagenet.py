@@ -15,7 +15,7 @@ from hpcdl.data.tensors import DataBundle
 from hpcdl.errors import UsageError
 
 
-def open_image(path: str):  # type: ignore[no-untyped-def]  # a PIL image
+def open_image(path: str):  # -> PIL.Image.Image
     """Open an image as RGB; a corrupt file names itself (PIL's own message does not)."""
     from PIL import Image
 

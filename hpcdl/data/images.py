@@ -8,7 +8,8 @@ cannot handle (a PNG, a CMYK JPEG) falls back to the CPU decoder before anything
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -61,7 +62,8 @@ def decode_cpu(data: torch.Tensor, name: str, mode: ImageReadMode = ImageReadMod
     try:
         return decode_image(data, mode=mode)
     except (RuntimeError, ValueError) as exc:
-        raise OSError(f"cannot decode image {name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise OSError(f"cannot decode image {name}: {reason}") from exc
 
 
 def decode_on_device(datas: list[torch.Tensor], names: list[str], device: torch.device) -> list[torch.Tensor]:
@@ -71,7 +73,7 @@ def decode_on_device(datas: list[torch.Tensor], names: list[str], device: torch.
     except RuntimeError:
         pass
     images = []
-    for data, name in zip(datas, names):  # find the culprit(s); decode the rest as usual
+    for data, name in zip(datas, names, strict=True):  # find the culprit(s); decode the rest as usual
         try:
             images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
         except RuntimeError:

@@ -10,7 +10,10 @@ from hpcdl.data.spec import CIFAR_NORM, MNIST_NORM
 from hpcdl.data.tensors import ImageTensors, validate_images
 from hpcdl.errors import UsageError
 
-LAYOUTS = {"cifar10": (ImageReadMode.RGB, (3, 32, 32), CIFAR_NORM), "mnist": (ImageReadMode.GRAY, (1, 28, 28), MNIST_NORM)}
+LAYOUTS = {
+    "cifar10": (ImageReadMode.RGB, (3, 32, 32), CIFAR_NORM),
+    "mnist": (ImageReadMode.GRAY, (1, 28, 28), MNIST_NORM),
+}
 
 
 def decode_all(dataset: str, source: ByteSource) -> ImageTensors:

@@ -18,7 +18,8 @@ uninterrupted epoch.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -139,8 +140,11 @@ class EncodedSamples(Dataset):
         return decode_cpu(data, self.source.name(index)), False, key, int(self.source.labels[index])
 
 
-def collate_encoded(items: list[tuple[torch.Tensor, bool, tuple[int, int], int]]) -> tuple[list, list, list, torch.Tensor]:
-    payloads, jpeg, keys, labels = zip(*items)
+Encoded = tuple[torch.Tensor, bool, tuple[int, int], int]
+
+
+def collate_encoded(items: list[Encoded]) -> tuple[list, list, list, torch.Tensor]:
+    payloads, jpeg, keys, labels = zip(*items, strict=True)
     return list(payloads), list(jpeg), list(keys), torch.tensor(labels, dtype=torch.int64)
 
 
@@ -233,12 +237,12 @@ class FilePipeline(InputPipeline):
         decoded = decode_on_device([payloads[i] for i in encoded], [source.name(keys[i][0]) for i in encoded],
                                    self.device)
         images = [p if is_jpg else p.to(self.device, non_blocking=True)  # non-JPEGs came decoded by the CPU
-                  for p, is_jpg in zip(payloads, jpeg)]
-        for i, image in zip(encoded, decoded):
+                  for p, is_jpg in zip(payloads, jpeg, strict=True)]
+        for i, image in zip(encoded, decoded, strict=True):
             images[i] = image
         size = self.spec.image_size
         views = []
-        for image, (_, seed) in zip(images, keys):
+        for image, (_, seed) in zip(images, keys, strict=True):
             if seed < 0:
                 views.append(eval_view(image, size))
             else:
@@ -251,7 +255,7 @@ class FilePipeline(InputPipeline):
             iterator = getattr(loader, "_iterator", None)
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
-            loader._iterator = None  # type: ignore[attr-defined]
+            loader._iterator = None
         for source in (self.train_source, self.test_source):
             closer = getattr(source, "close", None)
             if closer is not None:

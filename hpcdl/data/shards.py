@@ -25,9 +25,9 @@ import io
 import json
 import os
 import tarfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -108,7 +108,8 @@ def read_split(folder: Path, name: str, meta: dict, num_classes: int) -> ShardSp
         if not shard.is_file():
             raise UsageError(f"shard {shard} is missing")
         if shard.stat().st_size < ends[number]:
-            raise UsageError(f"shard {shard} is truncated ({shard.stat().st_size} bytes, samples reach byte {ends[number]})")
+            raise UsageError(f"shard {shard} is truncated ({shard.stat().st_size} bytes, "
+                             f"samples reach byte {ends[number]})")
         if counts[number] != entry["samples"]:
             raise UsageError(f"shard {shard}: index.json says {entry['samples']} samples, the table {counts[number]}")
     return ShardSplit(folder, files, table)
@@ -178,7 +179,7 @@ class ShardWriter:
     def _next_shard(self) -> None:
         self._close_shard()
         name = f"{self.split}-{len(self.shards):06d}.tar"
-        self.tar = tarfile.open(self.folder / name, "w", format=tarfile.USTAR_FORMAT)
+        self.tar = tarfile.open(self.folder / name, "w", format=tarfile.USTAR_FORMAT)  # noqa: SIM115 - spans many adds
         self.shards.append({"file": name, "samples": 0, "bytes": 0})
 
     def _close_shard(self) -> None:

@@ -6,8 +6,8 @@ The new pipeline reads ``images``/``labels`` directly (and moves them to the dev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.utils.data import Dataset
