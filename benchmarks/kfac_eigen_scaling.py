@@ -51,8 +51,10 @@ def worker(args: argparse.Namespace) -> None:
 
     # CPU seconds of this rank's own decompositions (one thread per rank: they run in this thread).
     # Unlike wall time it does not change when other processes share the cores.
+    import kfac.decompose
+
     cpu = [0.0]
-    decompose = pre._decompose
+    decompose = kfac.decompose._recover
 
     def timed_decompose(*a):
         start = time.thread_time()
@@ -60,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
         cpu[0] += time.thread_time() - start
         return result
 
-    pre._decompose = timed_decompose
+    kfac.decompose._recover = timed_decompose
     comm = world.comm()
     times, cpu_times = [], []
     for step in range(args.steps + 1):
