@@ -1,0 +1,75 @@
+"""How signals reach your job: a training-shaped loop that stops gracefully, as hpcdl.train does.
+
+    mpirun -np 2 python -m hpcdl.demos.stop          # then press Ctrl-C, or kill -USR1 <mpirun pid>
+    srun -n 2 python -m hpcdl.demos.stop             # scancel --signal=USR1 <job>
+
+Every rank runs steps of ``--step-seconds`` (fed by a DataLoader with ``--workers`` worker
+processes, as training is) and asks :class:`hpcdl.signals.GracefulStop` after each step whether
+any rank received SIGINT, SIGTERM or SIGUSR1. Then rank 0 writes a checkpoint (to
+``--output-dir``, if given), prints one line naming the signal and the ranks that received it,
+and every rank exits with the documented code (0 for SIGTERM/SIGUSR1, 130 for SIGINT). Each rank
+prints one line when it starts (with its pid, to send it signals) and one when it exits, so you
+see what your launcher delivers to whom.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from hpcdl import checkpoint, world
+from hpcdl.bench.cli import RankZeroParser
+from hpcdl.errors import UsageError, run_main
+from hpcdl.signals import GracefulStop
+
+PROGRAM = "hpcdl.demos.stop"
+
+
+def batches(workers: int) -> torch.utils.data.DataLoader:
+    data = torch.utils.data.TensorDataset(torch.arange(1 << 16, dtype=torch.float32))
+    return torch.utils.data.DataLoader(data, batch_size=8, num_workers=workers, persistent_workers=workers > 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = RankZeroParser(prog=f"python -m {PROGRAM}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=1000, help="steps before finishing normally (default 1000)")
+    parser.add_argument("--step-seconds", type=float, default=0.1, help="simulated work per step (default 0.1 s)")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
+    parser.add_argument("--output-dir", type=Path, default=None, help="where rank 0 writes its checkpoint on a stop")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.step_seconds < 0 or args.workers < 0:
+        raise UsageError("--steps must be >= 1, --step-seconds >= 0 and --workers >= 0")
+    me = world.init(use_horovod=False)
+    comm = world.comm()
+    stop = GracefulStop(comm)
+    loader = iter(batches(args.workers))
+    print(f"rank {me.rank} pid {os.getpid()} ready", flush=True)
+    comm.barrier()
+    code = 0
+    for step in range(1, args.steps + 1):
+        next(loader)
+        time.sleep(args.step_seconds)
+        request = stop.requested()
+        if request is None:
+            continue
+        where = ""
+        if me.rank == 0 and args.output_dir is not None:
+            state = {"model": {"w": torch.zeros(4)}, "optimizer": {}, "epoch": 0, "step_in_epoch": step,
+                     "global_step": step, "config": {}, "world_size": me.size}
+            where = f": checkpoint {checkpoint.save(args.output_dir, state, keep=1)} written"
+        world.print0(f"{PROGRAM}: {request.describe()} at step {step}{where}; exiting {request.exit_code}")
+        code = request.exit_code
+        break
+    stop.close()
+    print(f"rank {me.rank} exits {code}", flush=True)
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    run_main(main, PROGRAM)
