@@ -9,14 +9,17 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hpcdl import outputs
 from hpcdl.bench import alphabeta, report, timing
 from hpcdl.bench.cli import format_size, parse_size
-from tests.mpi_harness import run_mpi
+from hpcdl.errors import UsageError
+from tests.mpi_harness import PYTHON, REPO, error_lines, mpi_env, run_mpi
 
 
 @pytest.mark.parametrize(
@@ -105,3 +108,98 @@ def test_bad_size_is_one_line_error_and_nonzero_exit(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert result.stderr.count("error:") == 1 and "not a size" in result.stderr and "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------ where results go, and who may run
+
+QUICK = ["-m", "hpcdl.bench.allreduce", "--max-size", "16", "--rounds", "1", "--seconds", "0.01", "--no-horovod",
+         "--no-gloo", "--algorithms", "ring"]
+
+
+def fake_checkout(root: Path) -> Path:
+    """A folder shaped like an hpcdl checkout, with committed results in it."""
+    (root / "hpcdl").mkdir(parents=True)
+    (root / "hpcdl" / "__init__.py").write_text("")
+    results = root / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    for suffix in (".csv", ".json", ".png"):
+        (results / f"allreduce_np2{suffix}").write_text("committed")
+    return results
+
+
+def test_a_two_rank_benchmark_started_without_a_launcher_refuses_in_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in mpi_env().items() if k not in outputs.LAUNCHER_VARS}
+    result = subprocess.run([PYTHON, *QUICK, "--output-dir", str(tmp_path)], capture_output=True, text=True, env=env,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "hpcdl.bench.allreduce: error: hpcdl.bench.allreduce measures 2 or more ranks and was started as a single "
+        "process, without a launcher; run: mpirun -np 2 python -m hpcdl.bench.allreduce ... (or srun -n 2 --mpi=pmix "
+        "..., ibrun on TACC systems)"]
+    assert not any(tmp_path.iterdir())
+
+
+def test_one_rank_under_a_launcher_is_told_to_start_more() -> None:
+    result = run_mpi(1, QUICK, timeout=120)
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == [
+        "hpcdl.bench.allreduce: error: hpcdl.bench.allreduce needs at least 2 ranks, this job has 1; run: mpirun -np 2 "
+        "python -m hpcdl.bench.allreduce ... (or srun -n 2 --mpi=pmix ..., ibrun on TACC systems)"]
+
+
+def test_committed_results_are_replaced_only_with_refresh_results(tmp_path: Path) -> None:
+    results = fake_checkout(tmp_path / "checkout")
+    refused = run_mpi(2, [*QUICK, "--output-dir", str(results)], timeout=120)
+    assert refused.returncode == 2
+    assert error_lines(refused.stderr) == [
+        f"hpcdl.bench.allreduce: error: {results / 'allreduce_np2.csv'} is in benchmarks/results, the results "
+        "committed in the repository; add --refresh-results to replace them, or choose another --output-dir/--name"]
+    assert (results / "allreduce_np2.csv").read_text() == "committed"
+    refreshed = run_mpi(2, [*QUICK, "--output-dir", str(results), "--refresh-results"], timeout=180)
+    assert refreshed.returncode == 0, refreshed.stderr[-2000:]
+    assert (results / "allreduce_np2.csv").read_text().startswith("implementation,")
+
+
+def test_default_results_go_to_a_new_folder_under_runs_bench(tmp_path: Path) -> None:
+    first = run_mpi(2, QUICK, timeout=180, cwd=tmp_path, env={"PYTHONPATH": str(REPO)})
+    second = run_mpi(2, QUICK, timeout=180, cwd=tmp_path, env={"PYTHONPATH": str(REPO)})
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + second.stderr[-2000:]
+    written = sorted(tmp_path.glob("runs/bench/allreduce_np2/*/allreduce_np2.csv"))
+    assert len(written) == 2 and written[0].parent != written[1].parent
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing else, no benchmarks/results
+
+
+def test_existing_results_elsewhere_need_force(tmp_path: Path) -> None:
+    (tmp_path / "mine.json").write_text("earlier")
+    refused = run_mpi(2, [*QUICK, "--output-dir", str(tmp_path), "--name", "mine"], timeout=120)
+    assert refused.returncode == 2
+    assert error_lines(refused.stderr)[0].endswith("mine.json already exists; add --force to replace it, or choose "
+                                                   "another --output-dir/--name")
+    assert (tmp_path / "mine.json").read_text() == "earlier" and not (tmp_path / "mine.csv").exists()
+
+
+def test_results_stem_decisions(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    results = fake_checkout(tmp_path / "checkout")
+    stem = outputs.results_stem(None, "thing", (".json",))
+    assert stem.name == "thing" and stem.parent.parent == Path("runs/bench/thing") and stem.parent.is_dir()
+    with pytest.raises(UsageError, match="--refresh-results replaces results in benchmarks/results, but --out names"):
+        outputs.results_stem(tmp_path / "x", "thing", (".json",), refresh_results=True, flag="--out")
+    with pytest.raises(UsageError, match="is in benchmarks/results"):
+        outputs.results_stem(results / "allreduce_np2", "x", (".png",), force=True)
+    assert outputs.results_stem(results / "allreduce_np2", "x", (".png",), refresh_results=True) == results / "allreduce_np2"
+    assert outputs.output_file(Path("a/allreduce_cycle0.03ms"), ".png") == Path("a/allreduce_cycle0.03ms.png")
+    assert outputs.is_committed(REPO / "benchmarks" / "results" / "allreduce_np2.png")
+    assert outputs.checkout_results() == REPO / "benchmarks" / "results"
+
+
+def test_json_results_are_strict_json(tmp_path: Path) -> None:
+    """One rank has no bus bandwidth (NaN): it is written as null, so any JSON reader can read the file."""
+    row = report.Row("MPI.Allreduce", 64, 16, 1, 1, 1, 1, 5.0, 5.0, 5.0)
+    report.write_json(tmp_path / "r.json", [row], meta={"x": float("inf")})
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    document = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert document["rows"][0]["busbw_GBps"] is None and document["meta"]["x"] is None

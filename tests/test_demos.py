@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 from hpcdl.demos.collectives import tour
-from tests.mpi_harness import run_mpi
+from tests.mpi_harness import error_lines, run_mpi
 
 
 def test_hello_reports_every_rank_in_rank_order() -> None:
@@ -42,3 +42,17 @@ def test_tour_on_one_rank_numpy_and_torch() -> None:
         steps = tour(MPI.COMM_SELF, make)
         assert [name for name, _, _ in steps][:2] == ["Bcast", "Scatter"] and len(steps) == 8
         assert all(ok for _, ok, _ in steps), steps
+
+
+def test_stop_demo_runs_to_the_end_without_a_signal() -> None:
+    """hpcdl.demos.stop (signals are tested in tests/test_signals.py): no signal, every rank exits 0."""
+    result = run_mpi(2, ["-m", "hpcdl.demos.stop", "--steps", "3", "--step-seconds", "0"], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(re.findall(r"^rank (\d) exits 0$", result.stdout, flags=re.M)) == ["0", "1"], result.stdout
+
+
+def test_stop_demo_bad_value_is_one_line() -> None:
+    result = run_mpi(2, ["-m", "hpcdl.demos.stop", "--steps", "0"], timeout=120)
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == ["hpcdl.demos.stop: error: --steps must be >= 1, --step-seconds >= 0 and "
+                                          "--workers >= 0"]

@@ -1,6 +1,7 @@
 """Allreduce benchmark: MPI, Horovod, torch.distributed and our algorithms, side by side.
 
-    mpirun -np 2 python -m hpcdl.bench.allreduce --output-dir benchmarks/results
+    mpirun -np 2 python -m hpcdl.bench.allreduce                      # results under runs/bench/allreduce_np2/
+    mpirun -np 2 python -m hpcdl.bench.allreduce --refresh-results    # replace benchmarks/results/allreduce_np2.*
 
 For every message size (float32, powers of two) each implementation is timed in turn; the
 sweep over all sizes is repeated for several rounds, so that a burst of load on a shared
@@ -17,40 +18,70 @@ import datetime
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
-from hpcdl import world
+from hpcdl import outputs, world
 from hpcdl.bench import alphabeta, contenders, report, timing
 from hpcdl.bench.cli import RankZeroParser, format_size, parse_size
 from hpcdl.collectives import ALGORITHMS
 from hpcdl.errors import UsageError, run_main
 
 ACCEPTANCE_FROM_BYTES = 4 << 20  # the issue's bandwidth targets apply from 4 MiB up
+PROGRAM = "hpcdl.bench.allreduce"
 TARGETS = {"ring": 0.80, "horovod": 0.90}  # fraction of MPI.Allreduce's bus bandwidth
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = RankZeroParser(prog="python -m hpcdl.bench.allreduce", description=__doc__.split("\n\n")[0])
     parser.add_argument("--min-size", type=parse_size, default=4, help="smallest message, e.g. 4, 1K (default 4 B)")
-    parser.add_argument("--max-size", type=parse_size, default=256 << 20, help="largest message, e.g. 64K, 256M (default 256M)")
-    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"), help="where CSV, JSON and PNG go")
+    parser.add_argument(
+        "--max-size", type=parse_size, default=256 << 20, help="largest message, e.g. 64K, 256M (default 256M)"
+    )
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="where CSV, JSON and PNG go (default: a new folder under runs/bench/)",
+    )
     parser.add_argument("--name", default=None, help="file name stem (default allreduce_np<ranks>)")
-    parser.add_argument("--algorithms", nargs="*", choices=list(ALGORITHMS), default=list(ALGORITHMS), help="our algorithms to include (none: just MPI/Horovod/gloo)")
-    parser.add_argument("--rounds", type=int, default=5, help="sweeps over all sizes; the best timed loop counts (default 5)")
+    parser.add_argument(
+        "--algorithms",
+        nargs="*",
+        choices=list(ALGORITHMS),
+        default=list(ALGORITHMS),
+        help="our algorithms to include (none: just MPI/Horovod/gloo)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="sweeps over all sizes; the best timed loop counts (default 5)"
+    )
     parser.add_argument("--seconds", type=float, default=0.05, help="time budget of one timed loop (default 0.05 s)")
     parser.add_argument("--no-horovod", action="store_true", help="leave Horovod out (and do not initialise it)")
     parser.add_argument("--no-gloo", action="store_true", help="leave torch.distributed (gloo) out")
-    parser.add_argument("--horovod-cycle-time-ms", type=float, default=None,
-                        help="HOROVOD_CYCLE_TIME for the Horovod rows (default: Horovod's own, or the environment's)")
-    parser.add_argument("--network-gbps", type=float, default=100.0, help="link rate of the network to predict for (default 100 Gb/s)")
-    parser.add_argument("--network-latency-us", type=float, default=2.0, help="its per-message latency, assumed (default 2 us)")
-    parser.add_argument("--predict-ranks", type=int, nargs="+", default=[64, 512, 4096], help="rank counts to predict for")
+    parser.add_argument(
+        "--horovod-cycle-time-ms",
+        type=float,
+        default=None,
+        help="HOROVOD_CYCLE_TIME for the Horovod rows (default: Horovod's own, or the environment's)",
+    )
+    parser.add_argument(
+        "--network-gbps", type=float, default=100.0, help="link rate of the network to predict for (default 100 Gb/s)"
+    )
+    parser.add_argument(
+        "--network-latency-us", type=float, default=2.0, help="its per-message latency, assumed (default 2 us)"
+    )
+    parser.add_argument(
+        "--predict-ranks", type=int, nargs="+", default=[64, 512, 4096], help="rank counts to predict for"
+    )
+    outputs.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.name is not None and (not args.name.strip() or "/" in args.name or args.name.startswith(".")):
+        parser.error(f"--name is a file name stem without '/' or a leading '.', e.g. allreduce_np2 (got {args.name!r})")
     if args.min_size > args.max_size:
         parser.error(f"--min-size ({args.min_size} B) is larger than --max-size ({args.max_size} B)")
     if args.max_size < timing.FLOAT32_BYTES:
@@ -83,7 +114,9 @@ def verify(contender: contenders.Contender, message: np.ndarray, expected: float
     result = contender.prepare(message, False)()
     ok = bool(np.all(result == expected))
     if not all(comm.allgather(ok)):  # every rank knows, so every rank stops by itself
-        raise UsageError(f"{contender.name} returned a wrong allreduce result for {message.nbytes} bytes; check the MPI installation")
+        raise UsageError(
+            f"{contender.name} returned a wrong allreduce result for {message.nbytes} bytes; check the MPI installation"
+        )
 
 
 def run(args: argparse.Namespace, comm: MPI.Comm, chosen: list[contenders.Contender]) -> list[report.Row]:
@@ -97,7 +130,9 @@ def run(args: argparse.Namespace, comm: MPI.Comm, chosen: list[contenders.Conten
     expected = ranks * (ranks + 1) / 2  # every rank sends rank+1: the sum 1 + ... + N is exact in float32
     loops: dict[tuple[str, int], int] = {}  # timed iterations, calibrated in the first round
     best: dict[tuple[str, int], timing.Latency] = {}
-    progress = tqdm(total=len(sizes) * len(chosen) * args.rounds, disable=rank != 0, unit="loop", mininterval=1, file=sys.stderr)
+    progress = tqdm(
+        total=len(sizes) * len(chosen) * args.rounds, disable=rank != 0, unit="loop", mininterval=1, file=sys.stderr
+    )
     for round_index in range(args.rounds):
         for nbytes in sizes:
             progress.set_description(f"round {round_index + 1}/{args.rounds} {format_size(nbytes):>8}")
@@ -125,7 +160,7 @@ def run(args: argparse.Namespace, comm: MPI.Comm, chosen: list[contenders.Conten
     ]  # fmt: skip
 
 
-def scale_prediction(args: argparse.Namespace, rows: list[report.Row], ranks: int) -> dict[str, object]:
+def scale_prediction(args: argparse.Namespace, rows: list[report.Row], ranks: int) -> dict[str, Any]:
     """Fit the ring model here, then predict a ResNet-50 gradient allreduce on the chosen network."""
     ring = [r for r in rows if r.implementation == "ring"]
     if ranks < 2 or len(ring) < 2:
@@ -136,7 +171,11 @@ def scale_prediction(args: argparse.Namespace, rows: list[report.Row], ranks: in
     nbytes = alphabeta.RESNET50_GRADIENT_BYTES
     return {
         "fitted_here": {"alpha_us": fitted.alpha * 1e6, "bandwidth_GBps": fitted.bandwidth / 1e9, "ranks": ranks},
-        "network_assumed": {"gbps": args.network_gbps, "alpha_us": net.alpha * 1e6, "bandwidth_GBps": net.bandwidth / 1e9},
+        "network_assumed": {
+            "gbps": args.network_gbps,
+            "alpha_us": net.alpha * 1e6,
+            "bandwidth_GBps": net.bandwidth / 1e9,
+        },
         "message_bytes": nbytes,
         "predictions": [
             {
@@ -151,18 +190,20 @@ def scale_prediction(args: argparse.Namespace, rows: list[report.Row], ranks: in
     }
 
 
-def describe_prediction(prediction: dict[str, object]) -> str:
+def describe_prediction(prediction: dict[str, Any]) -> str:
     if "note" in prediction:
         return f"# alpha-beta model: skipped ({prediction['note']})"
     here, net = prediction["fitted_here"], prediction["network_assumed"]
     lines = [
         f"# alpha-beta fit of our ring on {here['ranks']} ranks here: alpha = {here['alpha_us']:.1f} us per step, "
         f"B = {here['bandwidth_GBps']:.2f} GB/s",
-        f"# assumed network: {net['gbps']:g} Gb/s link = {net['bandwidth_GBps']:.2f} GB/s, alpha = {net['alpha_us']:g} us "
+        f"# assumed network: {net['gbps']:g} Gb/s link = {net['bandwidth_GBps']:.2f} GB/s, "
+        f"alpha = {net['alpha_us']:g} us "
         "per step (an assumption, not measured)",
         f"# ring allreduce of a ResNet-50 gradient ({alphabeta.RESNET50_PARAMETERS:,} float32 = "
         f"{prediction['message_bytes'] / 1e6:.1f} MB) on that network:",
-        f"# {'ranks':>6} {'ring (ms)':>10} {'of which bandwidth':>19} {'ring, alpha fitted here':>24} {'naive (ms)':>12}",
+        f"# {'ranks':>6} {'ring (ms)':>10} {'of which bandwidth':>19} {'ring, alpha fitted here':>24} "
+        f"{'naive (ms)':>12}",
     ]
     for p in prediction["predictions"]:
         lines.append(
@@ -172,7 +213,7 @@ def describe_prediction(prediction: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def acceptance(rows: list[report.Row]) -> dict[str, object]:
+def acceptance(rows: list[report.Row]) -> dict[str, Any]:
     """The lowest busbw ratio to MPI.Allreduce at >= 4 MiB, per implementation with a target."""
     summary = {}
     for name, target in TARGETS.items():
@@ -187,7 +228,7 @@ def acceptance(rows: list[report.Row]) -> dict[str, object]:
     return summary
 
 
-def metadata(args: argparse.Namespace, comm: MPI.Comm, me: world.World) -> dict[str, object]:
+def metadata(args: argparse.Namespace, comm: MPI.Comm, me: world.World) -> dict[str, Any]:
     import torch
 
     hosts = sorted(set(comm.allgather(me.hostname)))
@@ -209,7 +250,8 @@ def metadata(args: argparse.Namespace, comm: MPI.Comm, me: world.World) -> dict[
         "horovod_env": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")},
         "dtype": "float32",
         "op": "SUM",
-        "timing": f"best of {args.rounds} rounds (each sweeps all sizes) of timed loops of about {args.seconds} s (length "
+        "timing": f"best of {args.rounds} rounds (each sweeps all sizes) of timed loops of about {args.seconds} s "
+                  "(length "
                   f"calibrated from {timing.WARMUP} warm-up calls), averaged over ranks; Horovod is started only "
                   "while it is measured",
     }  # fmt: skip
@@ -219,13 +261,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     load_before = os.getloadavg()
     me = world.init(use_horovod=False)  # Horovod runs only while it is measured (see contenders)
+    outputs.require_launcher(2, PROGRAM)
+    name = args.name or f"allreduce_np{world.comm().Get_size()}"
+    stem = outputs.results_stem(
+        args.output_dir / name if args.output_dir else None,
+        name,
+        (".csv", ".json", ".png"),
+        refresh_results=args.refresh_results,
+        force=args.force,
+        flag="--output-dir/--name",
+        comm=world.comm(),
+    )
     if not args.no_horovod:
         if args.horovod_cycle_time_ms is not None:  # read by hvd.init, which the Horovod contender calls
             os.environ["HOROVOD_CYCLE_TIME"] = f"{args.horovod_cycle_time_ms:g}"
         import horovod.torch as hvd
 
         if not hasattr(hvd, "init"):
-            raise UsageError("Horovod's compiled extension is missing (run: bash scripts/setup.sh), or use --no-horovod")
+            raise UsageError(
+                "Horovod's compiled extension is missing (run: bash scripts/setup.sh), or use --no-horovod"
+            )
     comm = world.comm()
     chosen = build_contenders(args, comm)
     names = [c.name for c in chosen]
@@ -242,22 +297,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(report.table(rows, names, "busbw_gbps"))
     print(describe_prediction(prediction))
     load = meta["load_average_1min"]
-    print(f"# load average (1 min) before/after: {load['before']} / {load['after']} on {meta['cpu_cores_per_host']} cores "
+    print(f"# load average (1 min) before/after: {load['before']} / {load['after']} "
+          f"on {meta['cpu_cores_per_host']} cores "
           "(other jobs on the machine distort timings)")  # fmt: skip
     for name, result in targets.items():
         print(f"# {name} / MPI.Allreduce bus bandwidth at >= {format_size(ACCEPTANCE_FROM_BYTES)}: "
-              f"lowest {result['min_ratio']:.2f} (target >= {result['target']:.2f}: {'met' if result['met'] else 'NOT met'})")  # fmt: skip
-    stem = args.name or f"allreduce_np{comm.Get_size()}"
+              f"lowest {result['min_ratio']:.2f} "
+              f"(target >= {result['target']:.2f}: {'met' if result['met'] else 'NOT met'})")  # fmt: skip
     try:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        report.write_csv(args.output_dir / f"{stem}.csv", rows)
-        report.write_json(args.output_dir / f"{stem}.json", rows, meta=meta, alpha_beta=prediction, acceptance=targets)
-        title = f"allreduce, float32 SUM, {comm.Get_size()} ranks on {', '.join(meta['hosts'])} ({meta['cpu_cores_per_host']} cores)"
-        report.plot(args.output_dir / f"{stem}.png", rows, names, title)
-    except OSError as error:
-        raise UsageError(f"cannot write results to {args.output_dir}: {error}") from None
-    print(f"# wrote {args.output_dir / stem}.csv, .json and .png", flush=True)
+        report.write_csv(outputs.output_file(stem, ".csv"), rows)
+        report.write_json(
+            outputs.output_file(stem, ".json"), rows, meta=meta, alpha_beta=prediction, acceptance=targets
+        )
+        hosts = ", ".join(meta["hosts"])
+        title = f"allreduce, float32 SUM, {comm.Get_size()} ranks on {hosts} ({meta['cpu_cores_per_host']} cores)"
+        report.plot(outputs.output_file(stem, ".png"), rows, names, title)
+    except OSError as error:  # report writes atomically: a failed file leaves the previous one (or none)
+        raise UsageError(str(error)) from None
+    print(f"# wrote {stem}.csv, .json and .png", flush=True)
 
 
 if __name__ == "__main__":
-    run_main(main, "hpcdl.bench.allreduce")
+    run_main(main, PROGRAM)

@@ -13,8 +13,8 @@ gradient allreduce will cost at 64 or 4,096 ranks before they queue the job.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import IO, NoReturn
+from typing import Any, NoReturn
 
 from mpi4py import MPI
 
@@ -38,7 +38,7 @@ def format_size(nbytes: int) -> str:
 class RankZeroParser(argparse.ArgumentParser):
     """An ArgumentParser for MPI programs: help and errors are printed by rank 0 only."""
 
-    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+    def _print_message(self, message: str, file: Any = None) -> None:
         if MPI.COMM_WORLD.Get_rank() == 0:
             super()._print_message(message, file)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import socket
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 import torch

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from hpcdl.bench.cli import format_size
+from hpcdl.checkpoint import write_atomically, write_text_atomically
 
 GB = 1e9  # bandwidths in GB/s (10^9 bytes), as OSU and nccl-tests report them
 
@@ -54,10 +58,11 @@ def table(rows: Sequence[Row], implementations: Sequence[str], metric: str) -> s
     sizes = sorted({r.bytes for r in rows})
     widths = [max(12, len(name) + 1) for name in implementations]
     unit = "latency (us)" if metric == "latency_us" else "bus bandwidth (GB/s)"
-    lines = [f"# {unit}", "# " + f"{'size':>10}" + "".join(f"{n:>{w}}" for n, w in zip(implementations, widths))]
+    header = "".join(f"{n:>{w}}" for n, w in zip(implementations, widths, strict=True))
+    lines = [f"# {unit}", "# " + f"{'size':>10}" + header]
     for size in sizes:
         cells = []
-        for name, width in zip(implementations, widths):
+        for name, width in zip(implementations, widths, strict=True):
             value = values.get((name, size))
             cells.append(f"{'-':>{width}}" if value is None else f"{value:>{width}.{_digits(metric, value)}f}")
         lines.append(f"  {format_size(size):>10}" + "".join(cells))
@@ -79,16 +84,29 @@ def bandwidth_ratios(rows: Sequence[Row], numerator: str, denominator: str, from
 
 
 def write_csv(path: Path, rows: Iterable[Row]) -> None:
-    with path.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(row.as_dict())
+    """Written atomically, like every result file: a failed write leaves the previous file, or none."""
+    out = io.StringIO(newline="")
+    writer = csv.DictWriter(out, fieldnames=COLUMNS)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(row.as_dict())
+    write_text_atomically(path, out.getvalue())
 
 
 def write_json(path: Path, rows: Iterable[Row], **sections: Any) -> None:
+    """Strict JSON: a value that is not finite (the bus bandwidth of one rank) is written as null."""
     document = {**sections, "rows": [row.as_dict() for row in rows]}
-    path.write_text(json.dumps(document, indent=2, allow_nan=True) + "\n")
+    write_text_atomically(path, json.dumps(_finite_or_null(document), indent=2, allow_nan=False) + "\n")
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value
 
 
 def plot(path: Path, rows: Sequence[Row], implementations: Sequence[str], title: str) -> None:
@@ -115,5 +133,7 @@ def plot(path: Path, rows: Sequence[Row], implementations: Sequence[str], title:
     bandwidth_axes.legend(fontsize="small")
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    image = io.BytesIO()
+    figure.savefig(image, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(figure)
+    write_atomically(path, lambda handle: handle.write(image.getvalue()))

@@ -9,8 +9,9 @@ must: each call is collective).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from mpi4py import MPI
 

@@ -11,7 +11,7 @@ collective. The exit status is non-zero if any check failed on any rank.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -54,7 +54,12 @@ def tour(comm: MPI.Comm, make: Make) -> list[tuple[str, bool, str]]:
     gathered = make(np.empty((size, 2), dtype=np.int32)) if rank == 0 else None
     comm.Gather(mine, gathered, root=0)
     if rank == 0:
-        record("Gather", gathered, np.stack([ranks, ranks**2], axis=1), f"rows [rank, rank^2]: {as_numpy(gathered).tolist()}")
+        record(
+            "Gather",
+            gathered,
+            np.stack([ranks, ranks**2], axis=1),
+            f"rows [rank, rank^2]: {as_numpy(gathered).tolist()}",
+        )
     else:
         steps.append(("Gather", True, ""))  # only the root receives anything
 

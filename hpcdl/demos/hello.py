@@ -10,7 +10,7 @@ the same ranks as MPI, since explicit mpi4py collectives and Horovod share MPI_C
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from mpi4py import MPI
 
