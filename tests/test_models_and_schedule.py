@@ -73,3 +73,13 @@ def test_bad_flags_are_usage_errors(flags: list[str], message: str) -> None:
     with pytest.raises(UsageError, match=message):
         parse_config(flags)
     assert math.isfinite(1.0)
+
+
+def test_mnist_cnn_maps_28x28_grey_images_to_class_scores() -> None:
+    model = build_model("mnist_cnn", 10, 1)
+    out = model(torch.randn(5, 1, 28, 28))
+    assert out.shape == (5, 10)
+    out.sum().backward()  # every parameter takes part in the output
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    # The first linear layer sees 32 channels x 4 x 4: the K-FAC factor sizes docs/kfac.md quotes.
+    assert [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)] == [512, 128]
