@@ -69,7 +69,7 @@ class ResidentPipeline(InputPipeline):
         self.generator = torch.Generator(device=device)
 
     def images_at(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if len(images) != len(indices) and len(images) < self.train_samples:  # a synthetic pool
+        if len(images) < self.train_samples:  # a synthetic pool: samples cycle through it
             indices = torch.remainder(indices, len(images))
         return images.index_select(0, indices)
 
