@@ -17,9 +17,12 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+
+from hpcdl import placement
 
 SETUP_HINT = "bash scripts/setup.sh"
 THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
@@ -150,45 +153,37 @@ def cuda_devices() -> list[str]:
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
-def rank_row(world: Any) -> dict[str, Any]:
-    """This rank's placement, including which physical GPU it got (by UUID) for the duplicate check."""
+def nccl_code_version(code: int) -> str:
+    """NCCL_VERSION_CODE as a version: 22907 -> 2.29.7 (codes below 2.9 were major*1000+minor*100+patch)."""
+    if code <= 0:
+        return "not built"
+    if code >= 20900:
+        return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+    return f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
+
+def torch_stack() -> dict[str, str]:
+    """Which torch this run uses (a venv's, a site module's, a container's) and its CUDA and NCCL."""
     import torch
 
-    gpu_uuid = ""
-    if world.device.type == "cuda":
-        gpu_uuid = str(getattr(torch.cuda.get_device_properties(world.device), "uuid", world.device.index))
-    return {
-        "host": world.hostname,
-        "rank": world.rank,
-        "local_rank": world.local_rank,
-        "local_size": world.local_size,
-        "device": str(world.device),
-        "threads": world.threads,
-        "gpu_uuid": gpu_uuid,
-        "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
+    facts = {
+        "torch": f"{torch.__version__} ({Path(torch.__file__).parent})",
+        "torch CUDA": torch.version.cuda or "none (CPU build)",
+        "NCCL (torch)": "none",
     }
+    if torch.version.cuda:
+        try:
+            facts["NCCL (torch)"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as exc:  # noqa: BLE001 - a report, not a check
+            facts["NCCL (torch)"] = f"unknown ({type(exc).__name__})"
+    return facts
 
 
-def check_placement(rows: Sequence[dict[str, Any]], expect_gpu: bool) -> None:
-    """Raise Problem when ranks would share a GPU or find none where GPUs are expected."""
-    if expect_gpu:
-        without = [r["rank"] for r in rows if not r["device"].startswith("cuda")]
-        if without:
-            raise Problem(
-                f"ranks {without} see no CUDA device",
-                "request GPUs (e.g. --gres=gpu:4 or --gpus-per-task=1) and load the CUDA module",
-            )
-    seen: dict[tuple[str, str], int] = {}
-    for row in rows:
-        if not row["gpu_uuid"]:
-            continue
-        key = (row["host"], row["gpu_uuid"])
-        if key in seen:
-            raise Problem(
-                f"ranks {seen[key]} and {row['rank']} on {row['host']} share one GPU: more ranks per host than GPUs",
-                "start one rank per GPU (--ntasks-per-node = GPUs per node)",
-            )
-        seen[key] = row["rank"]
+def horovod_nccl() -> str:
+    """The NCCL version Horovod was compiled against (hvd.nccl_built() returns NCCL_VERSION_CODE)."""
+    import horovod.torch as hvd
+
+    return nccl_code_version(int(hvd.nccl_built()))
 
 
 def print_table(title: str, rows: Sequence[Row]) -> None:
@@ -198,14 +193,17 @@ def print_table(title: str, rows: Sequence[Row]) -> None:
         print(f"  {row.name:<{width}}  {row.value}")
 
 
-def print_ranks(rows: Sequence[dict[str, Any]]) -> None:
-    header = ("host", "rank", "local_rank", "local_size", "device", "threads", "CUDA_VISIBLE_DEVICES")
-    keys = ("host", "rank", "local_rank", "local_size", "device", "threads", "cuda_visible")
-    table = [header] + [tuple(str(r[k]) for k in keys) for r in rows]
+def print_ranks(rows: Sequence[placement.RankRow], extras: Sequence[dict[str, Any]]) -> None:
+    header = ("host", "rank", "local_rank", "local_size", "device", "threads", "cores", "CUDA_VISIBLE_DEVICES")
+    table = [header] + [
+        (r.host, str(r.rank), str(r.local_rank), str(r.local_size), r.device, str(x["threads"]),
+         f"{r.affinity_cores}/{r.node_cores}", x["cuda_visible"])
+        for r, x in zip(rows, extras, strict=True)
+    ]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     print("\nRanks")
     for line in table:
-        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
 
 
 def diagnose(expect_gpu: bool) -> int:
@@ -220,27 +218,23 @@ def diagnose(expect_gpu: bool) -> int:
     world = world_module.init()
     check_launcher_agrees(world.size)
     comm = world_module.comm()
-    local_problem = None
-    try:
-        row = rank_row(world)
-    except Exception as exc:  # a broken device on one rank must not leave the others waiting
-        local_problem = str(exc)
-        row = {"rank": world.rank, "host": world.hostname, "device": "error", "gpu_uuid": ""}
-    rows = comm.gather((row, local_problem), root=0)
+    rows = placement.gather_rows(world, comm)  # collective; a broken GPU becomes a row's `problem`
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
+    extras = comm.gather({"threads": world.threads, "cuda_visible": visible}, root=0)
     if world.rank != 0:
         return int(comm.bcast(None, root=0))
 
     code = 0
     try:
-        errors = [p for _, p in rows if p]
-        if errors:
-            raise Problem(errors[0], "check the GPU and driver on that node")
-        rows = [r for r, _ in rows]
+        stack = torch_stack()
         print_table(
             "hpcdl environment",
             [
                 Row("python", platform.python_version()),
-                Row("torch", version_of("torch")),
+                Row("torch", stack["torch"]),
+                Row("torch CUDA", stack["torch CUDA"]),
+                Row("NCCL (torch)", stack["NCCL (torch)"]),
+                Row("NCCL (horovod)", horovod_nccl()),
                 Row("torchvision", version_of("torchvision")),
                 Row("horovod", version_of("horovod")),
                 Row("mpi4py", version_of("mpi4py")),
@@ -255,10 +249,15 @@ def diagnose(expect_gpu: bool) -> int:
                 Row("world size", str(world.size)),
             ],
         )
-        print_ranks(rows)
+        print_ranks(rows, extras)
         if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
             raise Problem("MPI was initialised below THREAD_MULTIPLE", "use an MPI built with thread support")
-        check_placement(rows, expect_gpu)
+        error = placement.placement_error(rows, gpu_requested=expect_gpu)
+        if error:
+            print(f"doctor: {error}", file=sys.stderr)
+            return int(comm.bcast(1, root=0))
+        for line in placement.placement_warnings(rows):
+            print(f"doctor: warning: {line}", file=sys.stderr)
         print("\nok: this environment can run hpcdl")
     except Problem as problem:
         print(f"doctor: {problem}", file=sys.stderr)
@@ -272,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--expect-gpu",
         action="store_true",
         default=os.environ.get("HPCDL_EXPECT_GPU") == "1",
-        help="fail unless every rank has a CUDA device of its own (also HPCDL_EXPECT_GPU=1)",
+        help="fail unless every rank sees a GPU and has one of its own (also HPCDL_EXPECT_GPU=1)",
     )
     args = parser.parse_args(argv)
     try:

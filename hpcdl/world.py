@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -133,7 +134,12 @@ def init(use_horovod: bool = True) -> World:
     node.Free()
 
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = choose_device(local_rank, cuda)
+    try:
+        device = choose_device(local_rank, cuda)
+    except WorldError:
+        # This rank has no GPU of its own. Raising here would end one rank with a traceback while the
+        # others wait; hpcdl.placement.verify reports it instead, the same line on every rank.
+        device = torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     threads = threads_per_rank(local_size)

@@ -101,3 +101,160 @@ def test_threads_per_rank_share_the_cores() -> None:
     assert world.threads_per_rank(4, cores=16, env={}) == 4
     assert world.threads_per_rank(3, cores=2, env={}) == 1  # never zero
     assert world.threads_per_rank(4, cores=16, env={"OMP_NUM_THREADS": "2"}) == 2  # the launch script's choice wins
+
+
+# ---------------------------------------------------------------- placement verdicts (hpcdl.placement)
+# Rows are simulated: a 4-GPU node under --gres=gpu:4 (every rank sees all four), under
+# --gpus-per-task=1 (each sees its own one), mistakes of each kind, and core bindings.
+
+from hpcdl.placement import RankRow, cpu_list_size, node_cores, placement_error, placement_warnings  # noqa: E402
+
+GPUS = tuple(f"GPU-{i}" for i in range(4))
+
+
+def row(rank: int, *, host: str = "n1", local_size: int = 4, visible: tuple[str, ...] = GPUS,
+        local_rank: int | None = None, affinity: int = 4, cores: int = 16, cuda_build: bool = True,
+        problem: str = "") -> RankRow:
+    """A rank's row as world.choose_device would place it with `visible` GPUs."""
+    local_rank = rank % local_size if local_rank is None else local_rank
+    device, uuid = "cpu", ""
+    if visible:
+        try:
+            chosen = choose_device(local_rank, len(visible))
+            device, uuid = str(chosen), visible[chosen.index or 0]
+        except WorldError:
+            pass
+    return RankRow(host=host, rank=rank, local_rank=local_rank, local_size=local_size, device=device, gpu_uuid=uuid,
+                   visible_gpus=visible, cuda_build=cuda_build, affinity_cores=affinity, node_cores=cores,
+                   problem=problem)
+
+
+def test_one_rank_per_gpu_passes_under_both_slurm_styles() -> None:
+    gres = [row(r) for r in range(8)] + [row(r, host="n2") for r in range(8, 12)]
+    assert placement_error(gres[:4], gpu_requested=True) is None
+    per_task = [row(r, visible=(GPUS[r % 4],)) for r in range(4)]  # each rank sees only its own GPU, as cuda:0
+    assert {r.device for r in per_task} == {"cuda:0"}
+    assert placement_error(per_task, gpu_requested=True) is None
+    two_nodes = [row(r, host=f"n{r // 4}", visible=tuple(f"{h}-{g}" for h in [f'n{r // 4}'] for g in range(4)))
+                 for r in range(8)]
+    assert placement_error(two_nodes, gpu_requested=True) is None
+
+
+def test_two_ranks_on_one_gpu_name_the_ranks_and_the_fix() -> None:
+    # CUDA_VISIBLE_DEVICES=0 for every rank (set by hand in a job script): both take cuda:0, the same GPU
+    rows = [row(r, local_size=2, visible=("GPU-0",)) for r in range(2)]
+    line = placement_error(rows, gpu_requested=True)
+    assert line is not None and "\n" not in line
+    assert "ranks 0 and 1 on n1 share one GPU (cuda:0, GPU-0)" in line
+    assert "one rank per GPU" in line and "CUDA_VISIBLE_DEVICES" in line
+
+
+def test_the_same_uuid_on_two_hosts_is_not_sharing() -> None:
+    rows = [row(0, host="a", local_size=1, visible=("GPU-0",)), row(1, host="b", local_size=1, visible=("GPU-0",))]
+    assert placement_error(rows, gpu_requested=True) is None
+
+
+def test_more_ranks_on_a_node_than_gpus() -> None:
+    rows = [row(r, local_size=6) for r in range(6)]  # --gres=gpu:4 with 6 tasks per node
+    line = placement_error(rows, gpu_requested=False)
+    assert line is not None and line.startswith("6 ranks on n1 but only 4 GPUs there: ranks 4 and 5 have no GPU")
+    assert "--ntasks-per-node" in line
+
+
+def test_cuda_torch_without_a_visible_gpu_when_a_gpu_run_was_asked_for() -> None:
+    rows = [row(r, local_size=2, visible=()) for r in range(2)]
+    line = placement_error(rows, gpu_requested=True)
+    assert line is not None and "ranks 0 and 1 on n1 see no GPU" in line and "--gres=gpu:N" in line
+    assert placement_error(rows, gpu_requested=False) is None  # a CPU run on a CPU node is fine
+    cpu_torch = [row(0, local_size=1, visible=(), cuda_build=False)]
+    assert "CPU-only build" in (placement_error(cpu_torch, gpu_requested=True) or "")
+
+
+def test_one_node_without_gpus_among_good_ones() -> None:
+    rows = [row(r) for r in range(4)] + [row(r, host="n2", visible=()) for r in range(4, 8)]
+    line = placement_error(rows, gpu_requested=True) or ""
+    assert "ranks 4, 5, 6 and 7 on n2 see no GPU" in line
+
+
+def test_a_rank_that_could_not_query_its_gpu_is_named() -> None:
+    rows = [row(0, local_size=2), row(1, local_size=2, problem="RuntimeError: CUDA error: unknown error")]
+    assert placement_error(rows, gpu_requested=True) == (
+        "rank 1 on n1 could not query its GPU (RuntimeError: CUDA error: unknown error); check the GPU and driver there")
+
+
+def test_cpu_runs_are_fine_without_gpus() -> None:
+    assert placement_error([row(r, local_size=2, visible=(), cuda_build=False) for r in range(2)], False) is None
+
+
+# ---------------------------------------------------------------- core binding (a warning)
+
+
+def test_open_mpi_default_binding_on_a_16_core_node_warns_once_per_host() -> None:
+    # mpirun -np 1 without --bind-to none: one core of sixteen (the issue's 972 vs 1,823 img/s)
+    lines = placement_warnings([row(0, local_size=1, affinity=1, cores=16)])
+    assert len(lines) == 1
+    assert "rank 0 on n1 may run on only 1 core each, of a share of 16" in lines[0]
+    assert "--bind-to none" in lines[0] and "--map-by socket:PE=16" in lines[0]
+    two = placement_warnings([row(r, local_size=2, affinity=1, cores=16) for r in range(2)])
+    assert len(two) == 1 and "ranks 0 and 1 on n1" in two[0] and "share of 8" in two[0]
+
+
+def test_a_fair_share_or_close_to_it_does_not_warn() -> None:
+    assert placement_warnings([row(r, affinity=4, cores=16) for r in range(4)]) == []  # --map-by socket:PE=4
+    assert placement_warnings([row(r, affinity=16, cores=16) for r in range(4)]) == []  # --bind-to none
+    assert placement_warnings([row(r, local_size=2, affinity=1, cores=2) for r in range(2)]) == []  # 1 of 1
+    assert placement_warnings([row(0, local_size=1, affinity=1, cores=2)]) == []  # half of the share: not "far"
+
+
+def test_only_the_starved_host_is_named() -> None:
+    rows = [row(0, host="a", local_size=1, affinity=16), row(1, host="b", local_size=1, affinity=2)]
+    lines = placement_warnings(rows)
+    assert len(lines) == 1 and lines[0].startswith("rank 1 on b")
+
+
+def test_node_cores_prefers_the_jobs_allocation() -> None:
+    assert node_cores({"SLURM_CPUS_ON_NODE": "8"}) == 8
+    assert node_cores({"HPCDL_FAKE_NODE_CORES": "16", "SLURM_CPUS_ON_NODE": "8"}) == 16
+    assert node_cores({}) >= 1
+    assert cpu_list_size("0-3,8,10-11") == 7 and cpu_list_size("5") == 1 and cpu_list_size("") == 0
+
+
+# ---------------------------------------------------------------- a real job: every rank stops, one line
+
+
+def _train_args(tmp_path) -> list[str]:
+    return ["-m", "hpcdl.train", "--epochs", "1", "--output-dir", str(tmp_path / "run")]
+
+
+def test_two_ranks_on_one_pretend_gpu_stop_every_rank_with_one_line(tmp_path) -> None:
+    import time
+
+    from mpi_harness import run_mpi
+
+    start = time.monotonic()
+    result = run_mpi(2, _train_args(tmp_path), timeout=120, env={"HPCDL_FAKE_GPU_UUIDS": "GPU-fake-0"})
+    elapsed = time.monotonic() - start
+    assert result.returncode not in (0, 124), result.stderr
+    # rank 0's one line (the other rank reached the same verdict and exits quietly); the rest is mpirun's banner
+    lines = [line for line in result.stderr.splitlines() if "hpcdl" in line or "rror" in line.split(":")[0]]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("hpcdl.train: error: ranks 0 and 1 on ") and "share one GPU (cuda:0, GPU-fake-0)" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+def test_a_rank_bound_to_one_core_of_a_pretend_16_core_node_warns_and_trains(tmp_path) -> None:
+    import shutil
+    import subprocess
+
+    from mpi_harness import PYTHON, REPO, mpi_env
+
+    cmd = [shutil.which("mpirun") or "mpirun", "-np", "1", "--bind-to", "core", PYTHON, *_train_args(tmp_path),
+           "--max-steps", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO,
+                            env=mpi_env({"HPCDL_FAKE_NODE_CORES": "16"}))
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("hpcdl: warning:")]
+    assert len(warnings) == 1 and "rank 0" in warnings[0] and "of a share of 16" in warnings[0], result.stderr
+    assert "--bind-to none" in warnings[0]
