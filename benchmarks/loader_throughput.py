@@ -169,6 +169,31 @@ def paired_ratio(rates: dict[str, list[float]], numerator: str, denominator: str
     return statistics.median(a / b for a, b in zip(rates[numerator], rates[denominator], strict=True))
 
 
+def reader_rates(folder: Path, shards: Path, rounds: int, block: int = 16) -> dict[str, list[float]]:
+    """images/s of reading the encoded bytes alone (no decode), the part of the pipeline the file system
+    sees. Blocks of ``block`` samples alternate between folder and shards (the order flips every block),
+    so both see the same machine; one value per round of one epoch's order."""
+    from hpcdl.data.imagenet import list_imagenet
+    from hpcdl.data.order import epoch_permutation
+    from hpcdl.data.shards import ShardSource, read_index
+
+    sources = {"folder": list_imagenet(folder)[1], "shards": ShardSource(read_index(shards).splits["train"])}
+    rates: dict[str, list[float]] = {name: [] for name in sources}
+    for round_ in range(rounds):
+        spent = dict.fromkeys(sources, 0.0)
+        order = epoch_permutation(len(sources["shards"]), 0, round_).tolist()
+        for number, first in enumerate(range(0, len(order), block)):
+            names = list(sources) if number % 2 == 0 else list(sources)[::-1]
+            for name in names:
+                start = time.perf_counter()
+                for sample in order[first:first + block]:
+                    sources[name].read(sample)
+                spent[name] += time.perf_counter() - start
+        for name in sources:
+            rates[name].append(len(order) / spent[name])
+    return rates
+
+
 def synthetic_contender(args: argparse.Namespace, device) -> dict:  # type: ignore[no-untyped-def]
     from hpcdl.data import DataSpec, build_pipeline
 
@@ -253,6 +278,12 @@ def main() -> None:
         report: dict = {"device": args.device, "device_name": device_name, "images": len(sizes),
                         "mean_jpeg_kb": sum(sizes) / len(sizes) / 1000, "batch_size": args.batch_size,
                         "timed_batches": args.batches, "rounds": args.rounds, "pipeline_alone": {}, "ratios": {}}
+        reads = reader_rates(folder, shards, max(args.rounds, 5))
+        report["reader_alone"] = {"images_per_second": reads,
+                                  "shards/folder": paired_ratio(reads, "shards", "folder")}
+        print(f"bytes read alone: images/s folder {statistics.median(reads['folder']):8.0f} | shards "
+              f"{statistics.median(reads['shards']):8.0f} | shards/folder "
+              f"{report['reader_alone']['shards/folder']:.2f}", flush=True)
         for workers in args.workers:
             rates = measure(names, folder, shards, workers, args, device)
             report["pipeline_alone"][str(workers)] = rates

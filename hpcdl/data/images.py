@@ -8,6 +8,7 @@ cannot handle (a PNG, a CMYK JPEG) falls back to the CPU decoder before anything
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -45,12 +46,28 @@ class FolderSource:
         return len(self.paths)
 
     def read(self, index: int) -> torch.Tensor:
-        with open(self.paths[index], "rb") as handle:
-            data = handle.read()
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        handle = os.open(self.paths[index], os.O_RDONLY)
+        try:
+            return read_into_tensor(handle, os.fstat(handle).st_size, 0, self.paths[index])
+        finally:
+            os.close(handle)
 
     def name(self, index: int) -> str:
         return self.paths[index]
+
+
+def read_into_tensor(handle: int, length: int, offset: int, name: str) -> torch.Tensor:
+    """``length`` bytes at ``offset`` of an open file, read straight into a new uint8 tensor (no
+    intermediate bytes object: one copy less per image than ``read()`` + ``frombuffer``)."""
+    out = torch.empty(length, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    done = 0
+    while done < length:
+        count = os.preadv(handle, [view[done:]], offset + done)
+        if count == 0:
+            raise OSError(f"{name} ended early: {done} of {length} bytes at byte {offset}")
+        done += count
+    return out
 
 
 def is_jpeg(data: torch.Tensor) -> bool:

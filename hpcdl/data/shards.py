@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpcdl.data.images import read_into_tensor
 from hpcdl.errors import UsageError
 
 FORMAT, VERSION = "hpcdl-shards", 1
@@ -131,14 +132,11 @@ class ShardSource:
         return {**self.__dict__, "handles": {}}
 
     def read(self, index: int) -> torch.Tensor:
-        shard, offset, length, _ = (int(v) for v in self.split.table[index])
+        shard, offset, length, _ = self.split.table[index].tolist()
         handle = self.handles.get(shard)
         if handle is None:
             handle = self.handles[shard] = os.open(self.paths[shard], os.O_RDONLY)
-        data = os.pread(handle, length, offset)
-        if len(data) != length:
-            raise OSError(f"shard {self.paths[shard]} ended early reading sample {index} (at byte {offset})")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return read_into_tensor(handle, length, offset, f"shard {self.paths[shard]} (sample {index})")
 
     def name(self, index: int) -> str:
         shard, offset = int(self.split.table[index, 0]), int(self.split.table[index, 1])
