@@ -60,7 +60,7 @@ def read_into_tensor(handle: int, length: int, offset: int, name: str) -> torch.
     """``length`` bytes at ``offset`` of an open file, read straight into a new uint8 tensor (no
     intermediate bytes object: one copy less per image than ``read()`` + ``frombuffer``)."""
     out = torch.empty(length, dtype=torch.uint8)
-    view = memoryview(out.numpy())
+    view = memoryview(out.numpy().data)
     done = 0
     while done < length:
         count = os.preadv(handle, [view[done:]], offset + done)
