@@ -31,7 +31,7 @@ from hpcdl.rundir import temporary_path
 PATTERN = re.compile(r"^ckpt-(\d{9})\.pt$")
 LEGACY_TEMPORARY = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp-\d+$")  # named by pid: callers that pass no run id
 UNREADABLE_SUFFIX = ".unreadable"
-REQUIRED = ("model", "optimizer", "epoch", "step_in_epoch", "global_step", "config", "world_size")
+REQUIRED = ("model", "global_step")  # the rest of the layout is hpcdl.runstate's (it checks format and version)
 
 # What each common write failure means for the user, and what to do about it.
 _ADVICE = {

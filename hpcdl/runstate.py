@@ -60,6 +60,7 @@ class Progress:
     best_accuracy: float = 0.0
     time_to_target: float | None = None
     train_seconds: float = 0.0  # training time so far (evaluation and checkpoints excluded), all sessions
+    elapsed_seconds: float = 0.0  # wall time of training and evaluation so far, all sessions
     images_seen: int = 0  # training images, all ranks, all sessions
     epochs_completed: int = 0
     nonfinite_streak: int = 0

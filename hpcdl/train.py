@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ def run(job: Job) -> TrainResult:
             progress.time_to_target = None
 
     while progress.stop_reason is None:
+        epoch_start = time.perf_counter()
         if progress.step_in_epoch == 0:  # mid-epoch resumes restored the exact RNG state instead
             torch.manual_seed(rank_seed(config.seed, progress.epoch, job.world.rank))
         result = train_one_epoch(job)
@@ -65,11 +67,13 @@ def run(job: Job) -> TrainResult:
         if result.stop and not result.complete:
             progress.epoch_sums = train_sums  # so that the resumed epoch's metrics cover all of it
             progress.stop_reason = result.stop.name
+            progress.elapsed_seconds += time.perf_counter() - epoch_start
             runstate.save(job)
             job.print0(f"hpcdl: {result.stop.describe()}: checkpoint written at step {progress.global_step}; "
                        f"continue with --resume --output-dir {job.output_dir}")
             break
         test = evaluate(job)
+        progress.elapsed_seconds += time.perf_counter() - epoch_start
         record_epoch(job, result, train_sums, test)
         progress.stop_reason = decide_stop(job, result)
         runstate.save(job)
@@ -112,7 +116,7 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
         "epoch": epoch + 1, "global_step": progress.global_step, "train_loss": train_loss,
         "train_accuracy": train_accuracy, **test, "lr": job.optimizer.param_groups[0]["lr"],
         "images_per_second": result.images / max(result.seconds, 1e-9), "epoch_seconds": result.seconds,
-        "train_seconds": progress.train_seconds,
+        "train_seconds": progress.train_seconds, "elapsed_seconds": progress.elapsed_seconds,
     }
     job.record.log_epoch(row)
     job.print0(
