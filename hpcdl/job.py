@@ -279,7 +279,7 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     job = Job(config=config, world=me, comm=comm, run=run, data=data, model=compiled, bare_model=model,
               optimizer=optimizer, schedule=schedule, criterion=criterion,
               amp_dtype=amp_dtype, scaler=scaler, preconditioner=preconditioner,
-              record=RunRecord(run.path, me.is_root, config.resume, run.run_id),
+              record=agree(lambda: RunRecord(run.path, me.is_root, config.resume, run.run_id)),
               watchdog=StallWatchdog(comm, config.stall_timeout), stop=GracefulStop(comm), faults=faults)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
         job.progress = runstate.restore(job, resumed)

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcdl.errors import UsageError
+
 
 class DeviceSums:
     """Per-rank running sums of loss and correct predictions on the device; the count on the host."""
@@ -89,14 +91,19 @@ class RunRecord:
         if not active:
             return
         if resume and self.path.exists():
-            self.history = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+            try:
+                self.history = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise UsageError(f"{self.path} is unreadable ({type(exc).__name__}: {exc}); move it away to resume "
+                                 "without the earlier epochs' rows") from None
 
     def log_epoch(self, row: dict[str, Any]) -> None:
         if not self.active:
             return
+        if self.writer is None:  # opened on first use: a run that trains nothing writes nothing
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"))
         row = {**row, "run_id": self.run_id}
         # A resumed run may repeat an epoch that was interrupted: the newer row replaces it.
         self.history = [r for r in self.history if r["epoch"] != row["epoch"]] + [row]

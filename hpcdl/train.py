@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from hpcdl import runstate
 from hpcdl.config import TrainConfig, parse_config
-from hpcdl.errors import run_main
+from hpcdl.errors import UsageError, run_main
 from hpcdl.job import Job, opened
 from hpcdl.loop import EpochResult, evaluate, train_one_epoch
 from hpcdl.metrics import averages
@@ -74,6 +75,7 @@ def run(job: Job) -> TrainResult:
             break
         test = evaluate(job)
         progress.elapsed_seconds += time.perf_counter() - epoch_start
+        check_finite_metrics(job, train_sums, test)
         record_epoch(job, result, train_sums, test)
         progress.stop_reason = decide_stop(job, result)
         runstate.save(job)
@@ -82,7 +84,7 @@ def run(job: Job) -> TrainResult:
                        "continue with --resume")
 
     summary = summarise(job)
-    job.record.write_summary(summary)
+    write_results(job, lambda: job.record.write_summary(summary))
     if not summary["replicas_identical"]:
         raise RuntimeError("ranks ended with different parameters: the allreduce did not keep replicas in sync")
     exit_code = 0 if progress.stop_reason in runstate.FINAL_REASONS else job.stop.exit_code(progress.stop_reason)
@@ -96,6 +98,30 @@ def rank_seed(seed: int, epoch: int, rank: int) -> int:
 
 def add_sums(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {key: a.get(key, 0.0) + b.get(key, 0.0) for key in set(a) | set(b)}
+
+
+def check_finite_metrics(job: Job, train_sums: dict[str, float], test: dict[str, float]) -> None:
+    """Stop (one line, every rank: the sums were allreduced) when the epoch's loss or metrics are not finite."""
+    values = {"train loss": averages(train_sums)[0], "test loss": test["test_loss"],
+              "test accuracy": test["test_accuracy"]}
+    bad = [f"{name} {value}" for name, value in values.items() if not math.isfinite(value)]
+    if bad:
+        raise UsageError(f"epoch {job.progress.epoch + 1} ended with non-finite metrics ({', '.join(bad)}); lower "
+                         "--base-lr or add --warmup-epochs. Checkpoints were not overwritten.")
+
+
+def write_results(job: Job, write: Callable[[], None]) -> None:
+    """Rank 0 writes a results file; a failed write (disk full, quota, permissions) is one line on every rank,
+    naming the path, and the earlier files stay as they were (writes are atomic)."""
+    problem = None
+    if job.world.is_root:
+        try:
+            write()
+        except OSError as exc:
+            problem = f"could not write results to {exc.filename or job.output_dir} ({exc.strerror or exc})"
+    problem = job.comm.bcast(problem, root=0)
+    if problem:
+        raise UsageError(problem + "; the checkpoints are intact: fix the file system, then --resume")
 
 
 def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], test: dict[str, float]) -> None:
@@ -118,7 +144,7 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
         "images_per_second": result.images / max(result.seconds, 1e-9), "epoch_seconds": result.seconds,
         "train_seconds": progress.train_seconds, "elapsed_seconds": progress.elapsed_seconds,
     }
-    job.record.log_epoch(row)
+    write_results(job, lambda: job.record.log_epoch(row))
     job.print0(
         f"epoch {epoch + 1:3d}/{config.epochs} | train loss {train_loss:.4f} acc {train_accuracy:.4f}"
         f" | test loss {test['test_loss']:.4f} acc {test['test_accuracy']:.4f} | lr {row['lr']:.4g}"
