@@ -1,7 +1,7 @@
 # The two commands README promises. Each sets everything up first (idempotent, seconds when done).
 NP ?= 2
 
-.PHONY: setup train test
+.PHONY: setup train test wheelhouse
 
 setup:
 	bash scripts/setup.sh
@@ -11,3 +11,8 @@ train: setup
 
 test:
 	bash scripts/test.sh
+
+# For compute nodes without network: `make wheelhouse DIR=/scratch/w` here, `HPCDL_WHEELHOUSE=/scratch/w make setup` there.
+wheelhouse:
+	@test -n "$(DIR)" || { echo "usage: make wheelhouse DIR=<folder> [WHEELHOUSE_ARGS='--python-version 3.12 --no-torch']"; exit 2; }
+	bash scripts/wheelhouse.sh $(WHEELHOUSE_ARGS) "$(DIR)"

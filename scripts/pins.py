@@ -2,6 +2,7 @@
 
     python scripts/pins.py all                 # every pin (dependencies + test extra), one per line
     python scripts/pins.py missing             # the pins whose package is not installed at all
+    python scripts/pins.py missing --group test   # the same, for the test extra only (deps: the rest)
 
 `missing` is how setup.sh installs hpcdl next to an existing torch (a site module, a conda env,
 an NGC container): a package that is already there, at any version, is left alone, because
@@ -32,17 +33,18 @@ def _lists_without_tomllib(text: str) -> dict[str, list[str]]:
     return found
 
 
-def pinned(pyproject: Path = PYPROJECT) -> list[str]:
-    """Dependencies and the test extra, in file order, without duplicates."""
+def pinned(pyproject: Path = PYPROJECT, group: str = "all") -> list[str]:
+    """Dependencies ("deps"), the test extra ("test") or both ("all"), in file order, without duplicates."""
     text = pyproject.read_text()
     try:
         import tomllib
 
         data = tomllib.loads(text)
-        lists = [data["project"]["dependencies"], data["project"].get("optional-dependencies", {}).get("test", [])]
+        deps, test = data["project"]["dependencies"], data["project"].get("optional-dependencies", {}).get("test", [])
     except ImportError:  # Python 3.10
         parsed = _lists_without_tomllib(text)
-        lists = [parsed["dependencies"], parsed["test"]]
+        deps, test = parsed["dependencies"], parsed["test"]
+    lists = {"deps": [deps], "test": [test], "all": [deps, test]}[group]
     seen, out = set(), []
     for requirement in (r for group in lists for r in group):
         if requirement not in seen:
@@ -72,9 +74,10 @@ def missing(requirements: Iterable[str], is_installed: Callable[[str], bool] = i
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("which", choices=("all", "missing"))
+    parser.add_argument("--group", choices=("all", "deps", "test"), default="all")
     parser.add_argument("--pyproject", type=Path, default=PYPROJECT)
     args = parser.parse_args(argv)
-    requirements = pinned(args.pyproject)
+    requirements = pinned(args.pyproject, args.group)
     if args.which == "all":
         chosen = [r for r in requirements if name_of(r) not in HANDLED_BY_SETUP]
     else:

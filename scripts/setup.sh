@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One-command, idempotent setup of hpcdl's environment in .venv at the repository root.
 #
-#   bash scripts/setup.sh            # CPU build (what CI and laptops use)
-#   HPCDL_GPU=1 bash scripts/setup.sh  # also build Horovod with NCCL (needs CUDA toolkit + NCCL)
+#   bash scripts/setup.sh                        # CPU build (what CI and laptops use)
+#   HPCDL_GPU=1 bash scripts/setup.sh            # Horovod with NCCL too (CUDA toolkit; NCCL is found by itself)
+#   HPCDL_WHEELHOUSE=DIR bash scripts/setup.sh   # no network: everything from DIR (make wheelhouse DIR=...)
+#   HPCDL_TORCH=existing bash scripts/setup.sh   # build against the torch $PYTHON already has (site module,
+#                                                # conda env, NGC container) instead of installing a second one
 #
 # Steps: MPI -> virtual environment -> torch/torchvision -> Horovod (cached wheel) -> mpi4py ->
 # hpcdl itself with test tools -> a final import check. A second run only checks, in seconds.
@@ -14,6 +17,8 @@ VENV="${HPCDL_VENV:-$ROOT/.venv}"
 PY_BOOT="${PYTHON:-python3}"
 CACHE="${HPCDL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpcdl}"
 GPU_BUILD="${HPCDL_GPU:-0}"
+WHEELHOUSE="${HPCDL_WHEELHOUSE:-}"
+TORCH_MODE="${HPCDL_TORCH:-auto}" # auto | pip | existing
 # Versions live in one place: scripts/versions.env (pyproject and environment.yml are tested against it).
 # shellcheck source=scripts/versions.env
 source "$ROOT/scripts/versions.env"
@@ -25,6 +30,7 @@ fail() {
   printf '[setup] FAILED at step "%s": %s\n' "$STEP" "$1" >&2
   exit 1
 }
+# shellcheck disable=SC2154 # rc is assigned inside the trap's own string
 trap 'rc=$?; if [ $rc -ne 0 ]; then printf "[setup] FAILED at step \"%s\" (exit %s). Read the output above; rerun with bash -x scripts/setup.sh for detail.\n" "$STEP" "$rc" >&2; fi' EXIT
 
 # pip, quiet, without the noise a partial local package mirror makes.
@@ -32,11 +38,20 @@ pip_q() {
   "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 }
 
+case "$TORCH_MODE" in auto | pip | existing) ;; *) fail "HPCDL_TORCH must be auto, pip or existing (got '$TORCH_MODE')" ;; esac
+if [ -n "$WHEELHOUSE" ]; then
+  [ -d "$WHEELHOUSE" ] || fail "HPCDL_WHEELHOUSE=$WHEELHOUSE is not a folder (make one with: make wheelhouse DIR=...)"
+  WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"
+  # Every pip below, and the pips that build isolated sdists, read these: nothing comes from a network.
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELHOUSE"
+  printf '[setup] offline: installing only from %s\n' "$WHEELHOUSE"
+fi
+
 # ---------------------------------------------------------------- MPI
 step "1/6 MPI"
 if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
   ok "using the MPI on PATH: $(command -v mpirun) ($(mpirun --version 2>&1 | head -n 1))"
-elif [ -f /etc/debian_version ] && [ "$(id -u)" = 0 ]; then
+elif [ -z "$WHEELHOUSE" ] && [ -f /etc/debian_version ] && [ "$(id -u)" = 0 ]; then
   ok "no MPI on PATH: installing Debian's Open MPI (libopenmpi-dev openmpi-bin)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq || fail "apt-get update failed; check network access to the Debian mirrors"
@@ -45,9 +60,27 @@ elif [ -f /etc/debian_version ] && [ "$(id -u)" = 0 ]; then
 else
   fail "no mpicc/mpirun on PATH. On a cluster run 'module load openmpi' (or your site's MPI) first; on Debian/Ubuntu run as root so setup can install Open MPI."
 fi
-MPI_ID="$(mpirun --version 2>&1 | head -n 1 | tr -c 'A-Za-z0-9.\n' '_' | tr -s '_')"
 
 # ---------------------------------------------------------------- venv
+# Which torch: "pip" installs the pinned one into the venv; "existing" uses the torch that $PYTHON
+# already imports (a site module, a conda env, an NGC container) through a .pth file in the venv, so
+# no second torch (2.6 GB) is installed. "auto" takes an existing torch only where that is safe.
+EXISTING_MARK="$VENV/.hpcdl-existing-torch"
+boot_torch() { "$PY_BOOT" -c 'import torch, torchvision; print(torch.__version__)' 2>/dev/null; }
+if [ "$TORCH_MODE" = auto ]; then
+  TORCH_MODE=pip
+  if [ -f "$EXISTING_MARK" ]; then
+    TORCH_MODE=existing # chosen when this venv was made
+  elif [ ! -x "$VENV/bin/python" ] && BOOT_TORCH="$(boot_torch)"; then
+    if [ "${BOOT_TORCH%%+*}" = "$TORCH_VERSION" ] || [ -n "${NVIDIA_PYTORCH_VERSION:-}" ] ||
+      { [ -n "$WHEELHOUSE" ] && ! compgen -G "$WHEELHOUSE/torch-*.whl" >/dev/null; }; then
+      TORCH_MODE=existing # the pinned version, an NGC container, or a wheelhouse without torch
+    else
+      ok "$PY_BOOT has torch $BOOT_TORCH; installing torch $TORCH_VERSION instead (HPCDL_TORCH=existing builds against $BOOT_TORCH)"
+    fi
+  fi
+fi
+
 step "2/6 virtual environment at $VENV"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY_BOOT" -m venv "$VENV" || fail "'$PY_BOOT -m venv' failed; install python3-venv (Debian) or load a Python module"
@@ -55,31 +88,52 @@ if [ ! -x "$VENV/bin/python" ]; then
 else
   ok "exists ($("$VENV/bin/python" --version))"
 fi
-PYVER="$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+if [ "$TORCH_MODE" = existing ] && ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+  boot_torch >/dev/null || fail "HPCDL_TORCH=existing, but '$PY_BOOT' cannot import torch and torchvision; set PYTHON to the python that has them (module load ..., conda activate ...)"
+  # The existing environment's package folders go on the venv's path AFTER its own site-packages:
+  # what setup installs here wins, everything else (torch, its CUDA libraries) comes from there.
+  SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  "$PY_BOOT" - >"$SITE/_hpcdl_existing_torch.pth" <<'PY' || fail "could not list $PY_BOOT's package folders"
+import os, sys, sysconfig
+stdlib = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")}
+for entry in sys.path:
+    real = os.path.realpath(entry) if entry else ""
+    if real and os.path.isdir(real) and real not in stdlib and not real.endswith("lib-dynload"):
+        print(real)
+PY
+  echo "$PY_BOOT" >"$EXISTING_MARK"
+  ok "linked to the torch of $PY_BOOT ($SITE/_hpcdl_existing_torch.pth)"
+fi
 
 # ---------------------------------------------------------------- torch
-step "3/6 torch $TORCH_VERSION + torchvision $TORCHVISION_VERSION"
 torch_ok() {
-  "$VENV/bin/python" - "$TORCH_VERSION" "$TORCHVISION_VERSION" <<'PY' 2>/dev/null
+  "$VENV/bin/python" - "$TORCH_VERSION" "$TORCHVISION_VERSION" "$TORCH_MODE" <<'PY' 2>/dev/null
 import sys
 import torch, torchvision
 from torchvision.ops import nms  # fails when torchvision's extension does not match torch
-want_t, want_v = sys.argv[1], sys.argv[2]
-assert torch.__version__.split("+")[0] == want_t and torchvision.__version__.split("+")[0] == want_v
+want_t, want_v, mode = sys.argv[1:4]
+if mode != "existing":
+    assert torch.__version__.split("+")[0] == want_t and torchvision.__version__.split("+")[0] == want_v
 nms(torch.rand(2, 4), torch.rand(2), 0.5)
 PY
 }
-if torch_ok; then
-  ok "already installed and importing together"
+if [ "$TORCH_MODE" = existing ]; then
+  step "3/6 torch (existing)"
+  torch_ok || fail "the existing torch and torchvision do not import together in $VENV (torchvision must be the one built for that torch)"
+  ok "using $("$VENV/bin/python" -c 'import torch, os; print(torch.__version__, "from", os.path.dirname(torch.__file__))')"
 else
-  # PyPI's torchvision links against the CUDA build of torch, so a CPU-only torch (a "+cpu" wheel in a
-  # local folder) cannot be used: exclude it explicitly. The CUDA build runs fine without a GPU.
-  pip_q install "torch==$TORCH_VERSION,!=$TORCH_VERSION+cpu" "torchvision==$TORCHVISION_VERSION" ||
-    fail "pip could not install torch/torchvision; check access to PyPI"
-  torch_ok || fail "torch and torchvision are installed but do not import together"
-  ok "installed"
+  step "3/6 torch $TORCH_VERSION + torchvision $TORCHVISION_VERSION"
+  if torch_ok; then
+    ok "already installed and importing together"
+  else
+    # PyPI's torchvision links against the CUDA build of torch, so a CPU-only torch (a "+cpu" wheel in a
+    # local folder) cannot be used: exclude it explicitly. The CUDA build runs fine without a GPU.
+    pip_q install "torch==$TORCH_VERSION,!=$TORCH_VERSION+cpu" "torchvision==$TORCHVISION_VERSION" ||
+      fail "pip could not install torch/torchvision; check access to PyPI${WHEELHOUSE:+ (or that $WHEELHOUSE has them)}"
+    torch_ok || fail "torch and torchvision are installed but do not import together"
+    ok "installed"
+  fi
 fi
-TORCH_FULL="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 
 # ---------------------------------------------------------------- Horovod
 step "4/6 Horovod $HOROVOD_VERSION (MPI + Gloo$([ "$GPU_BUILD" = 1 ] && echo ' + NCCL'))"
@@ -97,45 +151,34 @@ PY
 if hvd_ok; then
   ok "already installed with its extension"
 else
-  pip_q install "cmake>=3.13" packaging psutil pyyaml cloudpickle wheel setuptools || fail "could not install Horovod's build tools"
-  KEY="horovod-$HOROVOD_VERSION-$PYVER-torch$TORCH_FULL-$MPI_ID-gpu$GPU_BUILD-patch$HOROVOD_PATCH_REV"
+  # shellcheck disable=SC2086 # a list of requirements, split on purpose
+  pip_q install $HOROVOD_BUILD_REQUIREMENTS || fail "could not install Horovod's build tools ($HOROVOD_BUILD_REQUIREMENTS)"
+  # Build settings, NCCL discovery, CUDA architectures and the cache key: scripts/horovod_build.py.
+  BUILD_ENV="$("$VENV/bin/python" "$ROOT/scripts/horovod_build.py" env --gpu "$GPU_BUILD" --cache "$CACHE" \
+    --mpi "$(mpirun --version 2>&1 | head -n 1)")" || fail "see the line above"
+  KEY="$(printf '%s\n' "$BUILD_ENV" | sed -n 's/^HOROVOD_CACHE_KEY=//p' | tr -d "'")"
   WHEEL_DIR="$CACHE/wheels/$KEY"
-  WHEEL="$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -n 1 || true)"
+  WHEEL="$(find "$WHEEL_DIR" -maxdepth 1 -name 'horovod-*.whl' 2>/dev/null | head -n 1 || true)"
   if [ -n "$WHEEL" ]; then
     ok "using cached wheel $WHEEL"
   else
-    ok "building from the sdist (about 5 minutes on 2 cores); cache: $WHEEL_DIR"
+    ok "building from the sdist (about 5 minutes on 2 cores, 2 on 16); cache: $WHEEL_DIR"
     BUILD="$(mktemp -d)"
-    pip_q download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD" || fail "could not download the Horovod sdist"
+    if [ -n "$WHEELHOUSE" ]; then
+      cp "$WHEELHOUSE/horovod-$HOROVOD_VERSION.tar.gz" "$BUILD/" || fail "$WHEELHOUSE has no horovod-$HOROVOD_VERSION.tar.gz (rebuild it with make wheelhouse)"
+    else
+      pip_q download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD" || fail "could not download the Horovod sdist"
+    fi
     tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
     SRC="$BUILD/horovod-$HOROVOD_VERSION"
     # PyTorch >= 2.1 headers need C++17; 0.28.1 pins C++14 (fixed upstream after the release).
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt" || fail "the C++17 patch did not apply to the Horovod sdist"
-    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1
-    export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI
-    export MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}"
-    # The PyPI torch is a CUDA build, so Horovod's torch extension needs the CUDA toolkit headers.
-    CUDA_DIR="${CUDA_HOME:-}"
-    if [ -z "$CUDA_DIR" ]; then
-      if [ -d /usr/local/cuda/include ]; then CUDA_DIR=/usr/local/cuda
-      elif command -v nvcc >/dev/null; then CUDA_DIR="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"
-      fi
-    fi
-    if "$VENV/bin/python" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)'; then
-      [ -n "$CUDA_DIR" ] && [ -d "$CUDA_DIR/include" ] || fail "torch is a CUDA build but no CUDA toolkit was found; 'module load cuda' or set CUDA_HOME"
-      export CUDA_HOME="$CUDA_DIR" HOROVOD_CUDA_HOME="$CUDA_DIR"
-      export HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-75,80,90}"
-    fi
-    if [ "$GPU_BUILD" = 1 ]; then
-      [ -n "${HOROVOD_NCCL_HOME:-${NCCL_HOME:-}}" ] || fail "HPCDL_GPU=1 needs NCCL: set NCCL_HOME (or 'module load nccl')"
-      export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME="${HOROVOD_NCCL_HOME:-$NCCL_HOME}"
-    fi
     mkdir -p "$WHEEL_DIR"
-    (cd "$SRC" && "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps . -w "$BUILD/dist") >"$BUILD/build.log" 2>&1 ||
+    (eval "$BUILD_ENV" && cd "$SRC" && "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps . -w "$BUILD/dist") >"$BUILD/build.log" 2>&1 ||
       { tail -n 30 "$BUILD/build.log" >&2; fail "Horovod did not build; full log: $BUILD/build.log"; }
     cp "$BUILD"/dist/horovod-*.whl "$WHEEL_DIR/"
-    WHEEL="$(ls "$WHEEL_DIR"/horovod-*.whl | head -n 1)"
+    WHEEL="$(find "$WHEEL_DIR" -maxdepth 1 -name 'horovod-*.whl' | head -n 1)"
     rm -rf "$BUILD"
     ok "built and cached $WHEEL"
   fi
@@ -148,13 +191,19 @@ fi
 # ---------------------------------------------------------------- mpi4py
 step "5/6 mpi4py $MPI4PY_VERSION against $(command -v mpicc)"
 mpi4py_ok() {
-  "$VENV/bin/python" -c "import mpi4py, sys; sys.exit(0 if mpi4py.__version__ == '$MPI4PY_VERSION' else 1)" 2>/dev/null
+  # Installed in this venv (an existing environment's mpi4py may be built against another MPI).
+  "$VENV/bin/python" - "$MPI4PY_VERSION" "$VENV" <<'PY' 2>/dev/null
+import os, sys
+import mpi4py
+inside = os.path.realpath(mpi4py.__file__).startswith(os.path.realpath(sys.argv[2]) + os.sep)
+sys.exit(0 if mpi4py.__version__ == sys.argv[1] and inside else 1)
+PY
 }
 if mpi4py_ok; then
   ok "already installed"
 else
   # --no-binary: build against the MPI on PATH, never a wheel carrying some other MPI.
-  pip_q install --no-binary mpi4py "mpi4py==$MPI4PY_VERSION" || fail "mpi4py did not build; is mpicc working? (mpicc --version)"
+  pip_q install --ignore-installed --no-deps --no-binary mpi4py "mpi4py==$MPI4PY_VERSION" || fail "mpi4py did not build; is mpicc working? (mpicc --version)"
   ok "installed"
 fi
 
@@ -164,7 +213,21 @@ STAMP="$VENV/.hpcdl-installed"
 if [ -f "$STAMP" ] && [ "$STAMP" -nt "$ROOT/pyproject.toml" ]; then
   ok "already installed"
 else
-  pip_q install -e "$ROOT[test]" || fail "pip install -e .[test] failed"
+  if [ "$TORCH_MODE" = existing ]; then
+    # Next to an existing torch: only the pins whose package is absent (scripts/pins.py says why).
+    mapfile -t MISSING < <("$VENV/bin/python" "$ROOT/scripts/pins.py" missing --group deps)
+    if [ "${#MISSING[@]}" -gt 0 ] && [ -n "${MISSING[0]}" ]; then
+      pip_q install "${MISSING[@]}" || fail "could not install ${MISSING[*]}"
+    fi
+    # Test tools: each one that can be had (a small wheelhouse may leave linters out; their tests skip).
+    mapfile -t MISSING < <("$VENV/bin/python" "$ROOT/scripts/pins.py" missing --group test)
+    for requirement in "${MISSING[@]}"; do
+      [ -n "$requirement" ] && { pip_q install "$requirement" 2>/dev/null || ok "test tool $requirement not installed (not available)"; }
+    done
+    pip_q install --no-deps -e "$ROOT" || fail "pip install -e . failed"
+  else
+    pip_q install -e "${ROOT}[test]" || fail "pip install -e .[test] failed"
+  fi
   touch "$STAMP"
   ok "installed"
 fi

