@@ -362,6 +362,160 @@ def train_run(
     }
 
 
+# ---------------------------------------------------------------- where a step's time goes
+def profile_steps(
+    settings: list[Setting], recipe: Recipe, data: tuple, ranks: Ranks, device: torch.device, rounds: int
+) -> dict[str, Any]:
+    """Milliseconds per training step and phase for each setting, settings alternating round by round.
+
+    Each round runs every setting for one whole inverse-update cycle (the largest ``inverse`` of the
+    K-FAC settings), so the decompositions are amortised exactly as in training; round 0 is a warm-up.
+    Besides wall time, the main thread's CPU time is recorded per phase: other jobs on the machine
+    inflate wall time, hardly CPU time. K-FAC's own phases come from ``pre.timings`` (wall); its CPU
+    time is measured for ``pre.step()`` as a whole.
+    """
+    from kfac import KFACPreconditioner
+
+    x_train, y_train, _, _, num_classes, channels = data
+    cycle = max([s.inv_freq for s in settings if s.kfac] + [1])
+    states = []
+    for setting in settings:
+        torch.manual_seed(0)
+        model = build_model(recipe.model, num_classes, channels).to(device)
+        optimizer: Any = torch.optim.SGD(
+            model.parameters(), lr=setting.lr * 0.1, momentum=0.9, weight_decay=recipe.weight_decay
+        )
+        if ranks.hvd is not None:
+            optimizer = ranks.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        pre = None
+        if setting.kfac:
+            pre = KFACPreconditioner(
+                model,
+                factor_update_freq=setting.factor_freq,
+                inv_update_freq=setting.inv_freq,
+                damping=setting.damping,
+                kl_clip=setting.kl_clip,
+                lr=setting.lr * 0.1,
+                skip_layers=list(setting.skip),
+                method=setting.method,
+            )
+        states.append((setting, model, optimizer, pre))
+    batches = torch.Generator().manual_seed(0)
+    per_round: dict[str, list[dict[str, float]]] = defaultdict(list)
+    sync = device.type == "cuda"
+
+    def now() -> tuple[float, float]:
+        if sync:
+            torch.cuda.synchronize(device)
+        return time.perf_counter(), time.thread_time()
+
+    for round_ in range(rounds + 1):
+        for setting, model, optimizer, pre in states if round_ % 2 == 0 else states[::-1]:
+            totals: dict[str, float] = defaultdict(float)
+            kfac_before = dict(pre.timings) if pre is not None else {}
+            for _ in range(cycle):
+                index = torch.randint(len(y_train), (recipe.batch_size,), generator=batches)[ranks.rank :: ranks.size]
+                t0 = now()
+                optimizer.zero_grad()
+                F.cross_entropy(model(x_train[index]), y_train[index]).backward()
+                t1 = now()
+                if ranks.hvd is not None:
+                    optimizer.synchronize()
+                t2 = now()
+                if pre is not None:
+                    pre.step()
+                t3 = now()
+                if ranks.hvd is not None:
+                    with optimizer.skip_synchronize():
+                        optimizer.step()
+                else:
+                    optimizer.step()
+                t4 = now()
+                for name, (a, b) in (
+                    ("forward_backward", (t0, t1)),
+                    ("allreduce", (t1, t2)),
+                    ("kfac_step", (t2, t3)),
+                    ("optimizer", (t3, t4)),
+                ):
+                    totals[f"{name}_wall"] += b[0] - a[0]
+                    totals[f"{name}_cpu"] += b[1] - a[1]
+            if round_ == 0:
+                continue
+            row = {key: 1000 * ranks.max(value) / cycle for key, value in totals.items()}
+            if pre is not None:
+                for phase in ("factors", "decompositions", "precondition"):
+                    row[f"{phase}_wall"] = 1000 * ranks.max(pre.timings[phase] - kfac_before.get(phase, 0.0)) / cycle
+            per_round[setting.name].append(row)
+    report: dict[str, Any] = {"cycle_steps": cycle, "rounds": rounds, "settings": {}}
+    for setting, *_ in states:
+        rows = per_round[setting.name]
+        keys = sorted({key for row in rows for key in row})
+        medians = {key: statistics.median(row.get(key, 0.0) for row in rows) for key in keys}
+        medians["step_wall"] = statistics.median(
+            sum(
+                v
+                for k, v in row.items()
+                if k.endswith("_wall")
+                and k.split("_wall")[0] in ("forward_backward", "allreduce", "kfac_step", "optimizer")
+            )
+            for row in rows
+        )
+        medians["step_cpu"] = statistics.median(sum(v for k, v in row.items() if k.endswith("_cpu")) for row in rows)
+        report["settings"][setting.name] = {**asdict(setting), "skip": list(setting.skip), "ms_per_step": medians}
+    sgd = next((v["ms_per_step"] for v in report["settings"].values() if not v["kfac"]), None)
+    if sgd is not None:
+        for entry in report["settings"].values():
+            entry["cost_vs_sgd_wall"] = entry["ms_per_step"]["step_wall"] / sgd["step_wall"]
+            entry["cost_vs_sgd_cpu"] = entry["ms_per_step"]["step_cpu"] / sgd["step_cpu"]
+    return report
+
+
+def write_profile(report: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    phases = ["forward_backward", "allreduce", "factors", "decompositions", "precondition", "optimizer"]
+    lines = [
+        "setting,step_cpu_ms,step_wall_ms,cost_vs_sgd_cpu,cost_vs_sgd_wall," + ",".join(f"{p}_wall_ms" for p in phases)
+    ]
+    fig, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * len(report["settings"])))
+    for row, (name, entry) in enumerate(report["settings"].items()):
+        ms = entry["ms_per_step"]
+        lines.append(
+            ",".join(
+                [
+                    name,
+                    f"{ms['step_cpu']:.2f}",
+                    f"{ms['step_wall']:.2f}",
+                    f"{entry.get('cost_vs_sgd_cpu', 1):.3f}",
+                    f"{entry.get('cost_vs_sgd_wall', 1):.3f}",
+                    *[f"{ms.get(p + '_wall', 0.0):.2f}" for p in phases],
+                ]
+            )
+        )
+        left = 0.0
+        for colour, phase in zip(
+            ["tab:gray", "tab:purple", "tab:blue", "tab:red", "tab:orange", "tab:green"], phases, strict=True
+        ):
+            width = ms.get(phase + "_wall", 0.0)
+            ax.barh(row, width, left=left, color=colour, label=phase if row == 0 or entry["kfac"] else None)
+            left += width
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="lower right")
+    ax.set_yticks(range(len(report["settings"])), list(report["settings"]), fontsize=7)
+    ax.set_xlabel(f"wall ms per training step (median of {report['rounds']} rounds of {report['cycle_steps']} steps)")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+    out.with_suffix(".csv").write_text("\n".join(lines) + "\n")
+    return lines
+
+
 # ---------------------------------------------------------------- the study
 def interleaved(settings: list[Setting], seeds: Sequence[int]) -> list[tuple[Setting, int]]:
     """SGD and K-FAC settings alternating within each seed, the order reversed on every other seed.
@@ -567,8 +721,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch threads per rank (default 1, or the rank's share of cores)"
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    parser.add_argument(
+        "--profile-rounds",
+        type=int,
+        default=0,
+        help="instead of the study: time each setting's steps by phase for this many alternating rounds",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.profile_rounds < 0:
+        raise UsageError("--profile-rounds must be at least 0")
     for flag in ("epochs", "batch_size", "evals_per_epoch", "threads"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -621,6 +783,19 @@ def study(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     torch.set_num_threads(args.threads or (1 if ranks.size == 1 else torch.get_num_threads()))
     x_train, y_train, x_test, y_test, num_classes, channels = load(args.dataset, args.data_dir)
     data = (x_train.to(device), y_train.to(device), x_test.to(device), y_test.to(device), num_classes, channels)
+    if args.profile_rounds:
+        ranks.print(f"{args.dataset}: per-phase step times, {len(settings)} settings, {args.profile_rounds} rounds")
+        profile = profile_steps(settings, recipe, data, ranks, device, args.profile_rounds)
+        return {
+            "dataset": args.dataset,
+            "model": recipe.model,
+            "batch_size": recipe.batch_size,
+            "ranks": ranks.size,
+            "threads": torch.get_num_threads(),
+            "kfac_source": kfac_source(),
+            "load_average_at_end": os.getloadavg(),
+            **profile,
+        }
 
     plan = interleaved(settings, args.seeds)
     ranks.print(
@@ -688,8 +863,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kfac_convergence: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     if ranks.rank == 0:
-        suffix = "" if ranks.size == 1 else f"_np{ranks.size}"
+        suffix = ("" if ranks.size == 1 else f"_np{ranks.size}") + ("_profile" if args.profile_rounds else "")
         out = args.out or REPO / "benchmarks" / "results" / f"kfac_convergence_{args.dataset}{suffix}"
+        if args.profile_rounds:
+            print("\n".join(write_profile(report, out)))
+            print(f"wrote {out}.json/.csv/.png")
+            return 0
         print("\n".join(write(report, out)))
         v = report["verdict"]
         if v:
