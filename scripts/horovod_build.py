@@ -105,8 +105,9 @@ def find_nccl(
 ) -> Nccl | None:
     """NCCL's headers and library, looked for where users and modules put them, in this order:
     HOROVOD_NCCL_HOME / NCCL_HOME / NCCL_ROOT / NCCL_DIR / TACC_NCCL_DIR; HOROVOD_NCCL_INCLUDE with
-    HOROVOD_NCCL_LIB; a module's CPATH with its LIBRARY_PATH / LD_LIBRARY_PATH; the system (libnccl-dev);
-    and last torch's own nvidia-nccl wheel (`wheel_dir`, from `import nvidia.nccl`).
+    HOROVOD_NCCL_LIB; a module's CPATH with its LIBRARY_PATH / LD_LIBRARY_PATH; torch's own nvidia-nccl
+    wheel (`wheel_dir`, from `import nvidia.nccl`: the library torch loads at run time); and last the
+    system's (libnccl-dev).
     """
     for name in NCCL_HOME_VARS:
         if env.get(name):
@@ -128,12 +129,13 @@ def find_nccl(
         found = _pair(includes[0], libs[0], "a loaded module (CPATH and LD_LIBRARY_PATH)")
         if found:
             return found
-    for include, lib in system:
-        found = _pair(Path(include), Path(lib), f"the system ({include}, {lib})")
-        if found:
-            return found
+    # torch loads its own libnccl.so.2 first at run time: build against that one's headers.
     if wheel_dir is not None:
         found = _pair(wheel_dir / "include", wheel_dir / "lib", f"torch's nvidia-nccl wheel ({wheel_dir})")
+        if found:
+            return found
+    for include, lib in system:
+        found = _pair(Path(include), Path(lib), f"the system ({include}, {lib})")
         if found:
             return found
     return None

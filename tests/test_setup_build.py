@@ -86,9 +86,11 @@ def test_the_system_installation(tmp_path: Path) -> None:
     assert found is not None and "system" in found.source
 
 
-def test_torch_wheel_last_and_only_when_nothing_else(tmp_path: Path) -> None:
+def test_torch_wheel_after_what_the_user_chose_and_before_the_system(tmp_path: Path) -> None:
     wheel = fake_nccl(tmp_path / "site-packages" / "nvidia" / "nccl", dev_link=False)
-    found = hb.find_nccl({}, wheel, NO_SYSTEM)
+    sysroot = fake_nccl(tmp_path / "usr")
+    system = ((str(sysroot / "include"), str(sysroot / "lib")),)
+    found = hb.find_nccl({}, wheel, system)  # torch runs with its wheel's NCCL: build against that one
     assert found is not None and "nvidia-nccl wheel" in found.source and not found.has_dev_link
     module = fake_nccl(tmp_path / "module")
     assert hb.find_nccl({"NCCL_HOME": str(module)}, wheel, NO_SYSTEM).include == module / "include"

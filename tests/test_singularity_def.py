@@ -116,6 +116,10 @@ def definition_problems(path: Path, workdir: Path, build_dir: Path | None = None
     test = body.get("test", "")
     if "import" not in test or "hpcdl.doctor" not in test:
         problems.append("%test must import the stack and run python -m hpcdl.doctor")
+    if "nccl_built()" not in test:
+        problems.append("%test must check that Horovod was built with NCCL (hvd.nccl_built())")
+    if not re.search(r"(?m)^From:\s*nvidia/cuda:\S*devel", text):
+        problems.append("header: the GPU image must start from an nvidia/cuda:<version>-devel image (nvcc for Horovod)")
     help_text = body.get("help", "")
     for needed in ("apptainer exec --nv", "mpirun", "srun --mpi=pmix", "ibrun", "MPI-compatibility"):
         if needed not in help_text:
@@ -175,6 +179,8 @@ BREAKAGES = {
     "runscript not hpcdl.train": (lambda t: t.replace('hpcdl.train "$@"', "hpcdl.train"), "%runscript must run"),
     "help without the launch": (lambda t: t.replace("ibrun", "launcher"), "'ibrun'"),
     "missing file": (lambda t: t.replace("kfac /opt/hpcdl/src/kfac", "kfacc /opt/hpcdl/src/kfac"), "kfacc does not exist"),
+    "no NCCL check": (lambda t: t.replace("assert hvd.nccl_built(),", "assert True,"), "built with NCCL"),
+    "CPU base image": (lambda t: re.sub(r"(?m)^From:.*$", "From: ubuntu:24.04", t), "nvidia/cuda"),
 }
 
 
