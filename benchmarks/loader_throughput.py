@@ -172,7 +172,7 @@ def paired_ratio(rates: dict[str, list[float]], numerator: str, denominator: str
 def reader_rates(folder: Path, shards: Path, rounds: int, block: int = 16) -> dict[str, list[float]]:
     """images/s of reading the encoded bytes alone (no decode), the part of the pipeline the file system
     sees. Blocks of ``block`` samples alternate between folder and shards (the order flips every block),
-    so both see the same machine; one value per round of one epoch's order."""
+    so both see the same machine; per round of one epoch's order, the median block's rate."""
     from hpcdl.data.imagenet import list_imagenet
     from hpcdl.data.order import epoch_permutation
     from hpcdl.data.shards import ShardSource, read_index
@@ -180,17 +180,17 @@ def reader_rates(folder: Path, shards: Path, rounds: int, block: int = 16) -> di
     sources = {"folder": list_imagenet(folder)[1], "shards": ShardSource(read_index(shards).splits["train"])}
     rates: dict[str, list[float]] = {name: [] for name in sources}
     for round_ in range(rounds):
-        spent = dict.fromkeys(sources, 0.0)
+        block_rates: dict[str, list[float]] = {name: [] for name in sources}
         order = epoch_permutation(len(sources["shards"]), 0, round_).tolist()
-        for number, first in enumerate(range(0, len(order), block)):
+        for number, first in enumerate(range(0, len(order) - block + 1, block)):
             names = list(sources) if number % 2 == 0 else list(sources)[::-1]
             for name in names:
                 start = time.perf_counter()
                 for sample in order[first:first + block]:
                     sources[name].read(sample)
-                spent[name] += time.perf_counter() - start
-        for name in sources:
-            rates[name].append(len(order) / spent[name])
+                block_rates[name].append(block / (time.perf_counter() - start))
+        for name in sources:  # the median block: a block that lost the CPU to another process does not count
+            rates[name].append(statistics.median(block_rates[name]))
     return rates
 
 

@@ -95,6 +95,10 @@ def load_dataset(
     if name not in DATASETS:
         raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     path = check_data_dir(name, data_dir)
+    from hpcdl.data.shards import is_shard_folder
+
+    if is_shard_folder(path):
+        raise UsageError(f"--data-dir {data_dir} holds packed shards, which only build_pipeline reads")
     if name == "mnist":
         from hpcdl.data.mnist import load_mnist
 
