@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in FIELDS.values():
         meta = f.metadata
         group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         help_text = f"{meta['help']} (default: {default})"
         if isinstance(default, bool):
             group.add_argument(option_name(f.name), action=argparse.BooleanOptionalAction, help=help_text)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -100,7 +101,9 @@ def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
         rank = _rank()
         if not is_environmental(exc) or os.environ.get("HPCDL_TRACEBACK") == "1":
             traceback.print_exc()
-        print(f"{program}: rank {rank} failed with {describe(exc)}; aborting the whole job", file=sys.stderr, flush=True)
+        print(
+            f"{program}: rank {rank} failed with {describe(exc)}; aborting the whole job", file=sys.stderr, flush=True
+        )
         mpi = sys.modules.get("mpi4py.MPI")
         if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
             mpi.COMM_WORLD.Abort(EXIT_CRASH)

@@ -215,6 +215,24 @@ def try_one_batch(model: nn.Module, data: InputPipeline, config: TrainConfig, de
                          f"not (2, {data.num_classes}) for {config.dataset}'s {data.num_classes} classes")
 
 
+def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, device: torch.device,
+                        amp_dtype: torch.dtype | None) -> nn.Module:
+    """torch.compile the model and compile its training graphs now, on a dummy batch, before the stall watchdog
+    runs and before Horovod hooks the gradients (compiling can take minutes; a hooked backward would allreduce).
+    The model's state is put back afterwards, so that the dummy step changes no BatchNorm statistics."""
+    compiled = torch.compile(model, dynamic=False)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fmt = torch.channels_last if spec.channels_last and len(data.input_shape) == 3 else torch.contiguous_format
+    batch = torch.zeros(spec.batch_size, *data.input_shape, device=device).to(memory_format=fmt)
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    with autocast:
+        out = compiled(batch)
+    out.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(saved)
+    return compiled  # type: ignore[return-value]  # torch.compile of a Module is a Module
+
+
 def build_job(config: TrainConfig) -> Job:
     me = world.init()
     comm = world.comm()
@@ -257,8 +275,10 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
     channels_last = channels_last_wanted and is_convolutional(model)
     if channels_last:  # before the optimizer exists, so that its state is made in the same layout
-        model = model.to(memory_format=torch.channels_last)
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     agree(lambda: try_one_batch(model, data, config, me.device))
+
+    compiled = compile_and_warm_up(model, data, spec, me.device, amp_dtype) if config.compile else model
 
     peak_lr = config.base_lr * lr_scale(me.size, config.batches_per_allreduce, config.use_adasum, me.local_size, cuda)
     schedule = LRSchedule(config.base_lr, peak_lr, config.warmup_epochs, config.epochs, config.lr_schedule,
@@ -273,7 +293,6 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     preconditioner = build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"], scaler)
-    compiled = torch.compile(model) if config.compile else model
 
     criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     job = Job(config=config, world=me, comm=comm, run=run, data=data, model=compiled, bare_model=model,

@@ -10,7 +10,9 @@ decides about non-finite streaks and exchanges the stop flag with the other rank
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +35,7 @@ class EpochResult:
     stop: StopRequest | None  # the stop signal(s) that ended it early, if any
 
 
-def nonfinite_flag(parameters: list[torch.Tensor]) -> torch.Tensor:
+def nonfinite_flag(parameters: Sequence[torch.Tensor]) -> torch.Tensor:
     """1.0 on the device when any gradient holds inf or NaN, else 0.0: one fused norm, no host read."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -51,7 +53,8 @@ def apply_gradients(job: Job) -> torch.Tensor:
     fused kernel that reads ``found_inf`` on the device and leaves parameters and state untouched
     when it is set, which is how a non-finite step is skipped without the host looking.
     """
-    optimizer, scaler = job.optimizer, job.scaler
+    optimizer: Any = job.optimizer  # Horovod's DistributedOptimizer (synchronize, skip_synchronize)
+    scaler = job.scaler
     params = list(job.bare_model.parameters())
     if job.config.use_adasum and job.world.size > 1:
         optimizer.step()  # Horovod's Adasum applies the update inside backward; nothing here can skip it
@@ -70,10 +73,10 @@ def apply_gradients(job: Job) -> torch.Tensor:
         found_inf = failed = nonfinite_flag(params)
     if job.preconditioner is not None:
         job.preconditioner.step(found_inf=found_inf)
-    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-    with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf
+    with optimizer.skip_synchronize():
         optimizer.step()
-    del optimizer.found_inf  # type: ignore[attr-defined]
+    del optimizer.found_inf
     if scaler is not None:
         scaler.update()  # halves the scale after an overflow, on the device
     optimizer.zero_grad()
@@ -169,8 +172,8 @@ def train_one_epoch(job: Job) -> EpochResult:
 
 def evaluate(job: Job) -> dict[str, float]:
     """Loss and accuracy over the whole test set: sums from every rank's disjoint shard, allreduced."""
-    model = job.model
-    job.bare_model.eval()
+    model = job.bare_model  # uncompiled: evaluation's last, smaller batch would make a compiled model recompile
+    model.eval()
     job.watchdog.beat(phase="evaluate")
     sums = DeviceSums(job.device)
     with torch.no_grad():

@@ -35,11 +35,12 @@ import faulthandler
 import sys
 import threading
 import time
+from typing import Any
 
 HEARTBEAT_TAG = 7011
 EXIT_STALL = 3
 WAITING_PHASES = ("collective",)  # a rank here waits for the others; it is not the culprit
-_running: list["StallWatchdog"] = []
+_running: list[StallWatchdog] = []
 
 
 def stop_all() -> None:
@@ -67,7 +68,7 @@ class StallWatchdog:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpcdl-watchdog", daemon=True)
 
-    def start(self) -> "StallWatchdog":
+    def start(self) -> StallWatchdog:
         if self.timeout > 0:
             self.last_progress = time.monotonic()
             self._thread.start()
@@ -114,7 +115,7 @@ class StallWatchdog:
         start = time.monotonic()
         last_heard = {rank: start for rank in range(self.size) if rank != self.rank}
         reported: dict[int, tuple[int, str]] = {}
-        pending: dict[int, object] = {}
+        pending: dict[int, Any] = {}  # mpi4py Requests
         status = MPI.Status()
         peers = [r for r in range(self.size) if r != self.rank] if self.rank == 0 else [0]
         while not self._done.wait(self.interval):

@@ -12,8 +12,9 @@ ranks disagree every rank raises the same one-line CollectiveArgumentError.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -21,7 +22,7 @@ from mpi4py import MPI
 try:  # torch is optional for this module: numpy arrays work without it
     import torch
 except ImportError:  # pragma: no cover - torch is a dependency of hpcdl
-    torch = None
+    torch = None  # type: ignore[assignment]
 
 
 class CollectiveArgumentError(ValueError):
@@ -115,7 +116,9 @@ def _as_numpy(buf: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
         to_caller = lambda result: result.reshape(shape)  # noqa: E731
     elif torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
-            raise TypeError(f"expected a CPU torch tensor, got one on {buf.device} (use Horovod or NCCL for GPU tensors)")
+            raise TypeError(
+                f"expected a CPU torch tensor, got one on {buf.device} (use Horovod or NCCL for GPU tensors)"
+            )
         try:
             array = buf.detach().resolve_conj().resolve_neg().numpy()
         except (TypeError, RuntimeError) as error:  # e.g. bfloat16 has no numpy dtype
@@ -130,7 +133,9 @@ def _as_numpy(buf: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
     return array, to_caller
 
 
-def _agree(algorithm: str, comm: MPI.Comm, problem: str | None, array: np.ndarray | None, op_index: int, average: bool) -> None:
+def _agree(
+    algorithm: str, comm: MPI.Comm, problem: str | None, array: np.ndarray | None, op_index: int, average: bool
+) -> None:
     """Raise CollectiveArgumentError on every rank unless all ranks' arguments are usable and identical.
 
     One MPI.Allreduce(MAX) over (problem flag, x, -x) gives every rank both the maximum and the
@@ -142,8 +147,8 @@ def _agree(algorithm: str, comm: MPI.Comm, problem: str | None, array: np.ndarra
     else:
         fields = [int(problem is not None), array.size, SUPPORTED_DTYPES.index(array.dtype), op_index, int(average)]
     if comm.Get_size() > 1:
-        mine = np.array(fields, dtype=np.int64)
-        extremes = np.concatenate([mine, -mine])
+        encoded = np.array(fields, dtype=np.int64)
+        extremes = np.concatenate([encoded, -encoded])
         comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
         highest, lowest = extremes[: len(fields)], -extremes[len(fields) :]
         if highest[0] == 0 and np.array_equal(highest, lowest):

@@ -19,7 +19,9 @@ Buffer = TypeVar("Buffer")
 ROOT = 0
 
 
-def naive_allreduce(buf: Buffer, comm: MPI.Comm = MPI.COMM_WORLD, op: MPI.Op = MPI.SUM, *, average: bool = False) -> Buffer:
+def naive_allreduce(
+    buf: Buffer, comm: MPI.Comm = MPI.COMM_WORLD, op: MPI.Op = MPI.SUM, *, average: bool = False
+) -> Buffer:
     """Allreduce ``buf`` (numpy array or CPU tensor) by reduce-to-root then broadcast; returns a new buffer."""
     call = prepare("naive_allreduce", buf, comm, op, average)
     reduce_then_broadcast(call.source, call.result, p2p.private_comm(comm), call.combine)

@@ -43,7 +43,7 @@ def private_comm(comm: MPI.Comm) -> MPI.Comm:
     if private is None:
         private = comm.Dup()
         comm.Set_attr(_private_keyval, private)
-    return private
+    return private  # type: ignore[return-value]
 
 
 def _free_private(comm: MPI.Comm, keyval: int, private: MPI.Comm) -> None:
@@ -64,7 +64,7 @@ def chunk_bounds(length: int, parts: int) -> np.ndarray:
 
 
 def segment_count(longest: int, itemsize: int) -> int:
-    """How many segments a message of ``longest`` elements is cut into (at least one, so empty messages still pair up)."""
+    """How many segments a message of ``longest`` elements is cut into (at least one: empty messages still pair up)."""
     per_segment = max(1, SEGMENT_BYTES // itemsize)
     return max(1, -(-longest // per_segment))
 
@@ -92,7 +92,9 @@ def sendrecv_reduce(
     for index in range(segments):
         part = slice(index * mine_step, (index + 1) * mine_step)
         incoming = scratch[: mine[part].size]
-        comm.Sendrecv(as_bytes(send[index * send_step : (index + 1) * send_step]), dest, _TAG, as_bytes(incoming), source, _TAG)
+        comm.Sendrecv(
+            as_bytes(send[index * send_step : (index + 1) * send_step]), dest, _TAG, as_bytes(incoming), source, _TAG
+        )
         combine(mine[part], incoming, out=out[part])
 
 

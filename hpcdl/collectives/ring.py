@@ -20,7 +20,9 @@ from hpcdl.collectives.arguments import Combine, prepare
 Buffer = TypeVar("Buffer")
 
 
-def ring_allreduce(buf: Buffer, comm: MPI.Comm = MPI.COMM_WORLD, op: MPI.Op = MPI.SUM, *, average: bool = False) -> Buffer:
+def ring_allreduce(
+    buf: Buffer, comm: MPI.Comm = MPI.COMM_WORLD, op: MPI.Op = MPI.SUM, *, average: bool = False
+) -> Buffer:
     """Allreduce ``buf`` (numpy array or CPU tensor) around a ring; returns a new buffer."""
     call = prepare("ring_allreduce", buf, comm, op, average)
     reduce_scatter_allgather(call.source, call.result, p2p.private_comm(comm), call.combine)
@@ -48,7 +50,9 @@ def reduce_scatter_allgather(source: np.ndarray, result: np.ndarray, comm: MPI.C
     for step in range(size - 1):
         outgoing = chunk(source if step == 0 else result, rank - step)
         arriving = rank - step - 1
-        p2p.sendrecv_reduce(comm, outgoing, right, chunk(source, arriving), chunk(result, arriving), left, combine, segments)
+        p2p.sendrecv_reduce(
+            comm, outgoing, right, chunk(source, arriving), chunk(result, arriving), left, combine, segments
+        )
     # Allgather: pass the complete chunks on round the ring.
     for step in range(size - 1):
         p2p.sendrecv(comm, chunk(result, rank + 1 - step), right, chunk(result, rank - step), left)
