@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # README's test command (via `make test`): set up from nothing if needed, then run
+#   0. ruff and mypy on hpcdl/ and kfac/,
 #   1. the plain tests (unit tests, and tests that launch whole jobs with mpirun/srun), then
 #   2. the in-process collective tests under mpiexec on 4 ranks, and
 #   3. the collective algorithms again on an odd world size (3 ranks).
@@ -18,6 +19,10 @@ PY="$ROOT/.venv/bin/python"
 if [ "${CI:-}" = true ]; then export HPCDL_REQUIRE_SLURM=1; fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1
+
+echo "[test] 0/3 ruff and mypy on hpcdl/ and kfac/ (configured in pyproject.toml)"
+"$ROOT/.venv/bin/ruff" check hpcdl kfac
+"$ROOT/.venv/bin/mypy"
 
 echo "[test] 1/3 plain tests"
 "$PY" -m pytest -q -ra "$@" tests
