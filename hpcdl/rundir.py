@@ -362,6 +362,8 @@ def claim(output_dir: str | os.PathLike[str] | None, comm: Any, resume: bool, pr
                 path = default_directory()
             else:
                 path = Path(output_dir)
+                if path.exists() and not path.is_dir():
+                    raise UsageError(f"output directory {path} is a file, not a directory")
                 try:
                     path.mkdir(parents=True, exist_ok=True)
                 except OSError as exc:

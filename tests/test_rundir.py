@@ -174,6 +174,12 @@ def test_unwritable_output_dir_is_one_line(tmp_path: Path) -> None:
         rundir.claim(blocker / "run", None, resume=False)
 
 
+def test_output_dir_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "run").write_text("")
+    with pytest.raises(UsageError, match=r"output directory .*run is a file, not a directory"):
+        rundir.claim(tmp_path / "run", None, resume=False)
+
+
 def test_resume_without_a_directory_is_refused() -> None:
     with pytest.raises(UsageError, match="--resume needs --output-dir"):
         rundir.claim(None, None, resume=True)

@@ -14,15 +14,16 @@ see what your launcher delivers to whom.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-import torch
+from mpi4py import MPI
 
-from hpcdl import checkpoint, world
 from hpcdl.bench.cli import RankZeroParser
 from hpcdl.errors import UsageError, run_main
 from hpcdl.signals import GracefulStop
@@ -30,9 +31,35 @@ from hpcdl.signals import GracefulStop
 PROGRAM = "hpcdl.demos.stop"
 
 
-def batches(workers: int) -> torch.utils.data.DataLoader:
+def say(line: str) -> None:
+    """One write per line: under PYTHONUNBUFFERED print() writes text and newline apart, and the launcher
+    may put another rank's output between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def batches(workers: int) -> Iterator[Any]:
+    """Batches from DataLoader workers (forked after the handlers are installed, as in training), or plain numbers.
+
+    torch is imported only when asked for: on a loaded login node its import alone takes seconds.
+    """
+    if workers == 0:
+        return itertools.count()
+    import torch
+
     data = torch.utils.data.TensorDataset(torch.arange(1 << 16, dtype=torch.float32))
-    return torch.utils.data.DataLoader(data, batch_size=8, num_workers=workers, persistent_workers=workers > 0)
+    loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=workers, persistent_workers=True)
+    return itertools.chain.from_iterable(itertools.repeat(loader))
+
+
+def write_checkpoint(directory: Path, step: int, size: int) -> Path:
+    import torch
+
+    from hpcdl import checkpoint
+
+    state = {"model": {"w": torch.zeros(4)}, "optimizer": {}, "epoch": 0, "step_in_epoch": step, "global_step": step,
+             "config": {}, "world_size": size}
+    return checkpoint.save(directory, state, keep=1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,11 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.step_seconds < 0 or args.workers < 0:
         raise UsageError("--steps must be >= 1, --step-seconds >= 0 and --workers >= 0")
-    me = world.init(use_horovod=False)
-    comm = world.comm()
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
     stop = GracefulStop(comm)
-    loader = iter(batches(args.workers))
-    print(f"rank {me.rank} pid {os.getpid()} ready", flush=True)
+    loader = batches(args.workers)
+    next(loader)  # the workers are up
+    say(f"rank {rank} pid {os.getpid()} ready")
     comm.barrier()
     code = 0
     for step in range(1, args.steps + 1):
@@ -57,17 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         request = stop.requested()
         if request is None:
             continue
-        where = ""
-        if me.rank == 0 and args.output_dir is not None:
-            state = {"model": {"w": torch.zeros(4)}, "optimizer": {}, "epoch": 0, "step_in_epoch": step,
-                     "global_step": step, "config": {}, "world_size": me.size}
-            where = f": checkpoint {checkpoint.save(args.output_dir, state, keep=1)} written"
-        world.print0(f"{PROGRAM}: {request.describe()} at step {step}{where}; exiting {request.exit_code}")
+        if rank == 0:
+            where = ""
+            if args.output_dir is not None:
+                where = f": checkpoint {write_checkpoint(args.output_dir, step, comm.Get_size())} written"
+            say(f"{PROGRAM}: {request.describe()} at step {step}{where}; exiting {request.exit_code}")
         code = request.exit_code
         break
     stop.close()
-    print(f"rank {me.rank} exits {code}", flush=True)
-    sys.stdout.flush()
+    say(f"rank {rank} exits {code}")
     return code
 
 
