@@ -33,16 +33,15 @@ LEGACY_TEMPORARY = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp-\d+$")  # named by pid: c
 UNREADABLE_SUFFIX = ".unreadable"
 REQUIRED = ("model", "global_step")  # the rest of the layout is hpcdl.runstate's (it checks format and version)
 
-# What each common write failure means for the user, and what to do about it.
+# What to do about each common write failure (the OS's own words come first, e.g. "No space left on device").
 _ADVICE = {
-    errno.ENOSPC: "no space left on device (ENOSPC): free space there or choose another --output-dir",
-    errno.EDQUOT: "disk quota exceeded (EDQUOT): check your quota (quota -s, lfs quota -u $USER <mount>) or choose "
-                  "another --output-dir",
-    errno.EACCES: "permission denied (EACCES): choose a directory you may write",
-    errno.EPERM: "operation not permitted (EPERM): choose a directory you may write",
-    errno.EROFS: "read-only file system (EROFS): choose a writable --output-dir",
-    errno.EIO: "I/O error (EIO): the file system or disk failed; check it before going on",
-    errno.ENOTDIR: "a path component is a file, not a directory (ENOTDIR)",
+    errno.ENOSPC: "free space there or choose another --output-dir",
+    errno.EDQUOT: "check your quota (quota -s, lfs quota -u $USER <mount>) or choose another --output-dir",
+    errno.EACCES: "choose a directory you may write",
+    errno.EPERM: "choose a directory you may write",
+    errno.EROFS: "choose a writable --output-dir",
+    errno.EIO: "the file system or disk failed; check it before going on",
+    errno.ENOTDIR: "a component of the path is a file",
 }
 
 
@@ -66,11 +65,11 @@ class WriteError(OSError):
 
 
 def explain(error: OSError) -> str:
-    """A short, actionable description of a failed write."""
-    if error.errno in _ADVICE:
-        return _ADVICE[error.errno]
+    """``No space left on device (ENOSPC): free space there ...``: the OS's words, the code, what to do."""
     name = errno.errorcode.get(error.errno or 0, "")
-    return f"{error.strerror or error}{f' ({name})' if name else ''}"
+    words = error.strerror or (os.strerror(error.errno) if error.errno else str(error))
+    advice = _ADVICE.get(error.errno or 0)
+    return f"{words}{f' ({name})' if name else ''}{f': {advice}' if advice else ''}"
 
 
 def checkpoint_dir(output_dir: str | os.PathLike[str]) -> Path:

@@ -54,7 +54,7 @@ def test_ring_model_by_hand() -> None:
     assert model.ring_seconds(1e6, 4) == pytest.approx(6e-6 + 1.5e-3)
     assert model.naive_seconds(1e6, 4) == pytest.approx(6 * (1e-6 + 1e-3))
     assert alphabeta.network(100, 2).bandwidth == pytest.approx(12.5e9)
-    assert alphabeta.RESNET50_GRADIENT_BYTES == pytest.approx(102.2e6, rel=1e-3)
+    assert pytest.approx(102.2e6, rel=1e-3) == alphabeta.RESNET50_GRADIENT_BYTES
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 8])
@@ -62,7 +62,7 @@ def test_fit_recovers_the_parameters_that_made_the_data(ranks: int) -> None:
     truth = alphabeta.AlphaBeta(alpha=25e-6, bandwidth=3.2e9)
     sizes = timing.message_sizes(4, 64 << 20)
     noise = np.random.default_rng(0).uniform(0.97, 1.03, len(sizes))
-    times = [truth.ring_seconds(n, ranks) * k for n, k in zip(sizes, noise)]
+    times = [truth.ring_seconds(n, ranks) * k for n, k in zip(sizes, noise, strict=True)]
     fitted = alphabeta.fit_ring(sizes, times, ranks)
     assert fitted.alpha == pytest.approx(truth.alpha, rel=0.05)
     assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=0.05)
@@ -82,13 +82,34 @@ def test_bus_bandwidth_and_ratios() -> None:
 def test_tiny_run_on_two_ranks_writes_complete_results(tmp_path: Path) -> None:
     result = run_mpi(
         2,
-        ["-m", "hpcdl.bench.allreduce", "--max-size", "64", "--rounds", "1", "--seconds", "0.02", "--output-dir", str(tmp_path), "--name", "tiny"],
+        [
+            "-m",
+            "hpcdl.bench.allreduce",
+            "--max-size",
+            "64",
+            "--rounds",
+            "1",
+            "--seconds",
+            "0.02",
+            "--output-dir",
+            str(tmp_path),
+            "--name",
+            "tiny",
+        ],
         timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     with (tmp_path / "tiny.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    implementations = ["MPI.Allreduce", "horovod", "torch.distributed (gloo)", "naive", "ring", "recursive_doubling", "rabenseifner"]
+    implementations = [
+        "MPI.Allreduce",
+        "horovod",
+        "torch.distributed (gloo)",
+        "naive",
+        "ring",
+        "recursive_doubling",
+        "rabenseifner",
+    ]
     assert {r["implementation"] for r in rows} == set(implementations)
     assert sorted({int(r["bytes"]) for r in rows}) == [4, 8, 16, 32, 64]
     assert len(rows) == 5 * len(implementations)
@@ -104,7 +125,9 @@ def test_tiny_run_on_two_ranks_writes_complete_results(tmp_path: Path) -> None:
 
 
 def test_bad_size_is_one_line_error_and_nonzero_exit(tmp_path: Path) -> None:
-    result = run_mpi(2, ["-m", "hpcdl.bench.allreduce", "--max-size", "banana", "--output-dir", str(tmp_path)], timeout=120)
+    result = run_mpi(
+        2, ["-m", "hpcdl.bench.allreduce", "--max-size", "banana", "--output-dir", str(tmp_path)], timeout=120
+    )
     assert result.returncode != 0
     assert result.stderr.count("error:") == 1 and "not a size" in result.stderr and "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())
@@ -112,8 +135,20 @@ def test_bad_size_is_one_line_error_and_nonzero_exit(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ where results go, and who may run
 
-QUICK = ["-m", "hpcdl.bench.allreduce", "--max-size", "16", "--rounds", "1", "--seconds", "0.01", "--no-horovod",
-         "--no-gloo", "--algorithms", "ring"]
+QUICK = [
+    "-m",
+    "hpcdl.bench.allreduce",
+    "--max-size",
+    "16",
+    "--rounds",
+    "1",
+    "--seconds",
+    "0.01",
+    "--no-horovod",
+    "--no-gloo",
+    "--algorithms",
+    "ring",
+]
 
 
 def fake_checkout(root: Path) -> Path:
@@ -129,13 +164,15 @@ def fake_checkout(root: Path) -> Path:
 
 def test_a_two_rank_benchmark_started_without_a_launcher_refuses_in_one_line(tmp_path: Path) -> None:
     env = {k: v for k, v in mpi_env().items() if k not in outputs.LAUNCHER_VARS}
-    result = subprocess.run([PYTHON, *QUICK, "--output-dir", str(tmp_path)], capture_output=True, text=True, env=env,
-                            cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [PYTHON, *QUICK, "--output-dir", str(tmp_path)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
         "hpcdl.bench.allreduce: error: hpcdl.bench.allreduce measures 2 or more ranks and was started as a single "
         "process, without a launcher; run: mpirun -np 2 python -m hpcdl.bench.allreduce ... (or srun -n 2 --mpi=pmix "
-        "..., ibrun on TACC systems)"]
+        "..., ibrun on TACC systems)"
+    ]
     assert not any(tmp_path.iterdir())
 
 
@@ -144,7 +181,8 @@ def test_one_rank_under_a_launcher_is_told_to_start_more() -> None:
     assert result.returncode == 2
     assert error_lines(result.stderr) == [
         "hpcdl.bench.allreduce: error: hpcdl.bench.allreduce needs at least 2 ranks, this job has 1; run: mpirun -np 2 "
-        "python -m hpcdl.bench.allreduce ... (or srun -n 2 --mpi=pmix ..., ibrun on TACC systems)"]
+        "python -m hpcdl.bench.allreduce ... (or srun -n 2 --mpi=pmix ..., ibrun on TACC systems)"
+    ]
 
 
 def test_committed_results_are_replaced_only_with_refresh_results(tmp_path: Path) -> None:
@@ -153,7 +191,8 @@ def test_committed_results_are_replaced_only_with_refresh_results(tmp_path: Path
     assert refused.returncode == 2
     assert error_lines(refused.stderr) == [
         f"hpcdl.bench.allreduce: error: {results / 'allreduce_np2.csv'} is in benchmarks/results, the results "
-        "committed in the repository; add --refresh-results to replace them, or choose another --output-dir/--name"]
+        "committed in the repository; add --refresh-results to replace them, or choose another --output-dir/--name"
+    ]
     assert (results / "allreduce_np2.csv").read_text() == "committed"
     refreshed = run_mpi(2, [*QUICK, "--output-dir", str(results), "--refresh-results"], timeout=180)
     assert refreshed.returncode == 0, refreshed.stderr[-2000:]
@@ -173,8 +212,9 @@ def test_existing_results_elsewhere_need_force(tmp_path: Path) -> None:
     (tmp_path / "mine.json").write_text("earlier")
     refused = run_mpi(2, [*QUICK, "--output-dir", str(tmp_path), "--name", "mine"], timeout=120)
     assert refused.returncode == 2
-    assert error_lines(refused.stderr)[0].endswith("mine.json already exists; add --force to replace it, or choose "
-                                                   "another --output-dir/--name")
+    assert error_lines(refused.stderr)[0].endswith(
+        "mine.json already exists; add --force to replace it, or choose another --output-dir/--name"
+    )
     assert (tmp_path / "mine.json").read_text() == "earlier" and not (tmp_path / "mine.csv").exists()
 
 
@@ -187,7 +227,10 @@ def test_results_stem_decisions(tmp_path: Path, monkeypatch) -> None:
         outputs.results_stem(tmp_path / "x", "thing", (".json",), refresh_results=True, flag="--out")
     with pytest.raises(UsageError, match="is in benchmarks/results"):
         outputs.results_stem(results / "allreduce_np2", "x", (".png",), force=True)
-    assert outputs.results_stem(results / "allreduce_np2", "x", (".png",), refresh_results=True) == results / "allreduce_np2"
+    assert (
+        outputs.results_stem(results / "allreduce_np2", "x", (".png",), refresh_results=True)
+        == results / "allreduce_np2"
+    )
     assert outputs.output_file(Path("a/allreduce_cycle0.03ms"), ".png") == Path("a/allreduce_cycle0.03ms.png")
     assert outputs.is_committed(REPO / "benchmarks" / "results" / "allreduce_np2.png")
     assert outputs.checkout_results() == REPO / "benchmarks" / "results"

@@ -17,8 +17,15 @@ from hpcdl.checkpoint import CheckpointError
 
 def state(step: int, value: float = 1.0) -> dict:
     """A minimal state with every key an hpcdl checkpoint must have."""
-    return {"model": {"w": torch.full((4, 4), value)}, "optimizer": {"state": {}}, "epoch": 0, "step_in_epoch": step,
-            "global_step": step, "config": {"model": "m", "dataset": "d"}, "world_size": 2}
+    return {
+        "model": {"w": torch.full((4, 4), value)},
+        "optimizer": {"state": {}},
+        "epoch": 0,
+        "step_in_epoch": step,
+        "global_step": step,
+        "config": {"model": "m", "dataset": "d"},
+        "world_size": 2,
+    }
 
 
 def names(directory: Path) -> list[str]:
@@ -100,6 +107,7 @@ def test_temporaries_carry_the_run_id_and_clean_up_spares_other_runs(tmp_path: P
 
 def _disk_fails(code: int, as_torch_does: bool):
     """A torch.save that writes part of the file, then hits ``code`` -- raw, or wrapped as torch reports it."""
+
     def fake_save(obj, handle) -> None:
         handle.write(b"x" * 4096)
         handle.flush()
@@ -109,17 +117,22 @@ def _disk_fails(code: int, as_torch_does: bool):
             raise OSError(code, os.strerror(code))
         except OSError:
             raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 4096 vs 2048") from None
+
     return fake_save
 
 
-@pytest.mark.parametrize(("code", "as_torch_does", "words"), [
-    (errno.ENOSPC, True, "no space left on device (ENOSPC)"),
-    (errno.ENOSPC, False, "no space left on device (ENOSPC)"),
-    (errno.EDQUOT, True, "disk quota exceeded (EDQUOT)"),
-    (errno.EIO, False, "I/O error (EIO)"),
-])
+@pytest.mark.parametrize(
+    ("code", "as_torch_does", "words"),
+    [
+        (errno.ENOSPC, True, "No space left on device (ENOSPC): free space there"),
+        (errno.ENOSPC, False, "No space left on device (ENOSPC): free space there"),
+        (errno.EDQUOT, True, "Disk quota exceeded (EDQUOT): check your quota"),
+        (errno.EIO, False, "Input/output error (EIO): the file system or disk failed"),
+    ],
+)
 def test_a_failed_write_is_one_line_naming_the_file_and_leaves_the_previous_checkpoint(
-        tmp_path: Path, monkeypatch, code: int, as_torch_does: bool, words: str) -> None:
+    tmp_path: Path, monkeypatch, code: int, as_torch_does: bool, words: str
+) -> None:
     good = checkpoint.save(tmp_path, state(10), keep=1, run_id=MINE)
     before = good.read_bytes()
     monkeypatch.setattr(checkpoint.torch, "save", _disk_fails(code, as_torch_does))
@@ -131,8 +144,13 @@ def test_a_failed_write_is_one_line_naming_the_file_and_leaves_the_previous_chec
     assert names(tmp_path) == ["ckpt-000000010.pt"] and good.read_bytes() == before  # no partial file, old one intact
 
 
-@pytest.mark.parametrize(("code", "words"), [(errno.EACCES, "permission denied (EACCES)"),
-                                             (errno.EROFS, "read-only file system (EROFS)")])
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        (errno.EACCES, "Permission denied (EACCES): choose a directory you may write"),
+        (errno.EROFS, "Read-only file system (EROFS): choose a writable --output-dir"),
+    ],
+)
 def test_a_folder_that_refuses_new_files(tmp_path: Path, monkeypatch, code: int, words: str) -> None:
     good = checkpoint.save(tmp_path, state(10), keep=1, run_id=MINE)
     real_open = os.open
@@ -143,15 +161,21 @@ def test_a_folder_that_refuses_new_files(tmp_path: Path, monkeypatch, code: int,
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    with pytest.raises(checkpoint.WriteError, match=rf"^cannot write {re.escape(str(tmp_path))}/ckpt-000000020.pt: "
-                                                   rf"{re.escape(words)}"):
+    with pytest.raises(
+        checkpoint.WriteError,
+        match=rf"^cannot write {re.escape(str(tmp_path))}/ckpt-000000020.pt: "
+        rf"{re.escape(words)}",
+    ):
         checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
     assert names(tmp_path) == ["ckpt-000000010.pt"] and checkpoint.read(good)["global_step"] == 10
 
 
 def test_an_uncreatable_checkpoint_folder_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    with pytest.raises(checkpoint.WriteError, match=r"cannot write .*file/checkpoints: a path component is a file"):
+    with pytest.raises(
+        checkpoint.WriteError,
+        match=r"cannot write .*file/checkpoints: Not a directory \(ENOTDIR\): a component of the path is a file",
+    ):
         checkpoint.save(tmp_path / "file" / "checkpoints", state(10), keep=1)
 
 
@@ -162,7 +186,7 @@ def test_a_failed_rename_leaves_no_temporary(tmp_path: Path, monkeypatch) -> Non
         raise OSError(errno.EACCES, os.strerror(errno.EACCES))
 
     monkeypatch.setattr(os, "replace", refuse)
-    with pytest.raises(checkpoint.WriteError, match="permission denied"):
+    with pytest.raises(checkpoint.WriteError, match="Permission denied"):
         checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
     assert names(tmp_path) == ["ckpt-000000010.pt"]
 
@@ -191,7 +215,9 @@ def test_text_results_are_written_atomically(tmp_path: Path, monkeypatch) -> Non
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full_disk)
-    with pytest.raises(checkpoint.WriteError, match=rf"cannot write {re.escape(str(summary))}: no space left"):
+    with pytest.raises(
+        checkpoint.WriteError, match=rf"cannot write {re.escape(str(summary))}: No space left on device"
+    ):
         checkpoint.write_text_atomically(summary, '{"epochs": 2}\n', run_id=MINE)
     assert summary.read_text() == '{"epochs": 1}\n' and names(tmp_path) == ["summary.json"]
 
@@ -272,7 +298,9 @@ def test_full_disk_is_reported_as_the_os_error(tmp_path: Path) -> None:
         with pytest.raises(OSError) as raised:
             checkpoint.save(mount, big, keep=3, run_id=MINE)
         assert raised.value.errno == errno.ENOSPC
-        assert str(raised.value).startswith(f"cannot write {mount / 'ckpt-000000020.pt'}: no space left on device")
+        assert str(raised.value).startswith(
+            f"cannot write {mount / 'ckpt-000000020.pt'}: No space left on device (ENOSPC)"
+        )
         assert os.listdir(mount) == [good.name] and good.read_bytes() == before  # the partial temporary is gone
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
@@ -282,7 +310,7 @@ def test_read_only_file_system(tmp_path: Path) -> None:
     mount = tmp_path / "ro"
     _tmpfs(mount, "size=64k,ro")
     try:
-        with pytest.raises(checkpoint.WriteError, match=r"cannot write .*ckpt-000000010.pt: read-only file system"):
+        with pytest.raises(checkpoint.WriteError, match=r"cannot write .*ckpt-000000010.pt: Read-only file system"):
             checkpoint.save(mount, state(10), keep=3, run_id=MINE)
         assert os.listdir(mount) == []
     finally:

@@ -35,8 +35,14 @@ sys.stdin.readline()  # hold the directory until told to go
 
 def start_holder(directory: Path, heartbeat: float = 0.2) -> tuple[subprocess.Popen[str], str]:
     """A second process that claims ``directory`` and keeps it until its stdin is closed."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(directory), str(heartbeat)], cwd=REPO, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(directory), str(heartbeat)],
+        cwd=REPO,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout is not None
     run_id = proc.stdout.readline().strip()
     assert run_id, proc.stderr.read() if proc.stderr else ""
@@ -44,9 +50,16 @@ def start_holder(directory: Path, heartbeat: float = 0.2) -> tuple[subprocess.Po
 
 
 def write_lock(directory: Path, **fields: object) -> Path:
-    holder = {"run_id": "20260101T000000-elsewhere-1-abcdef", "host": socket.gethostname(), "pid": 1,
-              "started": "2026-01-01T00:00:00+00:00", "program": "hpcdl.train", "slurm_job_id": "",
-              "slurm_restart_count": 0, **fields}
+    holder = {
+        "run_id": "20260101T000000-elsewhere-1-abcdef",
+        "host": socket.gethostname(),
+        "pid": 1,
+        "started": "2026-01-01T00:00:00+00:00",
+        "program": "hpcdl.train",
+        "slurm_job_id": "",
+        "slurm_restart_count": 0,
+        **fields,
+    }
     lock = directory / rundir.LOCK_NAME
     lock.write_text(json.dumps(holder))
     return lock
@@ -91,7 +104,9 @@ def test_lock_of_a_dead_process_on_this_host_is_taken_over_with_one_line(tmp_pat
     with rundir.claim(tmp_path, None, resume=True) as run:
         assert json.loads((tmp_path / rundir.LOCK_NAME).read_text())["run_id"] == run.run_id
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"hpcdl.train: taking over {tmp_path} from run 20260101T000000-elsewhere-1-abcdef" in err[0]
+    assert (
+        len(err) == 1 and f"hpcdl.train: taking over {tmp_path} from run 20260101T000000-elsewhere-1-abcdef" in err[0]
+    )
     assert f"its process {pid} on {socket.gethostname()} is gone" in err[0]
 
 
