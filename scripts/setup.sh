@@ -66,7 +66,10 @@ fi
 # already imports (a site module, a conda env, an NGC container) through a .pth file in the venv, so
 # no second torch (2.6 GB) is installed. "auto" takes an existing torch only where that is safe.
 EXISTING_MARK="$VENV/.hpcdl-existing-torch"
-boot_torch() { "$PY_BOOT" -c 'import torch, torchvision; print(torch.__version__)' 2>/dev/null; }
+# torch and torchvision that import and work together in $PY_BOOT: prints torch's version.
+boot_torch() {
+  "$PY_BOOT" -c 'import torch, torchvision.ops as o; o.nms(torch.rand(2, 4), torch.rand(2), 0.5); print(torch.__version__)' 2>/dev/null
+}
 if [ "$TORCH_MODE" = auto ]; then
   TORCH_MODE=pip
   if [ -f "$EXISTING_MARK" ]; then

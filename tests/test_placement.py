@@ -179,7 +179,8 @@ def test_one_node_without_gpus_among_good_ones() -> None:
 def test_a_rank_that_could_not_query_its_gpu_is_named() -> None:
     rows = [row(0, local_size=2), row(1, local_size=2, problem="RuntimeError: CUDA error: unknown error")]
     assert placement_error(rows, gpu_requested=True) == (
-        "rank 1 on n1 could not query its GPU (RuntimeError: CUDA error: unknown error); check the GPU and driver there")
+        "rank 1 on n1 could not query its GPU (RuntimeError: CUDA error: unknown error); "
+        "check the GPU and driver there")
 
 
 def test_cpu_runs_are_fine_without_gpus() -> None:
@@ -238,7 +239,8 @@ def test_two_ranks_on_one_pretend_gpu_stop_every_rank_with_one_line(tmp_path) ->
     # rank 0's one line (the other rank reached the same verdict and exits quietly); the rest is mpirun's banner
     lines = [line for line in result.stderr.splitlines() if "hpcdl" in line or "rror" in line.split(":")[0]]
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("hpcdl.train: error: ranks 0 and 1 on ") and "share one GPU (cuda:0, GPU-fake-0)" in lines[0]
+    assert lines[0].startswith("hpcdl.train: error: ranks 0 and 1 on ")
+    assert "share one GPU (cuda:0, GPU-fake-0)" in lines[0]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
     assert elapsed < 60, f"took {elapsed:.0f} s"

@@ -55,6 +55,7 @@ def cached_wheelhouse() -> Path:
 
 
 @needs_ci
+@pytest.mark.timeout(1800)  # a first run also builds the wheelhouse; an offline install alone is 2-5 minutes
 def test_setup_completes_from_a_wheelhouse_with_the_network_cut(tmp_path: Path) -> None:
     reason = can_cut_the_network()
     if reason:
@@ -116,12 +117,14 @@ def test_a_missing_wheelhouse_is_one_line(tmp_path: Path) -> None:
     assert result.returncode != 0 and "is not a folder (make one with: make wheelhouse DIR=...)" in result.stderr
 
 
+@pytest.mark.timeout(1800)
 def test_existing_torch_is_linked_not_installed(tmp_path: Path) -> None:
     """HPCDL_TORCH=existing with PYTHON = an environment that has torch (here: the project venv, as a site
     module or a container would have it). The new venv must import that same torch, install no torch of
     its own, and build mpi4py and install hpcdl itself. Offline, from a wheelhouse of the small pieces."""
     if not RUN_HERE:
-        pytest.skip("builds mpi4py in a scratch venv (a minute or two): runs in CI (CI=true) or with HPCDL_OFFLINE_TEST=1")
+        pytest.skip("builds mpi4py in a scratch venv (a minute or two): runs in CI (CI=true) "
+                    "or with HPCDL_OFFLINE_TEST=1")
     venv = tmp_path / "venv"
     base = Path(sys.executable)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))}
