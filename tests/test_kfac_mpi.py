@@ -239,3 +239,34 @@ def test_a_branch_used_on_one_rank_only_does_not_break_step() -> None:
     got_a = pre.a_factors[extra]
     ok = got_a is not None and _rel(got_a, want_a) < 1e-10
     assert_all_ranks(ok and _same_on_all_ranks(hvd, _flat(model), "test.kfac.branch"), "extra layer's A factor")
+
+
+def _train_with_skips(hvd, steps: list[int], skipped: set[int]) -> KFACPreconditioner:
+    """Distributed training where the steps in ``skipped`` overflow (inf in a gradient, found_inf=1)."""
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    pre = KFACPreconditioner(model, grad_worker_fraction=1.0 / hvd.size(), skip_layers=["extra"], **SETTINGS)
+    rank = hvd.rank()
+    for step in steps:
+        x, y = _batch(step, PER_RANK * hvd.size())
+        shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[shard]), y[shard]).backward()
+        optimizer.synchronize()
+        if step in skipped:
+            model.fc2.weight.grad[0, 0] = float("inf")
+        pre.step(found_inf=torch.tensor(1.0 if step in skipped else 0.0))
+        if step not in skipped:
+            with optimizer.skip_synchronize():
+                optimizer.step()
+    return pre
+
+
+def test_a_skipped_step_leaves_no_trace_in_the_factors_on_any_rank() -> None:
+    hvd = _horovod()
+    with_skip = _train_with_skips(hvd, [0, 1, 2, 3], {2})
+    without = _train_with_skips(hvd, [0, 1, 3], set())
+    pairs = zip(with_skip.a_factors + with_skip.g_factors, without.a_factors + without.g_factors, strict=True)
+    ok = all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in pairs)
+    assert_all_ranks(ok, "factors of a run with a skipped step differ from a run without it")
