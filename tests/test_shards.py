@@ -238,3 +238,16 @@ def test_pack_command_line(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=180)
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
     assert "does not exist" in missing.stderr
+
+
+def test_hpcdl_train_reads_shards_on_two_ranks(tmp_path: Path) -> None:
+    from mpi_harness import run_train
+
+    write_mnist(tmp_path / "data", train=40, test=10)
+    pack("mnist", tmp_path / "data", tmp_path / "shards", shard_bytes=4000, seed=0, force=False)
+    result = run_train(2, tmp_path / "run", "--dataset", "mnist", "--data-dir", str(tmp_path / "shards"),
+                       "--batch-size", "4", "--test-batch-size", "3", "--epochs", "1", "--warmup-epochs", "0",
+                       "--workers", "0", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2
