@@ -1,32 +1,47 @@
-"""Per-iteration time of K-FAC against plain SGD on resnet32, side by side in one run.
+"""Per-iteration time and peak memory of K-FAC against plain SGD, side by side in one run.
 
-    .venv/bin/python benchmarks/kfac_overhead.py                      # the README numbers
-    .venv/bin/python benchmarks/kfac_overhead.py --rounds 1 --quick   # a smoke run
+    .venv/bin/python benchmarks/kfac_overhead.py                        # CPU: resnet32, batch 64 (README)
+    .venv/bin/python benchmarks/kfac_overhead.py --device cuda          # GPU: ResNet-50, batch 64, TF32 and AMP
+    .venv/bin/python benchmarks/kfac_overhead.py --rounds 1 --quick     # a smoke run
 
-CIFAR-shaped random batches (64 x 3 x 32 x 32) on the CPU with 2 threads, no data loading.
+CPU: CIFAR-shaped random batches (64 x 3 x 32 x 32), resnet32, 2 threads. CUDA: ImageNet-shaped
+random batches (64 x 3 x 224 x 224) on the GPU, torchvision's ResNet-50, once in float32 with TF32
+on (the script's matmuls; K-FAC keeps its own in IEEE float32) and once with AMP (float16
+autocast and a GradScaler, K-FAC told about skipped steps through ``found_inf``).
+
 For each (factor, inverse) update frequency the script alternates SGD steps and K-FAC steps one
 by one (two copies of the model with the same initialisation) for rounds of one inverse-update
 period each, so that every round holds K-FAC's share of factor updates and exactly one
-decomposition, and noise from other processes hits both alike. It reports the median over rounds
-of K-FAC's mean step time over SGD's (min and max in the JSON).
-It also reports where K-FAC's time goes (the preconditioner's own phase timers, plus the hooks
-measured as the remainder) and, with --profile, a torch.profiler table for (1, 10).
+decomposition, and noise from other processes hits both alike. On a GPU every step ends with
+``torch.cuda.synchronize()``. It reports the median over rounds of K-FAC's mean step time over
+SGD's (min and max in the JSON). ``--baseline DIR`` adds a third contender, alternating with the
+other two: the ``kfac`` package found in DIR (e.g. an older checkout), to compare versions on a
+shared machine.
 
-Targets from the issue: at most 3.5x SGD's step at (1, 10) and 1.33x at (10, 10); kfac-pytorch
-measured 6.0x and 1.65x on this machine kind.
+Peak memory: each variant (SGD, and K-FAC at each frequency) runs in a fresh process for one
+inverse-update period (at most 12 steps, step 0 has every phase): ``torch.cuda.max_memory_allocated``
+on a GPU, the growth of the peak resident set over the model and batch on the CPU.
+
+Targets from the issues: CPU at most 3.5x SGD at (1, 10) and 1.33x at (10, 10) (kfac-pytorch
+6.0x and 1.65x); H100 ResNet-50 batch 64 at most 3.0x at (1, 10) and 1.15x at (10, 100), peak
+memory at most kfac-pytorch's 6.9 / 8.4 GiB (it measured 6.86x and 2.07x).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,189 +50,396 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kfac import KFACPreconditioner  # noqa: E402
-
-TARGETS = {(1, 10): 3.5, (10, 10): 1.33}
-REFERENCE_KFAC_PYTORCH = {(1, 10): 6.0, (10, 10): 1.65}
-
-
-def build_resnet32() -> nn.Module:
-    from hpcdl.models import build_model
-
-    return build_model("resnet32", num_classes=10, in_channels=3)
-
-
-def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, pre: KFACPreconditioner | None):
-    x, y = batch
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        if pre is not None:
-            pre.step()
-        optimizer.step()
-
-    return step
+TARGETS = {
+    "cpu": {(1, 10): 3.5, (10, 10): 1.33},
+    "cuda": {(1, 10): 3.0, (10, 100): 1.15},
+}
+REFERENCE_KFAC_PYTORCH = {
+    "cpu": {(1, 10): 6.0, (10, 10): 1.65},
+    "cuda": {(1, 10): 6.86, (10, 100): 2.07},
+}
+REFERENCE_KFAC_PYTORCH_GIB = {"cuda": {(1, 10): 6.9, (10, 100): 8.4}}
+DEFAULT_CONFIGS = {"cpu": "1,10 10,10 10,100", "cuda": "1,10 10,10 10,100"}
 
 
-def run(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    batch = (
-        torch.randn(args.batch_size, 3, 32, 32, generator=g),
-        torch.randint(0, 10, (args.batch_size,), generator=g),
-    )
+# ------------------------------------------------------------------ one contender's step
+class Stepper:
+    """One model with its optimizer, and optionally a K-FAC preconditioner; ``step()`` trains one batch."""
 
-    def fresh():
+    def __init__(self, args: argparse.Namespace, batch, kfac_module: Any = None, freqs: tuple[int, int] | None = None):
         torch.manual_seed(0)
-        model = build_resnet32()
-        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+        self.model = build_model(args).to(args.device)
+        if args.device == "cuda":
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+        self.batch = batch
+        self.amp = args.precision == "amp"
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp else None
+        self.pre = None
+        self.found_inf_supported = False
+        if kfac_module is not None and freqs is not None:
+            self.pre = kfac_module.KFACPreconditioner(
+                self.model, factor_update_freq=freqs[0], inv_update_freq=freqs[1], lr=0.1, grad_scaler=self.scaler
+            )
+            self.found_inf_supported = "found_inf" in kfac_module.KFACPreconditioner.step.__code__.co_varnames
 
-    sgd_model, sgd_opt = fresh()
-    sgd_step = make_step(sgd_model, sgd_opt, batch, None)
+    def step(self) -> None:
+        x, y = self.batch
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.float16, enabled=self.amp):
+            loss = F.cross_entropy(self.model(x), y)
+        if self.scaler is None:
+            loss.backward()
+            if self.pre is not None:
+                self.pre.step()
+            self.optimizer.step()
+            return
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        if self.pre is not None:
+            if self.found_inf_supported:
+                found = self.scaler._found_inf_per_device(self.optimizer)  # the flags unscale_ just set
+                self.pre.step(found_inf=sum(found.values()).clamp(max=1.0))
+            else:
+                self.pre.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    if args.device == "cuda":
+        import torchvision
+
+        return torchvision.models.resnet50()
+    from hpcdl.models import build_model as hpcdl_model
+
+    return hpcdl_model("resnet32", num_classes=10, in_channels=3)
+
+
+def make_batch(args: argparse.Namespace):
+    g = torch.Generator().manual_seed(0)
+    if args.device == "cuda":
+        x = torch.randn(args.batch_size, 3, 224, 224, generator=g).to("cuda", memory_format=torch.channels_last)
+        return x, torch.randint(0, 1000, (args.batch_size,), generator=g).cuda()
+    return torch.randn(args.batch_size, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch_size,), generator=g)
+
+
+def import_kfac(directory: Path | None) -> Any:
+    """The kfac package of this checkout, or the one in ``directory`` (imported under another name)."""
+    if directory is None:
+        return importlib.import_module("kfac")
+    name = "kfac_baseline"
+    source = directory / "kfac"
+    target = Path(os.environ.get("TMPDIR", "/tmp")) / f"kfac_baseline_{os.getpid()}" / name
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source.glob("*.py"):  # the same code with its imports renamed
+        text = path.read_text().replace("from kfac", f"from {name}").replace("import kfac", f"import {name}")
+        (target / path.name).write_text(text)
+    sys.path.insert(0, str(target.parent))
+    return importlib.import_module(name)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ timing
+def run(args: argparse.Namespace) -> list[dict]:
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    set_tf32(args)
+    kfac = import_kfac(None)
+    baseline = import_kfac(args.baseline) if args.baseline else None
+    batch = make_batch(args)
+    sgd = Stepper(args, batch)
     for _ in range(3):
-        sgd_step()
-
+        sgd.step()
     results = []
     for factor_freq, inv_freq in args.configs:
-        model, opt = fresh()
-        warm = KFACPreconditioner(model, factor_update_freq=1, inv_update_freq=1)  # warm caches, then detach
-        warm_step = make_step(model, opt, batch, warm)
-        for _ in range(2):
-            warm_step()
-        warm.remove_hooks()
-        pre = KFACPreconditioner(model, factor_update_freq=factor_freq, inv_update_freq=inv_freq, lr=0.1)
-        kfac_step = make_step(model, opt, batch, pre)
+        contenders = {"kfac": Stepper(args, batch, kfac, (factor_freq, inv_freq))}
+        if baseline is not None:
+            contenders["baseline"] = Stepper(args, batch, baseline, (factor_freq, inv_freq))
+        for stepper in contenders.values():  # warm caches, cuDNN plans and worker threads
+            for _ in range(2):
+                stepper.step()
         period = math.lcm(factor_freq, inv_freq)
         rounds = []
         for r in range(args.rounds):
-            # SGD and K-FAC steps alternate one by one, so that other processes on a shared machine
-            # slow both alike; a round is one inverse-update period of K-FAC steps.
-            sgd = kfac = 0.0
-            before = dict(pre.timings)
+            # The contenders alternate step by step, so that other processes on a shared machine
+            # slow all alike; a round is one inverse-update period of K-FAC steps.
+            totals = {"sgd": 0.0, **{name: 0.0 for name in contenders}}
+            before = dict(contenders["kfac"].pre.timings)
             for _ in range(period):
-                start = time.perf_counter()
-                sgd_step()
-                middle = time.perf_counter()
-                kfac_step()
-                sgd, kfac = sgd + middle - start, kfac + time.perf_counter() - middle
-            sgd, kfac = sgd / period, kfac / period
-            phases = {k: (v - before.get(k, 0.0)) / period * 1e3 for k, v in pre.timings.items()}
-            rounds.append({"sgd_ms": sgd * 1e3, "kfac_ms": kfac * 1e3, "ratio": kfac / sgd, "phases": phases})
+                for name, stepper in [("sgd", sgd), *contenders.items()]:
+                    _sync(args.device)
+                    start = time.perf_counter()
+                    stepper.step()
+                    _sync(args.device)
+                    totals[name] += time.perf_counter() - start
+            ms = {name: total / period * 1e3 for name, total in totals.items()}
+            timings = contenders["kfac"].pre.timings
+            phases = {k: (v - before.get(k, 0.0)) / period * 1e3 for k, v in timings.items()}
+            entry = {"sgd_ms": ms["sgd"], "kfac_ms": ms["kfac"], "ratio": ms["kfac"] / ms["sgd"], "phases": phases}
+            if baseline is not None:
+                entry.update(baseline_ms=ms["baseline"], baseline_ratio=ms["baseline"] / ms["sgd"])
+            rounds.append(entry)
+            extra = f"  baseline {ms['baseline']:7.1f} ms ({entry['baseline_ratio']:.2f})" if baseline else ""
             print(
-                f"({factor_freq:>2}, {inv_freq:>3}) round {r + 1}/{args.rounds}: SGD {sgd * 1e3:7.1f} ms  "
-                f"K-FAC {kfac * 1e3:7.1f} ms  ratio {kfac / sgd:.2f}",
+                f"{args.precision} ({factor_freq:>2}, {inv_freq:>3}) round {r + 1}/{args.rounds}: "
+                f"SGD {ms['sgd']:7.1f} ms  K-FAC {ms['kfac']:7.1f} ms  ratio {entry['ratio']:.2f}{extra}",
                 flush=True,
             )
-        # Interference only ever adds time: the median of the per-round ratios is reported, with the
-        # phases of the round closest to it.
-        ratio = statistics.median(r["ratio"] for r in rounds)
-        typical = min(rounds, key=lambda r: abs(r["ratio"] - ratio))
-        phases = {k: round(v, 2) for k, v in typical["phases"].items()}
-        phases["hooks and the rest"] = round(
-            typical["kfac_ms"] - typical["sgd_ms"] - sum(typical["phases"].values()), 2
-        )
-        results.append(
-            {
-                "factor_update_freq": factor_freq,
-                "inv_update_freq": inv_freq,
-                "sgd_ms": typical["sgd_ms"],
-                "kfac_ms": typical["kfac_ms"],
-                "ratio": ratio,
-                "min_ratio": min(r["ratio"] for r in rounds),
-                "max_ratio": max(r["ratio"] for r in rounds),
-                "rounds": rounds,
-                "target": TARGETS.get((factor_freq, inv_freq)),
-                "kfac_pytorch_ratio": REFERENCE_KFAC_PYTORCH.get((factor_freq, inv_freq)),
-                "phase_ms_per_step": phases,
-            }
-        )
+        results.append(summarise(args, factor_freq, inv_freq, rounds, contenders["kfac"].pre))
         if args.profile and (factor_freq, inv_freq) == (1, 10):
-            from torch.profiler import ProfilerActivity, profile
+            profile(args, contenders["kfac"], period)
+        for stepper in contenders.values():
+            stepper.pre.remove_hooks()
+        del contenders
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return results
 
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(period):
-                    kfac_step()
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
-            (args.out.parent / "kfac_overhead_profile.txt").write_text(table)
-            print(table)
-        pre.remove_hooks()
-    return {
-        "model": "resnet32",
-        "batch": [args.batch_size, 3, 32, 32],
-        "threads": args.threads,
-        "rounds": args.rounds,
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "results": results,
+
+def summarise(args: argparse.Namespace, factor_freq: int, inv_freq: int, rounds: list[dict], pre: Any) -> dict:
+    # Interference only ever adds time: the median of the per-round ratios is reported, with the
+    # phases of the round closest to it (host time: on a GPU the time to launch the work).
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    typical = min(rounds, key=lambda r: abs(r["ratio"] - ratio))
+    phases = {k: round(v, 2) for k, v in typical["phases"].items()}
+    phases["hooks and the rest"] = round(typical["kfac_ms"] - typical["sgd_ms"] - sum(typical["phases"].values()), 2)
+    key = (factor_freq, inv_freq)
+    result = {
+        "precision": args.precision,
+        "factor_update_freq": factor_freq,
+        "inv_update_freq": inv_freq,
+        "sgd_ms": typical["sgd_ms"],
+        "kfac_ms": typical["kfac_ms"],
+        "ratio": ratio,
+        "min_ratio": min(r["ratio"] for r in rounds),
+        "max_ratio": max(r["ratio"] for r in rounds),
+        "rounds": rounds,
+        "target": TARGETS[args.device].get(key) if args.precision != "amp" else None,
+        "kfac_pytorch_ratio": REFERENCE_KFAC_PYTORCH[args.device].get(key) if args.precision != "amp" else None,
+        "phase_ms_per_step": phases,
+        "eigen_recoveries": pre.stats["eigen_recoveries"],
     }
+    if "baseline_ratio" in rounds[0]:
+        result["baseline_ratio"] = statistics.median(r["baseline_ratio"] for r in rounds)
+        result["kfac_over_baseline"] = statistics.median(r["kfac_ms"] / r["baseline_ms"] for r in rounds)
+    return result
 
 
+def profile(args: argparse.Namespace, stepper: Stepper, period: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(period):
+            stepper.step()
+        _sync(args.device)
+    sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=25)
+    (args.out.parent / f"{args.out.name}_profile.txt").write_text(table)
+    print(table)
+
+
+def set_tf32(args: argparse.Namespace) -> None:
+    """The training script's own choice on a GPU: TF32 for its float32 matmuls and convolutions."""
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"  # type: ignore[attr-defined]
+        torch.backends.cudnn.benchmark = True
+
+
+# ------------------------------------------------------------------ memory, in fresh processes
+def memory_child(args: argparse.Namespace) -> None:
+    """Run one variant for a few steps and print its peak memory as JSON (see the module doc)."""
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    set_tf32(args)
+    batch = make_batch(args)
+    freqs = None if args.memory_of == "sgd" else tuple(int(v) for v in args.memory_of.split(","))
+    kfac = import_kfac(args.baseline) if freqs is not None else None
+    base_rss = _current_rss()
+    stepper = Stepper(args, batch, kfac, freqs)  # type: ignore[arg-type]
+    steps = min(12, math.lcm(*freqs)) if freqs else 12
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        stepper.step()
+    _sync(args.device)
+    if args.device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
+    print(json.dumps({"variant": args.memory_of, "peak_bytes": peak}), flush=True)
+
+
+def _current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_memory(args: argparse.Namespace, variant: str, baseline: Path | None = None) -> float:
+    command = [sys.executable, __file__, "--device", args.device, "--precision", args.precision]
+    command += ["--threads", str(args.threads), "--batch-size", str(args.batch_size), "--memory-of", variant]
+    if baseline is not None:
+        command += ["--baseline", str(baseline)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    line = next(line for line in reversed(out.splitlines()) if line.startswith("{"))
+    return json.loads(line)["peak_bytes"] / 2**30
+
+
+# ------------------------------------------------------------------ output
 def write(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = [
-        "factor_update_freq,inv_update_freq,sgd_ms,kfac_ms,median_ratio,min_ratio,max_ratio,target,kfac_pytorch_ratio"
-    ]
+    header = "precision,factor_update_freq,inv_update_freq,sgd_ms,kfac_ms,median_ratio,min_ratio,max_ratio"
+    lines = [header + ",target,kfac_pytorch_ratio,peak_gib,sgd_peak_gib,baseline_ratio"]
     for r in report["results"]:
         lines.append(
-            f"{r['factor_update_freq']},{r['inv_update_freq']},{r['sgd_ms']:.1f},{r['kfac_ms']:.1f},{r['ratio']:.3f},"
-            f"{r['min_ratio']:.3f},{r['max_ratio']:.3f},{r['target'] or ''},{r['kfac_pytorch_ratio'] or ''}"
+            f"{r['precision']},{r['factor_update_freq']},{r['inv_update_freq']},{r['sgd_ms']:.1f},{r['kfac_ms']:.1f},"
+            f"{r['ratio']:.3f},{r['min_ratio']:.3f},{r['max_ratio']:.3f},{r['target'] or ''},"
+            f"{r['kfac_pytorch_ratio'] or ''},{_fmt(r.get('peak_gib'))},"
+            f"{_fmt(report['sgd_peak_gib'].get(r['precision']))},{_fmt(r.get('baseline_ratio'))}"
         )
     out.with_suffix(".csv").write_text("\n".join(lines) + "\n")
+    plot(report, out.with_suffix(".png"))
 
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"({r['factor_update_freq']}, {r['inv_update_freq']})" for r in report["results"]]
-    xs = range(len(labels))
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    ratios = [r["ratio"] for r in report["results"]]
-    spread = [
-        [r["ratio"] - r["min_ratio"] for r in report["results"]],
-        [r["max_ratio"] - r["ratio"] for r in report["results"]],
+    results = report["results"]
+    labels = [
+        f"({r['factor_update_freq']}, {r['inv_update_freq']})" + (" AMP" if r["precision"] == "amp" else "")
+        for r in results
     ]
+    xs = list(range(len(labels)))
+    with_memory = any(r.get("peak_gib") is not None for r in results)
+    fig, axes = plt.subplots(1, 2 if with_memory else 1, figsize=(11 if with_memory else 6.4, 3.8), squeeze=False)
+    ax = axes[0][0]
+    ratios = [r["ratio"] for r in results]
+    spread = [[r["ratio"] - r["min_ratio"] for r in results], [r["max_ratio"] - r["ratio"] for r in results]]
     ax.bar([x - 0.2 for x in xs], ratios, width=0.4, yerr=spread, capsize=4, label="hpcdl kfac (median, min-max)")
-    ref = [r["kfac_pytorch_ratio"] or 0 for r in report["results"]]
-    ax.bar([x + 0.2 for x in xs], ref, width=0.4, label="kfac-pytorch (issue)", color="tab:gray")
-    for x, r in zip(xs, report["results"], strict=False):
+    ref = [r["kfac_pytorch_ratio"] or 0 for r in results]
+    ax.bar([x + 0.2 for x in xs], ref, width=0.4, label="kfac-pytorch (issues)", color="tab:gray")
+    if any(r.get("baseline_ratio") for r in results):
+        ax.plot(xs, [r.get("baseline_ratio") or float("nan") for r in results], "kD", label="previous hpcdl kfac")
+    for x, r in zip(xs, results, strict=True):
         if r["target"]:
             ax.hlines(
                 r["target"], x - 0.45, x + 0.45, colors="tab:red", linestyles="--", label="target" if x == 0 else None
             )
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(list(xs), labels)
+    ax.set_xticks(xs, labels)
     ax.set_xlabel("(factor, inverse) update frequency")
     ax.set_ylabel("step time / SGD step time")
-    ax.set_title(f"K-FAC overhead, resnet32, batch {report['batch'][0]}, {report['threads']} CPU threads")
-    ax.legend()
+    ax.set_title(f"K-FAC overhead, {report['model']}, batch {report['batch'][0]}, {report['device_name']}", fontsize=9)
+    ax.legend(fontsize=8)
+    if with_memory:
+        ax = axes[0][1]
+        unit = "GiB" if report["device"] == "cuda" else "GiB (peak RSS growth)"
+        peaks = [r.get("peak_gib") or 0 for r in results]
+        ax.bar([x - 0.2 for x in xs], peaks, width=0.4, label="hpcdl kfac")
+        refs = [r.get("kfac_pytorch_peak_gib") or 0 for r in results]
+        ax.bar([x + 0.2 for x in xs], refs, width=0.4, color="tab:gray", label="kfac-pytorch (issue)")
+        for precision, peak in report["sgd_peak_gib"].items():
+            ax.axhline(
+                peak,
+                color="black",
+                linewidth=0.8,
+                linestyle=":" if precision == "amp" else "-",
+                label=f"SGD {precision}",
+            )
+        ax.set_xticks(xs, labels)
+        ax.set_ylabel(f"peak memory, {unit}")
+        ax.set_title("peak memory (fresh process per variant)", fontsize=9)
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
+    fig.savefig(path, dpi=120)
 
 
+# ------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precisions", default=None, help="cuda: 'fp32 amp' (default); cpu: 'fp32'")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (cpu only)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--sgd-block", type=int, default=10, help="SGD steps per round (at most one period)")
-    parser.add_argument("--configs", default="1,10 10,10 10,100", help="(factor,inverse) pairs")
+    parser.add_argument("--configs", default=None, help="(factor,inverse) pairs, e.g. '1,10 10,100'")
+    parser.add_argument("--quick", action="store_true", help="one round of (1,10) only")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    parser.add_argument("--baseline", type=Path, default=None, help="a checkout whose kfac/ is a third contender")
     parser.add_argument("--profile", action="store_true", help="torch.profiler table for (1, 10)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kfac_overhead")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.configs = [tuple(int(v) for v in pair.split(",")) for pair in args.configs.split()]
-    report = run(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    if args.memory_of is not None:
+        memory_child(args)
+        return
+    suffix = "" if args.device == "cpu" else "_cuda"
+    args.out = args.out or REPO / "benchmarks" / "results" / f"kfac_overhead{suffix}"
+    configs = "1,10" if args.quick else (args.configs or DEFAULT_CONFIGS[args.device])
+    args.configs = [tuple(int(v) for v in pair.split(",")) for pair in configs.split()]
+    if args.quick:
+        args.rounds = 1
+    precisions = (args.precisions or ("fp32 amp" if args.device == "cuda" else "fp32")).split()
+    if args.device == "cpu" and precisions != ["fp32"]:
+        parser.error("--precisions: the CPU benchmark runs in fp32 only")
+
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} CPU threads"
+    report: dict = {
+        "device": args.device,
+        "device_name": device_name,
+        "model": "resnet50" if args.device == "cuda" else "resnet32",
+        "batch": [args.batch_size, 3, 224, 224] if args.device == "cuda" else [args.batch_size, 3, 32, 32],
+        "threads": args.threads if args.device == "cpu" else torch.get_num_threads(),
+        "rounds": args.rounds,
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
+        "baseline": str(args.baseline) if args.baseline else None,
+        "results": [],
+        "sgd_peak_gib": {},
+    }
+    for precision in precisions:
+        args.precision = precision
+        results = run(args)
+        if not args.no_memory:
+            report["sgd_peak_gib"][precision] = measure_memory(args, "sgd")
+            for r in results:
+                variant = f"{r['factor_update_freq']},{r['inv_update_freq']}"
+                r["peak_gib"] = measure_memory(args, variant)
+                if args.baseline:
+                    r["baseline_peak_gib"] = measure_memory(args, variant, args.baseline)
+                if precision == "fp32":
+                    key = (r["factor_update_freq"], r["inv_update_freq"])
+                    r["kfac_pytorch_peak_gib"] = REFERENCE_KFAC_PYTORCH_GIB.get(args.device, {}).get(key)
+        report["results"].extend(results)
+    report["load_average_at_end"] = os.getloadavg()
     write(report, args.out)
     for r in report["results"]:
-        verdict = (
-            "" if r["target"] is None else ("  (target met)" if r["ratio"] <= r["target"] else "  (target MISSED)")
-        )
+        met = "" if r["target"] is None else ("  (target met)" if r["ratio"] <= r["target"] else "  (target MISSED)")
+        memory = f"  peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") is not None else ""
+        base = f"  previous version {r['baseline_ratio']:.2f}" if r.get("baseline_ratio") else ""
         print(
-            f"({r['factor_update_freq']}, {r['inv_update_freq']}): K-FAC/SGD = {r['ratio']:.2f}{verdict}  {r['phase_ms_per_step']}"
+            f"{r['precision']} ({r['factor_update_freq']}, {r['inv_update_freq']}): K-FAC/SGD = {r['ratio']:.2f}"
+            f"{met}{base}{memory}  {r['phase_ms_per_step']}"
         )
     print(f"wrote {args.out.with_suffix('.json')}, .csv, .png")
 
