@@ -106,10 +106,11 @@ def masked_running_averages(olds: list[Tensor], news: list[Tensor], decay: float
 
     ``keep`` holds 0-dim booleans on the factors' device (a skipped or non-finite step): the old
     factor is selected element by element, so a non-finite batch never reaches the result. New
-    tensors are returned; the old ones are left as they were.
+    tensors are returned and the old ones are left as they were (a background decomposition may
+    still read them); one layer at a time, so that at most one extra factor is alive at once.
     """
-    if not olds:
-        return []
-    mixed = torch._foreach_mul(olds, decay)
-    torch._foreach_add_(mixed, news, alpha=1.0 - decay)
-    return [torch.where(k, old, m) for old, m, k in zip(olds, mixed, keep, strict=False)]
+    averaged = []
+    for old, new, k in zip(olds, news, keep, strict=True):
+        mixed = torch.mul(old, decay).add_(new, alpha=1.0 - decay)
+        averaged.append(torch.where(k, old, mixed, out=mixed))
+    return averaged
