@@ -385,9 +385,11 @@ def cache_key(
     return re.sub(r"[^A-Za-z0-9.+_-]+", "_", "-".join(parts))
 
 
-def mpi_id(version_line: str) -> str:
-    """'Open_MPI_4.1.4' from `mpirun --version`'s first line ('mpirun (Open MPI) 4.1.4')."""
-    line = re.sub(r"^\S*mpi(run|exec)\S*\s*", "", version_line.strip(), flags=re.I)
+def mpi_id(version_output: str) -> str:
+    """'Open_MPI_4.1.4' from `mpirun --version` ('mpirun (Open MPI) 4.1.4'), skipping warnings such as
+    '[node:123] opal_ifinit: unable to find network interfaces.' that Open MPI may print first."""
+    lines = [line.strip() for line in version_output.splitlines() if line.strip() and not line.lstrip().startswith("[")]
+    line = re.sub(r"^\S*mpi(run|exec)\S*\s*", "", lines[0] if lines else "", flags=re.I)
     return re.sub(r"[^A-Za-z0-9.]+", "_", line).strip("_") or "unknown-mpi"
 
 
@@ -462,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env_cmd = sub.add_parser("env", help="print the build environment as shell exports, and HOROVOD_CACHE_KEY")
     env_cmd.add_argument("--gpu", choices=("0", "1"), default="0")
     env_cmd.add_argument("--cache", type=Path, required=True)
-    env_cmd.add_argument("--mpi", default="", help="the first line of `mpirun --version`")
+    env_cmd.add_argument("--mpi", default="", help="what `mpirun --version` prints")
     env_cmd.add_argument("--versions", type=Path, default=Path(__file__).with_name("versions.env"))
     args = parser.parse_args(argv)
     try:

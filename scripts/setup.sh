@@ -50,7 +50,7 @@ fi
 # ---------------------------------------------------------------- MPI
 step "1/6 MPI"
 if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
-  ok "using the MPI on PATH: $(command -v mpirun) ($(mpirun --version 2>&1 | head -n 1))"
+  ok "using the MPI on PATH: $(command -v mpirun) ($(mpirun --version 2>&1 | grep -v "^\[" | head -n 1))"
 elif [ -z "$WHEELHOUSE" ] && [ -f /etc/debian_version ] && [ "$(id -u)" = 0 ]; then
   ok "no MPI on PATH: installing Debian's Open MPI (libopenmpi-dev openmpi-bin)"
   export DEBIAN_FRONTEND=noninteractive
@@ -158,7 +158,7 @@ else
   pip_q install $HOROVOD_BUILD_REQUIREMENTS || fail "could not install Horovod's build tools ($HOROVOD_BUILD_REQUIREMENTS)"
   # Build settings, NCCL discovery, CUDA architectures and the cache key: scripts/horovod_build.py.
   BUILD_ENV="$("$VENV/bin/python" "$ROOT/scripts/horovod_build.py" env --gpu "$GPU_BUILD" --cache "$CACHE" \
-    --mpi "$(mpirun --version 2>&1 | head -n 1)")" || fail "see the line above"
+    --mpi "$(mpirun --version 2>&1)")" || fail "see the line above"
   KEY="$(printf '%s\n' "$BUILD_ENV" | sed -n 's/^HOROVOD_CACHE_KEY=//p' | tr -d "'")"
   WHEEL_DIR="$CACHE/wheels/$KEY"
   WHEEL="$(find "$WHEEL_DIR" -maxdepth 1 -name 'horovod-*.whl' 2>/dev/null | head -n 1 || true)"

@@ -226,6 +226,9 @@ def test_mpi_identity() -> None:
     assert hb.mpi_id("mpirun (Open MPI) 4.1.4") == "Open_MPI_4.1.4"
     assert hb.mpi_id("HYDRA build details:") == "HYDRA_build_details"
     assert hb.mpi_id("") == "unknown-mpi"
+    # seen with no network interface up: Open MPI warns before its version line
+    warned = "[vm:27372] opal_ifinit: unable to find network interfaces.\nmpirun (Open MPI) 4.1.4\n\nReport bugs"
+    assert hb.mpi_id(warned) == "Open_MPI_4.1.4"
 
 
 # ---------------------------------------------------------------- the cache key

@@ -69,9 +69,11 @@ def test_setup_completes_from_a_wheelhouse_with_the_network_cut(tmp_path: Path) 
     venv = tmp_path / "venv"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))}
     env.update(HPCDL_WHEELHOUSE=str(wheelhouse), HPCDL_VENV=str(venv), HPCDL_CACHE=str(CACHE), HPCDL_TORCH="pip")
-    # In the new namespace there is no interface but a down loopback: prove it, then set up.
+    # In the new namespace there is no interface but the loopback, brought up as on any node (MPI's
+    # own checks need one interface): prove that nothing outside is reachable, then set up.
     script = (
         "set -e\n"
+        "ip link set lo up 2>/dev/null || true\n"
         f"if {sys.executable} -c \"import socket; socket.create_connection(('pypi.org', 443), timeout=5)\" "
         "2>/dev/null; then echo 'network still reachable'; exit 99; fi\n"
         "bash scripts/setup.sh\n"
@@ -130,8 +132,8 @@ def test_existing_torch_is_linked_not_installed(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))}
     env.update(HPCDL_TORCH="existing", PYTHON=str(base), HPCDL_VENV=str(venv), HPCDL_CACHE=str(CACHE),
                HPCDL_WHEELHOUSE=str(cached_wheelhouse()))
-    result = subprocess.run(["unshare", "-n", "bash", "scripts/setup.sh"], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=1500)
+    result = subprocess.run(["unshare", "-n", "bash", "-c", "ip link set lo up 2>/dev/null; bash scripts/setup.sh"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "3/6 torch (existing)" in output
