@@ -3,6 +3,7 @@ order over ranks, exact mid-epoch resume, and the CPU and device decode paths ag
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,37 @@ def test_gpu_decode_matches_cpu_decode_closely(tmp_path: Path) -> None:
         assert (x - cx).abs().mean().item() < 0.05
     gpu.close()
     cpu.close()
+
+
+def test_background_prefetch_keeps_order_raises_errors_and_stops_when_abandoned() -> None:
+    import threading
+
+    from hpcdl.data.prefetch import in_background
+
+    def numbers(count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(count):
+            yield torch.tensor([i]), torch.tensor([i])
+
+    assert [int(x) for x, _ in in_background(lambda: numbers(20), CPU)] == list(range(20))
+
+    def failing() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield from numbers(3)
+        raise OSError("cannot decode image broken.jpg")
+
+    with pytest.raises(OSError, match="broken.jpg"):
+        list(in_background(failing, CPU))
+    endless = in_background(lambda: numbers(10**9), CPU)
+    next(endless)
+    endless.close()
+    assert not [t for t in threading.enumerate() if t.name == "hpcdl-prefetch"]
+
+
+def test_abandoned_epoch_on_the_device_path_leaves_the_next_epoch_exact(tmp_path: Path) -> None:
+    write_imagenet(tmp_path, classes=2, per_class=8, size=40)
+    pipeline = file_pipelines(tmp_path, True, workers=1)
+    next(iter(pipeline.train_epoch(0)))  # a run stopped after one step of epoch 0
+    resumed = list(pipeline.train_epoch(1))
+    fresh = list(file_pipelines(tmp_path, True).train_epoch(1))
+    pipeline.close()
+    assert len(resumed) == len(fresh) == 4
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(resumed, fresh, strict=True))

@@ -9,7 +9,8 @@ Two kinds, chosen by :func:`hpcdl.data.build.build_pipeline`:
 * :class:`FilePipeline` -- encoded images (ImageNet folders or shards). DataLoader workers read
   the bytes; with ``decode="cpu"`` they also decode (libjpeg-turbo), crop and flip and hand over
   uint8 batches, copied pinned and non-blocking one batch ahead on a side stream; with
-  ``decode="gpu"`` the main process decodes each batch with nvJPEG and crops on the device.
+  ``decode="gpu"`` a thread of the main process decodes each batch with nvJPEG and crops on the
+  device, two batches ahead on its own stream (:mod:`hpcdl.data.prefetch`).
 
 Either way the order comes from :mod:`hpcdl.data.order` and every random draw from a seed built
 from ``(seed, epoch, ...)``, so ``train_epoch(e, start_step=k)`` yields exactly batches k.. of the
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from hpcdl.data.augment import Normalizer, eval_view, pad_crop_flip, sample_train_params, train_view
 from hpcdl.data.images import ByteSource, decode_cpu, decode_on_device, is_jpeg
 from hpcdl.data.order import check_enough, mix_seed, rank_order, steps_per_epoch, test_order
+from hpcdl.data.prefetch import in_background
 from hpcdl.data.spec import DataSpec, Normalization
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -221,9 +223,12 @@ class FilePipeline(InputPipeline):
 
     def batches(self, loader: DataLoader, train: bool) -> Iterator[Batch]:
         if self.decode_on_gpu:
-            for payloads, jpeg, keys, labels in loader:
-                images = self.decode_views(payloads, jpeg, keys, train)
-                yield self.normalize(images), labels.to(self.device, non_blocking=True)
+            def produce() -> Iterator[Batch]:
+                for payloads, jpeg, keys, labels in loader:
+                    images = self.decode_views(payloads, jpeg, keys, train)
+                    yield self.normalize(images), labels.to(self.device, non_blocking=True)
+
+            yield from in_background(produce, self.device)
         else:
             for images, labels in copied_ahead(iter(loader), self.device):
                 yield self.normalize(images), labels
