@@ -211,25 +211,34 @@ def test_release_leaves_a_lock_taken_over_by_another_run_alone(tmp_path: Path) -
     assert json.loads((tmp_path / rundir.LOCK_NAME).read_text())["run_id"] == "20260101T000000-thief-9-999999"
 
 
-def _claim_default(args: tuple[str, float]) -> str:
+def _default_in_the_same_second(args: tuple[str, float]) -> str:
     parent, start = args
     os.chdir(parent)
-    while time.time() < start:  # every worker claims at the same instant
+    while time.time() < start:  # the workers draw their names together
         time.sleep(0.001)
-    run = rundir.claim(None, None, resume=False)
-    run.release()
-    return str(run.path)
+    return str(rundir.default_directory(Path("runs"), now=datetime(2026, 11, 23, 11, 0, 0)))
 
 
 def test_default_names_never_collide_under_a_burst_of_claims(tmp_path: Path) -> None:
+    """16 processes name a run directory in the same second (the timestamp is fixed: a loaded machine could
+    otherwise spread them over several seconds and hide a clash)."""
     workers = 16
     context = multiprocessing.get_context("spawn")
     with context.Pool(workers) as pool:
         start = time.time() + 3.0
-        paths = pool.map(_claim_default, [(str(tmp_path), start)] * workers)
+        paths = pool.map(_default_in_the_same_second, [(str(tmp_path), start)] * workers)
     assert len(set(paths)) == workers
-    assert all(re.fullmatch(r"runs/\d{8}-\d{6}-[0-9a-f]{6}", p) for p in paths), paths
-    assert len({p.split("/")[1][:15] for p in paths}) <= 2  # really the same second (or two)
+    assert all(re.fullmatch(r"runs/20261123-110000-[0-9a-f]{6}", p) for p in paths), paths
+    assert len(list((tmp_path / "runs").iterdir())) == workers
+
+
+def test_a_claim_without_output_dir_makes_a_new_default_directory(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with rundir.claim(None, None, resume=False) as first, rundir.claim(None, None, resume=False) as second:
+        assert first.path != second.path and first.run_id != second.run_id
+        assert re.fullmatch(r"runs/\d{8}-\d{6}-[0-9a-f]{6}", str(first.path))
+        assert (first.path / rundir.LOCK_NAME).exists()
+    assert not (first.path / rundir.LOCK_NAME).exists()
 
 
 def test_default_name_retries_when_the_name_is_taken(tmp_path: Path, monkeypatch) -> None:
