@@ -246,6 +246,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=6, help="timed batches per measurement (after one warm-up)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender")
     parser.add_argument("--data", type=Path, help="reuse (or create) the generated data here instead of a temp dir")
+    parser.add_argument("--contenders", nargs="+", help="a subset of pil-folder folder-cpu shards-cpu folder-gpu "
+                        "shards-gpu (default: all that the device allows)")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--output", type=Path,
                         help="JSON path (default benchmarks/results/loader_throughput_<device>.json)")
@@ -262,6 +264,11 @@ def main() -> None:
         sys.exit(f"loader_throughput.py: error: --images {args.images} is fewer than one epoch of "
                  f"{args.batches + 1} batches of {args.batch_size}")
     names = ["pil-folder", "folder-cpu", "shards-cpu"] + (["folder-gpu", "shards-gpu"] if args.device == "cuda" else [])
+    if args.contenders:
+        unknown = sorted(set(args.contenders) - set(names))
+        if unknown:
+            sys.exit(f"loader_throughput.py: error: --contenders {' '.join(unknown)}: not among {' '.join(names)}")
+        names = args.contenders
 
     from hpcdl.pack import pack
 
