@@ -9,6 +9,7 @@ point, and a problem on any rank is a one-line error on all of them.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,8 +76,10 @@ class Job:
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
     def print0(self, message: str) -> None:
+        """One write per line: under mpirun, lines printed in pieces by two ranks can run together."""
         if self.world.is_root:
-            print(message, flush=True)
+            sys.stdout.write(message + "\n")
+            sys.stdout.flush()
 
     def close(self) -> None:
         """Stop the threads and handlers the job started; safe to call twice."""

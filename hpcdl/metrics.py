@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hpcdl.checkpoint import write_text_atomically
 from hpcdl.errors import UsageError
 
 
@@ -107,7 +107,7 @@ class RunRecord:
         row = {**row, "run_id": self.run_id}
         # A resumed run may repeat an epoch that was interrupted: the newer row replaces it.
         self.history = [r for r in self.history if r["epoch"] != row["epoch"]] + [row]
-        atomic_write_text(self.path, "".join(to_json(r) + "\n" for r in self.history))
+        write_text_atomically(self.path, "".join(to_json(r) + "\n" for r in self.history), self.run_id or None)
         for key, value in row.items():
             if key != "epoch" and isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(key, value, row["epoch"])
@@ -115,20 +115,9 @@ class RunRecord:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.active:
-            atomic_write_text(self.path.parent / "summary.json", to_json({**summary, "run_id": self.run_id}, 2) + "\n")
+            write_text_atomically(self.path.parent / "summary.json", to_json({**summary, "run_id": self.run_id}, 2) + "\n",
+                                  self.run_id or None)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace a small file atomically (a kill mid-write leaves the previous version; a failed write leaves no
-    temporary behind)."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        temporary.write_text(text)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise

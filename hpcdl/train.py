@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hpcdl import runstate
+from hpcdl.checkpoint import WriteError
 from hpcdl.config import TrainConfig, parse_config
 from hpcdl.errors import UsageError, run_main
 from hpcdl.job import Job, opened
@@ -117,6 +118,8 @@ def write_results(job: Job, write: Callable[[], None]) -> None:
     if job.world.is_root:
         try:
             write()
+        except WriteError as exc:
+            problem = f"could not write results: {exc}"  # names the file and the cause
         except OSError as exc:
             problem = f"could not write results to {exc.filename or job.output_dir} ({exc.strerror or exc})"
     problem = job.comm.bcast(problem, root=0)

@@ -124,15 +124,12 @@ def test_a_failed_results_write_is_one_line_on_every_rank_and_leaves_no_partial_
     before = (tmp_path / "metrics.jsonl").read_bytes()
     job = types.SimpleNamespace(world=types.SimpleNamespace(is_root=True), comm=MPI.COMM_SELF, output_dir=tmp_path)
 
-    real_write = Path.write_text
-
-    def full_disk(self: Path, *args, **kwargs):
-        real_write(self, "partial")
-        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+    def full_disk(fd: int) -> None:  # the data were written to the temporary; the disk fills on flushing them
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Path, "write_text", full_disk)
-        with pytest.raises(UsageError, match="could not write results to .*metrics.jsonl.tmp.* \\(No space left"):
+        patch.setattr(os, "fsync", full_disk)
+        with pytest.raises(UsageError, match="could not write results: cannot write .*metrics.jsonl: No space left"):
             write_results(job, lambda: record.log_epoch({"epoch": 2, "test_loss": 0.4}))  # type: ignore[arg-type]
     record.close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
