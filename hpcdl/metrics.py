@@ -115,8 +115,8 @@ class RunRecord:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.active:
-            write_text_atomically(self.path.parent / "summary.json", to_json({**summary, "run_id": self.run_id}, 2) + "\n",
-                                  self.run_id or None)
+            text = to_json({**summary, "run_id": self.run_id}, 2) + "\n"
+            write_text_atomically(self.path.parent / "summary.json", text, self.run_id or None)
 
     def close(self) -> None:
         if self.writer is not None:
