@@ -272,3 +272,16 @@ def test_abandoned_epoch_on_the_device_path_leaves_the_next_epoch_exact(tmp_path
     pipeline.close()
     assert len(resumed) == len(fresh) == 4
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(resumed, fresh, strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resident_pipelines_on_cuda_augment_there_and_resume_exactly(tmp_path: Path) -> None:
+    write_cifar10(tmp_path, per_batch=8)
+    cuda = torch.device("cuda")
+    pipeline = build_pipeline(spec("cifar10", tmp_path, channels_last=True), 0, 2, cuda)
+    full = list(pipeline.train_epoch(1))
+    resumed = list(build_pipeline(spec("cifar10", tmp_path, channels_last=True), 0, 2, cuda).train_epoch(1, 2))
+    assert full[0][0].device.type == "cuda" and full[0][0].is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[2:], resumed, strict=True))
+    x, y = next(build_pipeline(spec(synthetic_shape=(3, 64, 64)), 0, 1, cuda).train_epoch(0))
+    assert x.device.type == y.device.type == "cuda" and x.shape == (4, 3, 64, 64)
