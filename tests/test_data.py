@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from data_files import write_cifar10, write_imagenet
+from mpi_harness import run_train
+
 from hpcdl.data import ShardSampler, load_dataset, make_loaders
 from hpcdl.errors import UsageError
-from mpi_harness import run_train
 
 
 def test_digits_is_the_real_embedded_set_with_a_held_out_split() -> None:

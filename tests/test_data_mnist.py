@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from data_files import idx_bytes, write_mnist
+
 from hpcdl.data import load_dataset
 from hpcdl.errors import UsageError
 
