@@ -4,9 +4,10 @@
 (one line naming the file for anything wrong) and returns an :class:`InputPipeline` whose batches
 are already on the device. Module map: ``spec`` (names, DataSpec, normalisation constants),
 ``digits`` / ``mnist`` / ``cifar`` / ``imagenet`` (readers), ``shards`` (the packed format),
-``images`` (byte sources, CPU and GPU decoding), ``augment`` (crops, flips, normalisation),
-``order`` (who sees which sample when), ``pipeline`` (the pipelines), ``legacy`` (the per-sample
-DataLoader path of older callers).
+``packed_tensors`` (small datasets read back from shards), ``images`` (byte sources, CPU and GPU
+decoding), ``augment`` (crops, flips, normalisation), ``order`` (who sees which sample when),
+``pipeline`` (the pipelines), ``prefetch`` (the device-decode thread), ``build`` (spec -> pipeline),
+``legacy`` (the per-sample DataLoader path of older callers).
 """
 
 from hpcdl.data.build import build_pipeline
