@@ -231,8 +231,6 @@ def validate(c: TrainConfig) -> None:
         raise UsageError(f"--lr-decay takes strictly increasing epoch numbers, e.g. 35 75 90 (got {c.lr_decay})")
     if c.lr_decay and c.lr_schedule != "step":
         raise UsageError("--lr-decay milestones need --lr-schedule step (cosine has none)")
-    if c.warmup_epochs > c.epochs:
-        raise UsageError(f"--warmup-epochs ({c.warmup_epochs:g}) cannot exceed --epochs ({c.epochs})")
     if c.nesterov and (c.optimizer != "sgd" or c.momentum == 0):
         raise UsageError("--nesterov needs --optimizer sgd and a non-zero --momentum")
     if c.dataset == "synthetic" and c.synthetic_shape[1] != c.synthetic_shape[2]:
