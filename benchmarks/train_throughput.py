@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
+
+from hpcdl.errors import run_main  # noqa: E402
 
 MODES = ("fp32", "amp", "amp+cl", "compile")
 SHAPES = {"cpu": dict(model="resnet32", batch=64, size=32), "cuda": dict(model="resnet50", batch=128, size=224)}
@@ -163,17 +164,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="measured steps per round")
     parser.add_argument("--rounds", type=int, default=4, help="pairs per mode, in alternating order")
     parser.add_argument("--skip-scaling", action="store_true")
-    parser.add_argument("--output", type=Path,
-                        help="JSON path (default benchmarks/results/train_throughput_<device>.json)")
-    args = parser.parse_args()
+    parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
+                        "folder under runs/bench/; --refresh-results replaces the committed figures)")
+    from hpcdl import outputs
 
+    outputs.add_arguments(parser)
+    args = parser.parse_args()
+    run_main(lambda: measure(args), program="train_throughput.py")
+
+
+def measure(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
 
-    from hpcdl import world
+    from hpcdl import outputs, world
+    from hpcdl.errors import UsageError
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("train_throughput.py: error: --device cuda but torch sees no GPU")
+        raise UsageError("--device cuda but torch sees no GPU")
+    stem = outputs.results_stem(args.output.with_suffix("") if args.output else None,
+                                f"train_throughput_{args.device}", (".json", ".png"),
+                                refresh_results=args.refresh_results, force=args.force)
     me = world.init()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
     report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
@@ -200,11 +211,12 @@ def main() -> None:
         report.update(scaling(args))
         print(f"1 rank {report['images_per_second_1_rank']:.0f} img/s, 2 ranks {report['images_per_second_2_rank']:.0f}"
               f" img/s -> scaling efficiency {100 * report['scaling_efficiency_2_ranks']:.0f}% (1 thread per rank)")
-    output = args.output or RESULTS / f"train_throughput_{args.device}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, output.with_suffix(".png"))
-    print(f"wrote {output} and {output.with_suffix('.png')}")
+    from hpcdl.checkpoint import write_text_atomically
+
+    output = outputs.output_file(stem, ".json")
+    write_text_atomically(output, json.dumps(report, indent=2) + "\n")
+    plot(report, outputs.output_file(stem, ".png"))
+    print(f"wrote {output} and {outputs.output_file(stem, '.png')}")
 
 
 if __name__ == "__main__":
