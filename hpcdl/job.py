@@ -19,7 +19,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
-from hpcdl import placement, runstate, world
+from hpcdl import checkpoint, placement, runstate, world
 from hpcdl.config import TrainConfig
 from hpcdl.data import DataSpec, InputPipeline, build_pipeline
 from hpcdl.errors import UsageError, agree
@@ -199,6 +199,13 @@ def check_adasum(config: TrainConfig, world_size: int, cuda: bool) -> None:
                          "gradients before the step, and Adasum steps inside backward")
 
 
+def refuse_earlier_checkpoints(path: Path, is_root: bool) -> None:
+    """A new run must not mix its checkpoints with an earlier run's (the earlier ones would be pruned as its own)."""
+    if is_root and checkpoint.list_checkpoints(checkpoint.checkpoint_dir(path)):
+        raise UsageError(f"{path} already holds checkpoints of an earlier run: add --resume to continue it, or "
+                         "choose another --output-dir")
+
+
 def try_one_batch(model: nn.Module, data: InputPipeline, config: TrainConfig, device: torch.device) -> None:
     """Run the model once on a batch of the dataset's shape, so a model that cannot take this input fails with
     one line naming the model, the input size and a fix, before any rank starts training."""
@@ -264,6 +271,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         torch.backends.cudnn.allow_tf32 = True
 
     torch.manual_seed(config.seed)  # identical initial weights on every rank (and broadcast to be sure)
+    if not config.resume:
+        agree(lambda: refuse_earlier_checkpoints(run.path, me.is_root))
     resumed = runstate.read_latest(run.path, comm) if config.resume else None
     if config.resume and resumed is None:
         world.print0("no checkpoint to resume from: starting from scratch")

@@ -245,7 +245,8 @@ def test_disk_full_while_writing_a_checkpoint(tmp_path: Path) -> None:
 def test_resume_checkpoint_of_another_model(tmp_path_factory, tmp_path: Path) -> None:
     run_dir = copy_run(baseline_run(tmp_path_factory), tmp_path / "run")
     job = run_job(RANKS, run_dir, "--resume", "--model", "resnet20", "--epochs", "3")
-    assert_usage_error(job, "is for model digits_cnn on digits, not resnet20 on digits")
+    assert_usage_error(job, "cannot resume: the checkpoint was trained with --model digits_cnn (checkpoint) vs "
+                            "resnet20 (now)")
     assert checkpoint_steps(run_dir) == [22, 44]
 
 
@@ -287,7 +288,7 @@ def test_resume_a_finished_run_changes_nothing(tmp_path_factory, tmp_path: Path)
     summary = (run_dir / "summary.json").read_text()
     job = run_job(RANKS, run_dir, "--resume", *BASE_FLAGS)
     assert job.rc == 0, job.tail()
-    assert "nothing to do: the checkpoint is at epoch 2 and --epochs is 2" in job.out
+    assert "already finished (stopped by epochs after 2 epoch(s)); nothing to do" in job.out
     assert (run_dir / "summary.json").read_text() == summary
     assert checkpoint_steps(run_dir) == [22, 44]
     assert same_weights(load_checkpoint(run_dir, 44)["model"],
