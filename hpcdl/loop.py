@@ -119,7 +119,7 @@ def train_one_epoch(job: Job) -> EpochResult:
     config, progress, data = job.config, job.progress, job.data
     epoch, k = progress.epoch, config.batches_per_allreduce
     job.bare_model.train()
-    sums, health = DeviceSums(job.device), HealthLog(job)
+    sums, health = DeviceSums(job.device, skip_nonfinite=True), HealthLog(job)
     bar = tqdm(total=data.steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
                disable=not (job.world.is_root and config.progress), leave=False, dynamic_ncols=True, mininterval=1.0)
     stop: StopRequest | None = None

@@ -25,23 +25,28 @@ from hpcdl.errors import UsageError
 
 
 class DeviceSums:
-    """Per-rank running sums of loss and correct predictions on the device; the count on the host."""
+    """Per-rank running sums of loss, correct predictions and examples, on the device.
 
-    def __init__(self, device: torch.device) -> None:
+    With ``skip_nonfinite`` a batch whose loss is not finite is left out (training: that step's update
+    was skipped, and its NaN would hide the epoch's real loss); evaluation keeps every batch, so that
+    a diverged model shows as a non-finite test loss.
+    """
+
+    def __init__(self, device: torch.device, skip_nonfinite: bool = False) -> None:
         self.device = device
-        self.loss = torch.zeros((), dtype=torch.float64, device=device)
-        self.correct = torch.zeros((), dtype=torch.float64, device=device)
-        self.count = 0
+        self.skip_nonfinite = skip_nonfinite
+        self.totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
 
     def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int) -> None:
-        self.loss += loss_sum.detach()
-        self.correct += correct
-        self.count += count
+        batch = torch.stack((loss_sum.detach().double(), correct.double(), torch.full_like(self.totals[0], count)))
+        if self.skip_nonfinite:
+            batch = torch.where(torch.isfinite(batch[0]), batch, torch.zeros_like(batch))
+        self.totals += batch
 
     def read(self) -> dict[str, float]:
         """This rank's sums as numbers: waits for the device, so call it once per log interval."""
-        both = torch.stack((self.loss, self.correct)).cpu()
-        return {"loss": float(both[0]), "correct": float(both[1]), "count": float(self.count)}
+        loss, correct, count = self.totals.tolist()
+        return {"loss": loss, "correct": correct, "count": count}
 
     def reduced(self, comm) -> dict[str, float]:
         return allreduce_sums(self.read(), comm)

@@ -85,7 +85,8 @@ def run(job: Job) -> TrainResult:
                        "continue with --resume")
 
     summary = summarise(job)
-    write_results(job, lambda: job.record.write_summary(summary))
+    if progress.stop_reason in runstate.FINAL_REASONS:  # an interrupted run has no summary until it finishes
+        write_results(job, lambda: job.record.write_summary(summary))
     if not summary["replicas_identical"]:
         raise RuntimeError("ranks ended with different parameters: the allreduce did not keep replicas in sync")
     exit_code = 0 if progress.stop_reason in runstate.FINAL_REASONS else job.stop.exit_code(progress.stop_reason)

@@ -1,13 +1,19 @@
-"""No host synchronisation inside a training step: the torch profiler finds no scalar read-back
-(``aten::item`` / ``aten::_local_scalar_dense``, what ``.item()``, ``float(t)`` and ``bool(t)`` do, and
-what would make the host wait for a GPU) outside the log points the loop marks.
+"""No host synchronisation inside a training step.
 
-On CPU nothing actually waits, but the same operators run: a read-back that crept into the step
+Two witnesses, both restricted to what happens outside the log points the loop marks:
+
+* the torch profiler: no scalar read-back operator (``aten::item`` / ``aten::_local_scalar_dense``,
+  what ``.item()``, ``float(t)`` and ``bool(t)`` run, in Python or inside other operators);
+* a spy on the Python methods that copy a tensor's values to the host (``item``, ``tolist``,
+  ``cpu``, ``numpy``, ``bool()``, ``float()``, ``int()``): on a GPU each of them waits for the device.
+
+On CPU nothing actually waits, but the same calls happen: a read-back that crept into the step
 shows up here as it would in a CUDA trace.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,25 +36,56 @@ def inside_fused_adam(event) -> bool:
     return False
 
 
-def read_backs_outside_log_points(flags: list[str], tmp_path: Path) -> tuple[list[str], int, int]:
+SPIED = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+LOG_POINT_FUNCTIONS = {"judge", "read", "reduced"}  # what the loop calls at a log point
+
+
+class PythonReadBacks:
+    """Records each call of a SPIED tensor method made while ``active``, and whether a log point made it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.active = False
+        self.calls: list[tuple[str, bool]] = []
+        for name in SPIED:
+            monkeypatch.setattr(torch.Tensor, name, self.spy(name, getattr(torch.Tensor, name)))
+
+    def spy(self, name: str, method):
+        def spied(tensor, *args, **kwargs):
+            if self.active:
+                frame, at_log_point = sys._getframe(1), False
+                while frame is not None and not at_log_point:
+                    at_log_point = frame.f_code.co_name in LOG_POINT_FUNCTIONS
+                    frame = frame.f_back
+                self.calls.append((name, at_log_point))
+            return method(tensor, *args, **kwargs)
+
+        return spied
+
+
+def read_backs_outside_log_points(flags: list[str], tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], int, int]:
     config = parse_config(["--dataset", "synthetic", "--model", "resnet20", "--synthetic-shape", "3", "16", "16",
                            "--synthetic-size", "256", "--batch-size", "16", "--no-progress",
                            "--output-dir", str(tmp_path / "run"), *flags])
+    spy = PythonReadBacks(monkeypatch)
     with opened(config) as job, profile(activities=[ProfilerActivity.CPU]) as trace:
+        spy.active = True
         train_one_epoch(job)
+        spy.active = False
     events = trace.events()
     windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == LOG_POINT]
     reads = [e for e in events if e.name in READ_BACKS and not inside_fused_adam(e)]
     outside = [f"{e.name} at {e.time_range.start}" for e in reads
                if not any(start <= e.time_range.start <= end for start, end in windows)]
-    return outside, len(reads), len(windows)
+    outside += [f"Tensor.{name}()" for name, at_log_point in spy.calls if not at_log_point]
+    return outside, len(reads) + len(spy.calls), len(windows)
 
 
 @pytest.mark.parametrize("flags", [[], ["--amp", "bf16", "--channels-last", "on"], ["--batches-per-allreduce", "2"],
                                    ["--optimizer", "adamw"]], ids=["fp32", "bf16-channels-last", "accumulation",
                                                                    "adamw"])
-def test_no_read_back_between_log_points(flags: list[str], tmp_path: Path) -> None:
-    outside, reads, windows = read_backs_outside_log_points(["--log-every", "5", *flags], tmp_path)
+def test_no_read_back_between_log_points(flags: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    outside, reads, windows = read_backs_outside_log_points(["--log-every", "5", *flags], tmp_path, monkeypatch)
     steps = 16 // (2 if "--batches-per-allreduce" in flags else 1)
     assert windows == -(-steps // 5) + 1  # every 5 steps and at the epoch's end, then the epoch's sums
     assert reads > 0  # the log points do read (so the test sees read-backs when they happen)
@@ -67,5 +104,21 @@ def test_the_test_sees_a_read_back_inside_a_step(tmp_path: Path, monkeypatch: py
         return flag
 
     monkeypatch.setattr(hpcdl.loop, "nonfinite_flag", syncing)
-    outside, _, _ = read_backs_outside_log_points(["--log-every", "5"], tmp_path)
+    outside, _, _ = read_backs_outside_log_points(["--log-every", "5"], tmp_path, monkeypatch)
     assert len(outside) >= 16
+
+
+def test_the_test_sees_a_tolist_inside_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A .tolist() (which runs no operator the profiler sees on CPU) is caught by the spy."""
+    import hpcdl.loop
+
+    original = hpcdl.loop.nonfinite_flag
+
+    def syncing(parameters: list[torch.Tensor]) -> torch.Tensor:
+        flag = original(parameters)
+        flag.tolist()
+        return flag
+
+    monkeypatch.setattr(hpcdl.loop, "nonfinite_flag", syncing)
+    outside, _, _ = read_backs_outside_log_points(["--log-every", "5"], tmp_path, monkeypatch)
+    assert outside.count("Tensor.tolist()") == 16

@@ -136,10 +136,12 @@ def test_sigterm_checkpoints_and_resume_ends_with_the_uninterrupted_weights(tmp_
     checkpoints, all exit 0; --resume then ends bit-identical to the run that was never stopped."""
     reference = baseline_run(tmp_path_factory)
     run_dir = tmp_path / "run"
-    stopped = run_job(BASE_RANKS, run_dir, *BASE_FLAGS, "--keep-checkpoints", "2", fault="1:30:term")
+    # --log-every 1: the stop flag is exchanged after every step (by default, every 50 steps and at an epoch's end)
+    stopped = run_job(BASE_RANKS, run_dir, *BASE_FLAGS, "--keep-checkpoints", "2", "--log-every", "1",
+                      fault="1:30:term")
     assert stopped.rc == 0, stopped.tail()
-    assert f"hpcdl: SIGTERM received: checkpoint written at step 30; continue with --resume --output-dir {run_dir}" \
-        in stopped.out
+    assert (f"hpcdl: SIGTERM received by rank 1: checkpoint written at step 30; continue with --resume --output-dir "
+            f"{run_dir}") in stopped.out
     assert checkpoint_steps(run_dir) == [22, 30] and not (run_dir / "summary.json").exists()
 
     # The watchdog runs with a short timeout here too: heartbeats must not disturb training.
@@ -183,7 +185,8 @@ def test_sigusr1_to_mpirun_reaches_every_rank_and_checkpoints(tmp_path: Path) ->
     out = "".join(seen) + out
     assert proc.returncode == 0, out[-2000:] + err[-2000:]
     assert "mpirun: Forwarding signal 10 to job" in err
-    assert re.search(r"hpcdl: SIGUSR1 received: (checkpoint written at step \d+|stopped after epoch \d+)", out), out
+    assert re.search(r"hpcdl: SIGUSR1 received by all 2 ranks: (checkpoint written at step \d+|stopped after epoch \d+)",
+                     out), out
     assert "epoch  15/15" not in out and not (run_dir / "summary.json").exists()
     steps = checkpoint_steps(run_dir)
     assert steps and 22 <= steps[-1] < 15 * 22
