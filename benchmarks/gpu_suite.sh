@@ -122,13 +122,16 @@ cat "$OUT/bind.tmp" >>"$OUT/checks.log"
 rm -f "$OUT/bind.tmp"
 
 # ---------------------------------------------------------------- 6. GPU benchmarks (if present)
-for bench in train_throughput kfac_overhead loader_throughput; do
-  if [ -f "benchmarks/$bench.py" ]; then
-    run_step "6 $bench --device cuda" bench.log 170 "$PY" "benchmarks/$bench.py" --device cuda
-  else
-    record "6 $bench" "not present"
-  fi
-done
+# Each writes its JSON + plot into benchmarks/results (--refresh-results), which the tarball below brings back.
+run_step "6a train_throughput (fp32, amp, amp+cl)" bench.log 200 \
+  "$PY" benchmarks/train_throughput.py --device cuda --modes fp32 amp amp+cl --rounds 3 --steps 20 --refresh-results --force
+run_step "6b kfac_overhead --device cuda" bench.log 170 "$PY" benchmarks/kfac_overhead.py --device cuda --refresh-results --force
+run_step "6c loader_throughput --device cuda" bench.log 150 \
+  "$PY" benchmarks/loader_throughput.py --device cuda --images 4096 --workers 2 4 8 --batches 20 --rounds 2 --data /tmp/lt \
+  --refresh-results --force
+run_step "6d train_throughput --compile" bench.log 150 \
+  "$PY" benchmarks/train_throughput.py --device cuda --modes compile --rounds 1 --steps 20 \
+  --output "$OUT/train_throughput_cuda_compile.json" --force
 tar -czf "$OUT/results.tar.gz" benchmarks/results 2>/dev/null
 
 echo

@@ -35,7 +35,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 
 
@@ -249,9 +248,15 @@ def main() -> None:
     parser.add_argument("--contenders", nargs="+", help="a subset of pil-folder folder-cpu shards-cpu folder-gpu "
                         "shards-gpu (default: all that the device allows)")
     parser.add_argument("--skip-training", action="store_true")
-    parser.add_argument("--output", type=Path,
-                        help="JSON path (default benchmarks/results/loader_throughput_<device>.json)")
+    parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
+                        "folder under runs/bench/; --refresh-results replaces the committed figures)")
+    from hpcdl import outputs
+
+    outputs.add_arguments(parser)
     args = parser.parse_args()
+    stem = run_main_value(lambda: outputs.results_stem(
+        args.output.with_suffix("") if args.output else None, f"loader_throughput_{args.device}", (".json", ".png"),
+        refresh_results=args.refresh_results, force=args.force))
 
     import torch
 
@@ -313,11 +318,22 @@ def main() -> None:
                                                             for n in rates if n != "synthetic-device"}}
             summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
             print(f"training, {workers} workers: images/s {summary}", flush=True)
-    output = args.output or RESULTS / f"loader_throughput_{args.device}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, output.with_suffix(".png"))
-    print(f"wrote {output} and {output.with_suffix('.png')}")
+    from hpcdl.checkpoint import write_text_atomically
+
+    output, figure = outputs.output_file(stem, ".json"), outputs.output_file(stem, ".png")
+    write_text_atomically(output, json.dumps(report, indent=1) + "\n")
+    plot(report, figure)
+    print(f"wrote {output} and {figure}")
+
+
+def run_main_value(decide):
+    """The value of ``decide()``, or the one-line usage error and exit 2 (hpcdl.errors' convention)."""
+    from hpcdl.errors import UsageError
+
+    try:
+        return decide()
+    except UsageError as exc:
+        sys.exit(f"loader_throughput.py: error: {exc}")
 
 
 if __name__ == "__main__":
