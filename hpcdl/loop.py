@@ -65,8 +65,8 @@ def apply_gradients(job: Job) -> torch.Tensor:
         optimizer.synchronize()
     if scaler is not None:
         scaler.unscale_(optimizer)
-        found_inf = sum(scaler._found_inf_per_device(optimizer).values())  # the scaler's own verdict, on device
-        assert isinstance(found_inf, torch.Tensor)
+        per_device = scaler._found_inf_per_device(optimizer).values()  # the scaler's own verdict, on the device
+        found_inf = torch.stack(list(per_device)).sum().clamp(max=1.0)
         # Overflow is loss scaling at work; only overflow at a tiny scale is divergence.
         failed = found_inf * (scaler._get_scale_async() < FP16_MIN_LOSS_SCALE)  # type: ignore[operator]
     else:
