@@ -40,6 +40,7 @@ class Range:
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
+    label: str = ""  # how the message names the range, when the interval alone would not say enough
 
     def contains(self, value: float) -> bool:
         if not math.isfinite(value):
@@ -49,6 +50,8 @@ class Range:
         return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
 
     def __str__(self) -> str:
+        if self.label:
+            return self.label
         if self.high is None:
             return f"{'>' if self.low_open else '>='} {self.low:g}"
         left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
@@ -58,7 +61,7 @@ class Range:
 AT_LEAST_1 = Range(1)
 NON_NEGATIVE = Range(0)
 POSITIVE = Range(0, low_open=True)
-FRACTION = Range(0, 1, low_open=True)
+FRACTION = Range(0, 1, low_open=True, label="a fraction in (0, 1]")
 UNIT_INTERVAL_OPEN_TOP = Range(0, 1, high_open=True)
 
 
@@ -193,6 +196,8 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # type: ignore[method-assign]
     given = vars(parser.parse_args(argv))
     dataset = given.get("dataset", FIELDS["dataset"].default)
+    if given.get("lr_decay") and "lr_schedule" not in given:
+        given["lr_schedule"] = "step"  # milestones mean a step schedule, whatever the preset's
     config = TrainConfig(**{**PRESETS[dataset], **given})
     validate(config)
     return config
@@ -230,7 +235,7 @@ def validate(c: TrainConfig) -> None:
     if sorted(set(c.lr_decay)) != list(c.lr_decay):
         raise UsageError(f"--lr-decay takes strictly increasing epoch numbers, e.g. 35 75 90 (got {c.lr_decay})")
     if c.lr_decay and c.lr_schedule != "step":
-        raise UsageError("--lr-decay milestones need --lr-schedule step (cosine has none)")
+        raise UsageError("--lr-decay milestones need --lr-schedule step (cosine has none; leave --lr-schedule out)")
     if c.nesterov and (c.optimizer != "sgd" or c.momentum == 0):
         raise UsageError("--nesterov needs --optimizer sgd and a non-zero --momentum")
     if c.dataset == "synthetic" and c.synthetic_shape[1] != c.synthetic_shape[2]:

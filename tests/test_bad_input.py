@@ -48,7 +48,7 @@ FLAG_ROWS = {
     "misspelt flag": (["--bach-size", "8"], "unrecognized arguments: --bach-size 8"),
     "not a number": (["--base-lr", "fast"], "argument --base-lr: invalid float value: 'fast'"),
     "unknown dataset": (["--dataset", "mnits"], "argument --dataset: invalid choice: 'mnits'"),
-    "percent for a fraction": (["--target-accuracy", "95"], "--target-accuracy must be (0, 1] (got 95.0)"),
+    "percent for a fraction": (["--target-accuracy", "95"], "--target-accuracy must be a fraction in (0, 1] (got 95.0)"),
     "decreasing lr milestones": (["--lr-decay", "75", "35"], "--lr-decay takes strictly increasing epoch numbers"),
     "negative stall timeout": (["--stall-timeout", "-1"], "--stall-timeout must be >= 0 (got -1.0)"),
     "keep no checkpoints": (["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1 (got 0)"),

@@ -55,16 +55,17 @@ def test_presets_follow_the_course_command_line() -> None:
         "resnet32", 0.1, 128, 100, [35, 75, 90], 0)
     d = parse_config([])
     assert d.dataset == "digits" and d.model == "digits_cnn"
-    assert parse_config(["--epochs", "3", "--lr-decay", "1", "2"]).lr_decay == [1, 2]
+    milestones = parse_config(["--epochs", "3", "--lr-decay", "1", "2"])  # digits' preset is cosine
+    assert milestones.lr_decay == [1, 2] and milestones.lr_schedule == "step"
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--epochs", "-1"], "--epochs must be at least 1"),
-    (["--base-lr", "0"], "--base-lr must be positive"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--epochs", "-1"], "--epochs must be >= 1"),
+    (["--base-lr", "0"], "--base-lr must be > 0"),
     (["--target-accuracy", "95"], "fraction"),
     (["--lr-decay", "75", "35"], "increasing"),
-    (["--dataset", "mnist"], "invalid choice"),
+    (["--dataset", "mnits"], "invalid choice"),
     (["--batch-size", "ten"], "invalid int value"),
     (["--resume"], "--resume needs --output-dir"),
     (["--kfac-grad-worker-fraction", "0"], "fraction"),
