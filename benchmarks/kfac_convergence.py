@@ -247,6 +247,17 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: Ra
     return ranks.sum(correct) / len(y)
 
 
+def preconditioner(setting: Setting, model: torch.nn.Module, lr: Any) -> Any:
+    """The K-FAC preconditioner a setting asks for (None for plain SGD); ``lr`` is a number or a schedule."""
+    if not setting.kfac:
+        return None
+    from kfac import KFACPreconditioner
+
+    return KFACPreconditioner(model, factor_update_freq=setting.factor_freq, inv_update_freq=setting.inv_freq,
+                              damping=setting.damping, kl_clip=setting.kl_clip, lr=lr,
+                              skip_layers=list(setting.skip), method=setting.method)
+
+
 def train_run(
     setting: Setting,
     seed: int,
@@ -256,7 +267,6 @@ def train_run(
     device: torch.device,
     on_point: Callable[[dict[str, float]], None],
 ) -> dict[str, Any]:
-    from kfac import KFACPreconditioner
 
     x_train, y_train, x_test, y_test, num_classes, channels = data
     torch.manual_seed(seed)  # same initial weights on every rank (and broadcast below anyway)
@@ -272,18 +282,7 @@ def train_run(
         return 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    pre = None
-    if setting.kfac:
-        pre = KFACPreconditioner(
-            model,
-            factor_update_freq=setting.factor_freq,
-            inv_update_freq=setting.inv_freq,
-            damping=setting.damping,
-            kl_clip=setting.kl_clip,
-            lr=lambda step: setting.lr * lr_factor(step),
-            skip_layers=list(setting.skip),
-            method=setting.method,
-        )
+    pre = preconditioner(setting, model, lambda step: setting.lr * lr_factor(step))
     eval_at = {
         round(k * steps_per_epoch / recipe.evals_per_epoch)
         for k in range(1, recipe.epochs * recipe.evals_per_epoch + 1)
@@ -374,7 +373,6 @@ def profile_steps(
     inflate wall time, hardly CPU time. K-FAC's own phases come from ``pre.timings`` (wall); its CPU
     time is measured for ``pre.step()`` as a whole.
     """
-    from kfac import KFACPreconditioner
 
     x_train, y_train, _, _, num_classes, channels = data
     cycle = max([s.inv_freq for s in settings if s.kfac] + [1])
@@ -387,18 +385,7 @@ def profile_steps(
         )
         if ranks.hvd is not None:
             optimizer = ranks.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-        pre = None
-        if setting.kfac:
-            pre = KFACPreconditioner(
-                model,
-                factor_update_freq=setting.factor_freq,
-                inv_update_freq=setting.inv_freq,
-                damping=setting.damping,
-                kl_clip=setting.kl_clip,
-                lr=setting.lr * 0.1,
-                skip_layers=list(setting.skip),
-                method=setting.method,
-            )
+        pre = preconditioner(setting, model, setting.lr * 0.1)
         states.append((setting, model, optimizer, pre))
     batches = torch.Generator().manual_seed(0)
     per_round: dict[str, list[dict[str, float]]] = defaultdict(list)
