@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # after PYTHONPATH, so PYTHONPATH=DIR can point at another copy of kfac/
 
-from hpcdl.errors import EXIT_USAGE, UsageError  # noqa: E402
-from hpcdl.models import build_model  # noqa: E402
+from hpcdl.runtime.errors import EXIT_USAGE, UsageError  # noqa: E402
+from hpcdl.training.models import build_model  # noqa: E402
 
 DEFAULT_MNIST_DIR = Path.home() / ".cache" / "hpcdl" / "mnist"
 PHASES = ("forward_backward", "allreduce", "factors", "decompositions", "precondition", "optimizer")
@@ -154,7 +154,7 @@ class Ranks:
             int(os.environ.get(v, "1")) > 1 for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
         )
         if launched:
-            from hpcdl import world
+            from hpcdl.runtime import world
 
             w = world.init()
             import horovod.torch as hvd

@@ -36,8 +36,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from hpcdl import world
-    from hpcdl.models import build_model
+    from hpcdl.runtime import world
+    from hpcdl.training.models import build_model
     from kfac import KFACPreconditioner
 
     w = world.init()

@@ -111,7 +111,7 @@ def build_model(args: argparse.Namespace) -> nn.Module:
         import torchvision
 
         return torchvision.models.resnet50()
-    from hpcdl.models import build_model as hpcdl_model
+    from hpcdl.training.models import build_model as hpcdl_model
 
     return hpcdl_model("resnet32", num_classes=10, in_channels=3)
 

@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
-    from hpcdl import outputs
+    from hpcdl.run import outputs
 
     outputs.add_arguments(parser)
     args = parser.parse_args()
@@ -275,7 +275,7 @@ def main() -> None:
             sys.exit(f"loader_throughput.py: error: --contenders {' '.join(unknown)}: not among {' '.join(names)}")
         names = args.contenders
 
-    from hpcdl.pack import pack
+    from hpcdl.tools.pack import pack
 
     with tempfile.TemporaryDirectory() as scratch:
         root = args.data or Path(scratch)
@@ -318,7 +318,7 @@ def main() -> None:
                                                             for n in rates if n != "synthetic-device"}}
             summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
             print(f"training, {workers} workers: images/s {summary}", flush=True)
-    from hpcdl.checkpoint import write_text_atomically
+    from hpcdl.run.checkpoint import write_text_atomically
 
     output, figure = outputs.output_file(stem, ".json"), outputs.output_file(stem, ".png")
     write_text_atomically(output, json.dumps(report, indent=1) + "\n")
@@ -328,7 +328,7 @@ def main() -> None:
 
 def run_main_value(decide):
     """The value of ``decide()``, or the one-line usage error and exit 2 (hpcdl.errors' convention)."""
-    from hpcdl.errors import UsageError
+    from hpcdl.runtime.errors import UsageError
 
     try:
         return decide()

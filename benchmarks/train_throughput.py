@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpcdl.errors import run_main  # noqa: E402
+from hpcdl.runtime.errors import run_main  # noqa: E402
 
 MODES = ("fp32", "amp", "amp+cl", "compile")
 SHAPES = {"cpu": dict(model="resnet32", batch=64, size=32), "cuda": dict(model="resnet50", batch=128, size=224)}
@@ -59,8 +59,8 @@ def mode_settings(mode: str, device: str) -> tuple[str | None, bool, bool]:
 
 def hpcdl_step_seconds(mode: str, args: argparse.Namespace, output_dir: str) -> float:
     """hpcdl.train's time per step in its second epoch (the first warms up: cuDNN autotuning, compilation)."""
-    from hpcdl.config import parse_config
-    from hpcdl.train import train
+    from hpcdl.training.config import parse_config
+    from hpcdl.training.train import train
 
     shape = SHAPES[args.device]
     config = parse_config([
@@ -80,7 +80,7 @@ def bare_step_seconds(mode: str, args: argparse.Namespace) -> float:
     import torch
     from torch import nn
 
-    from hpcdl.models import build_model
+    from hpcdl.training.models import build_model
 
     shape, device = SHAPES[args.device], torch.device(args.device)
     amp, channels_last, compiled = mode_settings(mode, args.device)
@@ -166,7 +166,7 @@ def main() -> None:
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
-    from hpcdl import outputs
+    from hpcdl.run import outputs
 
     outputs.add_arguments(parser)
     args = parser.parse_args()
@@ -177,8 +177,9 @@ def measure(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
 
-    from hpcdl import outputs, world
-    from hpcdl.errors import UsageError
+    from hpcdl.run import outputs
+    from hpcdl.runtime import world
+    from hpcdl.runtime.errors import UsageError
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no GPU")
@@ -211,7 +212,7 @@ def measure(args: argparse.Namespace) -> None:
         report.update(scaling(args))
         print(f"1 rank {report['images_per_second_1_rank']:.0f} img/s, 2 ranks {report['images_per_second_2_rank']:.0f}"
               f" img/s -> scaling efficiency {100 * report['scaling_efficiency_2_ranks']:.0f}% (1 thread per rank)")
-    from hpcdl.checkpoint import write_text_atomically
+    from hpcdl.run.checkpoint import write_text_atomically
 
     output = outputs.output_file(stem, ".json")
     write_text_atomically(output, json.dumps(report, indent=2) + "\n")

@@ -30,8 +30,8 @@ echo "[test] 1/3 plain tests"
 echo "[test] 2/3 collective tests on 4 ranks"
 timeout 1500 mpiexec -n 4 --bind-to none "$PY" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider tests
 
-if compgen -G "tests/test_collectives*.py" >/dev/null; then
+if compgen -G "tests/collectives/test_*.py" >/dev/null; then
   echo "[test] 3/3 collective algorithms on 3 ranks"
-  timeout 600 mpiexec -n 3 --bind-to none "$PY" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider tests/test_collectives*.py
+  timeout 600 mpiexec -n 3 --bind-to none "$PY" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider tests/collectives/test_*.py
 fi
 echo "[test] all passed"

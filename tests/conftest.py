@@ -1,4 +1,8 @@
-"""Suite-wide fixtures, and the guard that keeps collective tests from hanging.
+"""Suite-wide fixtures: the fast tier, and the guard that keeps collective tests from hanging.
+
+The fast tier (``pytest --fast``, ``make test-fast``) runs every test not marked ``processes`` or
+``mpi``, in one process: no launcher, no child interpreter, no DataLoader worker. A test in it that
+starts a process anyway fails at once, naming itself, so the tier stays fast by construction.
 
 Under ``mpiexec -n N python -m pytest --with-mpi`` a rank whose test fails would go on to the
 next test while the other ranks wait for it in a collective: the job would hang. So a failure
@@ -9,9 +13,16 @@ with a non-zero exit. pytest-timeout (pyproject) is the backstop for a test stuc
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true",
+                     help="the fast tier: only tests that start no process (not marked processes or mpi)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -39,3 +50,23 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     sys.stderr.write(report.longreprtext + "\n")
     sys.stderr.flush()
     MPI.COMM_WORLD.Abort(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--fast"):
+        return
+    slow = [item for item in items if item.get_closest_marker("processes") or item.get_closest_marker("mpi")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item not in set(slow)]
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if request.config.getoption("--fast"):
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise AssertionError(f"{request.node.nodeid} starts a process: mark it `processes` (the fast tier starts none)")
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+        monkeypatch.setattr(os, "fork", refuse)
+        monkeypatch.setattr(os, "posix_spawn", refuse)
+    yield

@@ -26,11 +26,13 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
-from hpcdl import outputs, world
 from hpcdl.bench import alphabeta, contenders, report, timing
-from hpcdl.bench.cli import RankZeroParser, format_size, parse_size
+from hpcdl.bench.cli import format_size, parse_size
 from hpcdl.collectives import ALGORITHMS
-from hpcdl.errors import UsageError, run_main
+from hpcdl.run import outputs
+from hpcdl.runtime import world
+from hpcdl.runtime.console import RankZeroParser, print0
+from hpcdl.runtime.errors import UsageError, run_main
 
 ACCEPTANCE_FROM_BYTES = 4 << 20  # the bandwidth targets apply from 4 MiB up
 PROGRAM = "hpcdl.bench.allreduce"
@@ -102,7 +104,7 @@ def build_contenders(args: argparse.Namespace, comm: MPI.Comm) -> list[contender
     if not args.no_gloo:
         gloo = contenders.gloo_allreduce(comm)
         if gloo is None:
-            world.print0("note: torch.distributed with gloo could not start here; its row is left out")
+            print0("note: torch.distributed with gloo could not start here; its row is left out")
         else:
             chosen.append(gloo)
     chosen += [contenders.ours(name, comm) for name in args.algorithms]
@@ -284,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     comm = world.comm()
     chosen = build_contenders(args, comm)
     names = [c.name for c in chosen]
-    world.print0(f"# allreduce of float32 (SUM) on {comm.Get_size()} ranks; implementations: {', '.join(names)}")
+    print0(f"# allreduce of float32 (SUM) on {comm.Get_size()} ranks; implementations: {', '.join(names)}")
     rows = run(args, comm, chosen)
     prediction = scale_prediction(args, rows, comm.Get_size())
     targets = acceptance(rows)

@@ -1,20 +1,9 @@
-"""Command-line helpers for MPI programs: argument parsing that speaks once, and byte sizes.
-
-Under mpirun every rank parses the same command line. A plain argparse parser would print
-its usage or error N times; this one prints help on rank 0 only and turns errors into
-hpcdl.errors.UsageError, which hpcdl.errors.run_main reports in one line from rank 0 while
-every rank exits by itself: a typo ends the job quickly and quietly, without MPI_Abort.
-"""
+"""Byte sizes on the command line and in tables, as OSU benchmarks write them."""
 
 from __future__ import annotations
 
 import argparse
 import re
-from typing import Any, NoReturn
-
-from mpi4py import MPI
-
-from hpcdl.errors import UsageError
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -33,14 +22,3 @@ def format_size(nbytes: int) -> str:
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale} {unit}"
     return f"{nbytes} B"
-
-
-class RankZeroParser(argparse.ArgumentParser):
-    """An ArgumentParser for MPI programs: help and errors are printed by rank 0 only."""
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            super()._print_message(message, file)
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see --help)")

@@ -10,7 +10,7 @@ from hpcdl.data.order import check_enough
 from hpcdl.data.pipeline import FilePipeline, InputPipeline, ResidentPipeline
 from hpcdl.data.spec import DATASETS, DECODERS, IDENTITY_NORM, IMAGENET_NORM, DataSpec
 from hpcdl.data.tensors import ImageTensors
-from hpcdl.errors import UsageError
+from hpcdl.runtime.errors import UsageError
 
 CIFAR_CROP_PADDING = 4
 

@@ -14,7 +14,7 @@ import torch
 
 from hpcdl.data.spec import CIFAR_NORM
 from hpcdl.data.tensors import DataBundle, ImageTensors, validate_images
-from hpcdl.errors import UsageError
+from hpcdl.runtime.errors import UsageError
 
 TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
 TEST_BATCHES = ["test_batch"]

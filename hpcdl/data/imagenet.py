@@ -12,7 +12,7 @@ from pathlib import Path
 from hpcdl.data.images import FolderSource
 from hpcdl.data.spec import IMAGENET_MEAN, IMAGENET_STD
 from hpcdl.data.tensors import DataBundle
-from hpcdl.errors import UsageError
+from hpcdl.runtime.errors import UsageError
 
 
 def open_image(path: str):  # -> PIL.Image.Image

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from hpcdl.data.order import check_enough, test_order
 from hpcdl.data.spec import DATASETS
 from hpcdl.data.tensors import DataBundle
-from hpcdl.errors import UsageError
+from hpcdl.runtime.errors import UsageError
 
 
 class ShardSampler(Sampler[int]):

@@ -19,7 +19,7 @@ import torch
 
 from hpcdl.data.spec import MNIST_NORM
 from hpcdl.data.tensors import DataBundle, ImageTensors, validate_images
-from hpcdl.errors import UsageError
+from hpcdl.runtime.errors import UsageError
 
 IMAGE_MAGIC, LABEL_MAGIC = 2051, 2049  # 0x00000803: uint8 3-d; 0x00000801: uint8 1-d
 IMAGE_SIDE = 28

@@ -14,7 +14,7 @@ import struct
 
 import torch
 
-from hpcdl.errors import UsageError
+from hpcdl.runtime.errors import UsageError
 
 
 def mix_seed(*parts: int) -> int:

@@ -8,7 +8,7 @@ from torchvision.io import ImageReadMode
 from hpcdl.data.images import ByteSource, decode_cpu
 from hpcdl.data.spec import CIFAR_NORM, MNIST_NORM
 from hpcdl.data.tensors import ImageTensors, validate_images
-from hpcdl.errors import UsageError
+from hpcdl.runtime.errors import UsageError
 
 LAYOUTS = {
     "cifar10": (ImageReadMode.RGB, (3, 32, 32), CIFAR_NORM),

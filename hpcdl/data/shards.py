@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from hpcdl.data.images import read_into_tensor
-from hpcdl.errors import UsageError
+from hpcdl.runtime.errors import UsageError
 
 FORMAT, VERSION = "hpcdl-shards", 1
 INDEX = "index.json"

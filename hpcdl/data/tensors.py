@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpcdl.data.spec import Normalization
-from hpcdl.errors import UsageError
+from hpcdl.runtime.errors import UsageError
 
 
 @dataclass

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl import world
-from hpcdl.bench.cli import RankZeroParser
-from hpcdl.errors import run_main
+from hpcdl.runtime import world
+from hpcdl.runtime.console import RankZeroParser, print0
+from hpcdl.runtime.errors import run_main
 
 # A tour runs once per array library: `make` builds an array of that library from a numpy array.
 Make = Callable[[np.ndarray], object]
@@ -104,22 +104,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.parse_args(argv)
     me = world.init(use_horovod=False)  # plain MPI is all this tour needs
     comm = world.comm()
-    world.print0(f"MPI collectives on {me.size} ranks (buffer API; every result checked on every rank)")
+    print0(f"MPI collectives on {me.size} ranks (buffer API; every result checked on every rank)")
 
     config = comm.bcast({"lr": 0.1, "epochs": 90} if me.rank == 0 else None, root=0)  # lower-case: pickled
     pickled_ok = config == {"lr": 0.1, "epochs": 90}
-    world.print0(f"  bcast (pickled dict)  {'ok' if all(comm.allgather(pickled_ok)) else 'WRONG'}  {config}")
+    print0(f"  bcast (pickled dict)  {'ok' if all(comm.allgather(pickled_ok)) else 'WRONG'}  {config}")
 
     failures = 0 if all(comm.allgather(pickled_ok)) else 1
     for library, make in (("numpy", lambda a: a), ("torch", torch.from_numpy)):
-        world.print0(f"{library}:")
+        print0(f"{library}:")
         for name, ok, shown in tour(comm, make):
             verdicts = comm.allgather(ok)
             bad = [rank for rank, good in enumerate(verdicts) if not good]
             failures += bool(bad)
             status = "ok" if not bad else f"WRONG on ranks {bad}"
-            world.print0(f"  {name:<15} {status:<5} {shown}")
-    world.print0("all collectives correct" if failures == 0 else f"{failures} collective(s) gave wrong results")
+            print0(f"  {name:<15} {status:<5} {shown}")
+    print0("all collectives correct" if failures == 0 else f"{failures} collective(s) gave wrong results")
     return 1 if failures else 0
 
 

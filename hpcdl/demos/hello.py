@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 from mpi4py import MPI
 
-from hpcdl import world
-from hpcdl.bench.cli import RankZeroParser
-from hpcdl.errors import UsageError, run_main
+from hpcdl.runtime import world
+from hpcdl.runtime.console import RankZeroParser
+from hpcdl.runtime.errors import UsageError, run_main
 
 
 def report_line(me: world.World, horovod_rank: int | None) -> str:

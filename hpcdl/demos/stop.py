@@ -24,9 +24,9 @@ from typing import Any
 
 from mpi4py import MPI
 
-from hpcdl.bench.cli import RankZeroParser
-from hpcdl.errors import UsageError, run_main
-from hpcdl.signals import GracefulStop
+from hpcdl.runtime.console import RankZeroParser
+from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.signals import GracefulStop
 
 PROGRAM = "hpcdl.demos.stop"
 
@@ -55,7 +55,7 @@ def batches(workers: int) -> Iterator[Any]:
 def write_checkpoint(directory: Path, step: int, size: int) -> Path:
     import torch
 
-    from hpcdl import checkpoint
+    from hpcdl.run import checkpoint
 
     state = {"model": {"w": torch.zeros(4)}, "optimizer": {}, "epoch": 0, "step_in_epoch": step, "global_step": step,
              "config": {}, "world_size": size}

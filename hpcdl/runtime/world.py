@@ -1,0 +1,167 @@
+"""Rank and world: the one place that knows how this process fits into the job.
+
+Every other module asks here for its rank, the world size, its local rank, the device it
+owns and the MPI communicator. Initialisation happens once: mpi4py initialises MPI (thread
+level MULTIPLE, which Horovod needs), then Horovod is started on that same MPI_COMM_WORLD,
+so explicit mpi4py collectives and Horovod's allreduce share one set of ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from hpcdl.runtime import allocator
+
+# Launchers announce the node-local rank under different names. The MPI launcher's own variable
+# comes first: under `mpirun` inside an sbatch job every rank sees SLURM_LOCALID=0.
+LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+class WorldError(RuntimeError):
+    """The job's layout cannot work (for example more ranks on a host than GPUs)."""
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits in the job."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    hostname: str
+    device: torch.device
+    threads: int
+    horovod: bool
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+_world: World | None = None
+
+
+def local_rank_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """The node-local rank a launcher announced, or None when no launcher variable is set."""
+    env = os.environ if env is None else env
+    for name in LOCAL_RANK_VARS:
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def local_size_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """The number of ranks on this node as the MPI launcher announced it, or None."""
+    env = os.environ if env is None else env
+    for name in LOCAL_SIZE_VARS:
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def choose_device(local_rank: int, cuda_devices: int) -> torch.device:
+    """The device a rank should use.
+
+    With one visible GPU (Slurm's --gpus-per-task=1 or a CUDA_VISIBLE_DEVICES per rank) that GPU
+    is ours; with several visible (--gres=gpu:4) we take the one at our local rank.
+    """
+    if cuda_devices <= 0:
+        return torch.device("cpu")
+    if cuda_devices == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= cuda_devices:
+        raise WorldError(
+            f"local rank {local_rank} has no GPU: only {cuda_devices} visible on this host; "
+            "start at most one rank per GPU (e.g. --ntasks-per-node equal to the GPUs per node)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def threads_per_rank(local_size: int, cores: int | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Intra-op threads for one rank so that the ranks on a host do not oversubscribe its cores.
+
+    An explicit OMP_NUM_THREADS (what launch scripts and Slurm's --cpus-per-task set) wins.
+    """
+    env = os.environ if env is None else env
+    explicit = env.get("OMP_NUM_THREADS", "").strip()
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_size))
+
+
+def _mpi():
+    from mpi4py import MPI  # importing initialises MPI at thread level MULTIPLE
+
+    return MPI
+
+
+def init(use_horovod: bool = True) -> World:
+    """Initialise MPI (and Horovod) once, pin the device and thread count, and return the World.
+
+    Safe to call many times; later calls return the first result.
+    """
+    global _world
+    if _world is not None:
+        return _world
+    MPI = _mpi()
+    comm = MPI.COMM_WORLD
+    horovod_up = False
+    if use_horovod:
+        import horovod.torch as hvd
+
+        if not hasattr(hvd, "init"):
+            raise WorldError("Horovod's compiled extension is missing; run: bash scripts/setup.sh")
+        hvd.init(comm=comm)
+        horovod_up = True
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    env_local = local_rank_from_env()
+    local_rank = env_local if env_local is not None else node.Get_rank()
+    local_size = local_size_from_env() or node.Get_size()
+    node.Free()
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        device = choose_device(local_rank, cuda)
+    except WorldError:
+        # This rank has no GPU of its own. Raising here would end one rank with a traceback while the
+        # others wait; hpcdl.placement.verify reports it instead, the same line on every rank.
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = threads_per_rank(local_size)
+    torch.set_num_threads(threads)
+    allocator.keep_freed_memory()
+
+    _world = World(
+        rank=comm.Get_rank(),
+        size=comm.Get_size(),
+        local_rank=local_rank,
+        local_size=local_size,
+        hostname=socket.gethostname(),
+        device=device,
+        threads=threads,
+        horovod=horovod_up,
+    )
+    return _world
+
+
+def get() -> World:
+    """The World, initialising it on first use."""
+    return _world if _world is not None else init()
+
+
+def comm():
+    """mpi4py's COMM_WORLD (the same ranks Horovod uses)."""
+    return _mpi().COMM_WORLD

@@ -1,0 +1,287 @@
+"""Environment doctor: the check to run before burning an allocation.
+
+    python -m hpcdl.doctor                      # one process: versions, builds, MPI, devices
+    mpirun -np 4 python -m hpcdl.doctor         # plus one row per rank (host, ranks, device)
+    srun -n 8 --mpi=pmix python -m hpcdl.doctor --expect-gpu
+
+Exits 0 when the environment can run hpcdl, otherwise non-zero with a one-line reason and the fix.
+Each check is a small function returning facts or raising Problem, so tests can call them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcdl.runtime import placement
+
+SETUP_HINT = "bash scripts/setup.sh"
+THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
+
+
+class Problem(Exception):
+    """A broken environment: a one-line reason and the fix."""
+
+    def __init__(self, reason: str, fix: str) -> None:
+        super().__init__(f"{reason} -- fix: {fix}")
+        self.reason = reason
+        self.fix = fix
+
+
+@dataclass
+class Row:
+    name: str
+    value: str
+
+
+def version_of(module: str) -> str:
+    """The module's __version__, or 'missing'."""
+    try:
+        return str(importlib.import_module(module).__version__)
+    except Exception:
+        return "missing"
+
+
+def horovod_build() -> dict[str, list[str]]:
+    """What Horovod was built with, as `horovodrun --check-build` reports it.
+
+    Raises Problem in the silent failure case: `import horovod.torch` works but its compiled
+    extension is absent (it only prints "MPI libs are missing"), so hvd.init does not exist.
+    """
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise Problem(f"Horovod is not installed ({exc})", SETUP_HINT) from exc
+    if not hasattr(hvd, "init"):
+        raise Problem(
+            "Horovod's compiled extension is missing (import prints 'MPI libs are missing')",
+            f"rebuild Horovod against this torch and MPI: {SETUP_HINT}",
+        )
+    controllers = [name for name, built in (("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built())) if built]
+    operations = [
+        name
+        for name, built in (
+            ("NCCL", hvd.nccl_built()),
+            ("MPI", hvd.mpi_built()),
+            ("Gloo", hvd.gloo_built()),
+            ("CCL", hvd.ccl_built()),
+        )
+        if built
+    ]
+    return {"controllers": controllers, "operations": operations}
+
+
+def import_mpi4py():
+    """mpi4py's MPI module (initialises MPI), or Problem when mpi4py is missing or broken."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise Problem(
+            f"mpi4py is missing or does not load ({exc})",
+            f"{SETUP_HINT} (it builds mpi4py against the MPI on PATH)",
+        ) from exc
+    return MPI
+
+
+def _linked_mpi(shared_object: str) -> str | None:
+    """The libmpi a shared object resolves to, through ldd (None if it links none)."""
+    try:
+        out = subprocess.run(["ldd", shared_object], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        match = re.match(r"\s*(libmpi\.so[.\d]*)\s*=>\s*(\S+)", line)
+        if match:
+            return os.path.realpath(match.group(2))
+    return None
+
+
+def mpi_libraries() -> dict[str, str | None]:
+    """The libmpi that Horovod's extension and mpi4py each link against."""
+    import horovod.torch
+    import mpi4py.MPI
+
+    hvd_dir = Path(horovod.torch.__file__).parent
+    hvd_ext = sorted(hvd_dir.glob("mpi_lib_v2*.so"))
+    return {
+        "horovod": _linked_mpi(str(hvd_ext[0])) if hvd_ext else None,
+        "mpi4py": _linked_mpi(mpi4py.MPI.__file__),
+    }
+
+
+def check_same_mpi(libs: dict[str, str | None]) -> None:
+    """Raise Problem when Horovod and mpi4py use different MPI libraries (a silent-hang recipe)."""
+    if libs["horovod"] and libs["mpi4py"] and libs["horovod"] != libs["mpi4py"]:
+        raise Problem(
+            f"Horovod uses {libs['horovod']} but mpi4py uses {libs['mpi4py']}",
+            f"load one MPI module, then rebuild both with {SETUP_HINT}",
+        )
+
+
+# What a launcher says the job's size is. If MPI sees one process while the launcher started
+# several, each rank started alone: the MPI library in use is not the launcher's.
+LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def check_launcher_agrees(world_size: int, env: dict[str, str] | None = None) -> None:
+    """Raise Problem for the classic 'every rank is rank 0 of 1' mismatch."""
+    env = dict(os.environ) if env is None else env
+    for name in LAUNCHER_SIZE_VARS:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 1 and world_size == 1:
+            raise Problem(
+                f"the launcher started {value} tasks ({name}) but MPI sees a world of 1: every rank runs alone",
+                "launch with the MPI that mpi4py and Horovod were built against (srun needs --mpi=pmix for "
+                "Open MPI; an image's MPI must be of the host launcher's family)",
+            )
+
+
+def cuda_devices() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def nccl_code_version(code: int) -> str:
+    """NCCL_VERSION_CODE as a version: 22907 -> 2.29.7 (codes below 2.9 were major*1000+minor*100+patch)."""
+    if code <= 0:
+        return "not built"
+    if code >= 20900:
+        return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+    return f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
+
+def torch_stack() -> dict[str, str]:
+    """Which torch this run uses (a venv's, a site module's, a container's) and its CUDA and NCCL."""
+    import torch
+
+    facts = {
+        "torch": f"{torch.__version__} ({Path(torch.__file__).parent})",
+        "torch CUDA": torch.version.cuda or "none (CPU build)",
+        "NCCL (torch)": "none",
+    }
+    if torch.version.cuda:
+        try:
+            facts["NCCL (torch)"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as exc:  # noqa: BLE001 - a report, not a check
+            facts["NCCL (torch)"] = f"unknown ({type(exc).__name__})"
+    return facts
+
+
+def horovod_nccl() -> str:
+    """The NCCL version Horovod was compiled against (hvd.nccl_built() returns NCCL_VERSION_CODE)."""
+    import horovod.torch as hvd
+
+    return nccl_code_version(int(hvd.nccl_built()))
+
+
+def print_table(title: str, rows: Sequence[Row]) -> None:
+    width = max(len(r.name) for r in rows)
+    print(f"\n{title}")
+    for row in rows:
+        print(f"  {row.name:<{width}}  {row.value}")
+
+
+def print_ranks(rows: Sequence[placement.RankRow], extras: Sequence[dict[str, Any]]) -> None:
+    header = ("host", "rank", "local_rank", "local_size", "device", "threads", "cores", "CUDA_VISIBLE_DEVICES")
+    table = [header] + [
+        (r.host, str(r.rank), str(r.local_rank), str(r.local_size), r.device, str(x["threads"]),
+         f"{r.affinity_cores}/{r.node_cores}", x["cuda_visible"])
+        for r, x in zip(rows, extras, strict=True)
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    print("\nRanks")
+    for line in table:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
+
+
+def diagnose(expect_gpu: bool) -> int:
+    """Run every check; rank 0 prints the tables. Returns the exit code."""
+    MPI = import_mpi4py()
+    build = horovod_build()
+    libs = mpi_libraries()
+    check_same_mpi(libs)
+
+    from hpcdl.runtime import world as world_module
+
+    world = world_module.init()
+    check_launcher_agrees(world.size)
+    comm = world_module.comm()
+    rows = placement.gather_rows(world, comm)  # collective; a broken GPU becomes a row's `problem`
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
+    extras = comm.gather({"threads": world.threads, "cuda_visible": visible}, root=0)
+    if world.rank != 0:
+        return int(comm.bcast(None, root=0))
+
+    code = 0
+    try:
+        stack = torch_stack()
+        print_table(
+            "hpcdl environment",
+            [
+                Row("python", platform.python_version()),
+                Row("torch", stack["torch"]),
+                Row("torch CUDA", stack["torch CUDA"]),
+                Row("NCCL (torch)", stack["NCCL (torch)"]),
+                Row("NCCL (horovod)", horovod_nccl()),
+                Row("torchvision", version_of("torchvision")),
+                Row("horovod", version_of("horovod")),
+                Row("mpi4py", version_of("mpi4py")),
+                Row("horovod controllers", ", ".join(build["controllers"]) or "none"),
+                Row("horovod tensor ops", ", ".join(build["operations"]) or "none"),
+                Row("MPI library", MPI.Get_library_version().splitlines()[0].strip()),
+                Row("libmpi (horovod)", libs["horovod"] or "not linked"),
+                Row("libmpi (mpi4py)", libs["mpi4py"] or "not linked"),
+                Row("same MPI", "yes" if libs["horovod"] == libs["mpi4py"] else "unknown"),
+                Row("MPI thread level", THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
+                Row("CUDA devices", ", ".join(cuda_devices()) or "none (CPU)"),
+                Row("world size", str(world.size)),
+            ],
+        )
+        print_ranks(rows, extras)
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            raise Problem("MPI was initialised below THREAD_MULTIPLE", "use an MPI built with thread support")
+        error = placement.placement_error(rows, gpu_requested=expect_gpu)
+        if error:
+            print(f"doctor: {error}", file=sys.stderr)
+            return int(comm.bcast(1, root=0))
+        for line in placement.placement_warnings(rows):
+            print(f"doctor: warning: {line}", file=sys.stderr)
+        print("\nok: this environment can run hpcdl")
+    except Problem as problem:
+        print(f"doctor: {problem}", file=sys.stderr)
+        code = 1
+    return int(comm.bcast(code, root=0))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcdl.doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--expect-gpu",
+        action="store_true",
+        default=os.environ.get("HPCDL_EXPECT_GPU") == "1",
+        help="fail unless every rank sees a GPU and has one of its own (also HPCDL_EXPECT_GPU=1)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        return diagnose(args.expect_gpu)
+    except Problem as problem:
+        # Found before any collective, identically on every rank: each rank exits by itself.
+        print(f"doctor: {problem}", file=sys.stderr)
+        return 1
+
+
+def main_cli() -> None:
+    """The command line: ``python -m hpcdl.doctor``."""
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Pack a dataset into WebDataset tar shards with an index (see docs/data.md for the format).
+
+    python -m hpcdl.pack --dataset imagenet --data-dir DIR --output SHARDS [--shard-size-mb 256] [--force]
+    python -m hpcdl.train --dataset imagenet --data-dir SHARDS ...   # reads them
+
+Why: a parallel file system serves a few large files well and a million small ones badly (every
+open is a metadata-server request). The shards are written to a temporary folder beside OUTPUT
+and renamed into place at the end, so an interrupted run never leaves a half-written OUTPUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from hpcdl.runtime.errors import UsageError, run_main
+
+PACKABLE = ("imagenet", "cifar10", "mnist")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hpcdl.pack", description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", required=True, choices=PACKABLE)
+    parser.add_argument("--data-dir", required=True, help="the dataset in its usual layout")
+    parser.add_argument("--output", required=True, help="folder to create with index.json and the shards")
+    parser.add_argument("--shard-size-mb", type=float, default=256.0, help="target size of one shard (default 256)")
+    parser.add_argument("--seed", type=int, default=0, help="the order samples are packed in (shuffled, so that "
+                        "streaming readers of the tars see mixed classes)")
+    parser.add_argument("--threads", type=int, default=8, help="threads reading input files (default 8)")
+    parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    args = parser.parse_args(argv)
+    if args.shard_size_mb <= 0:
+        parser.error("--shard-size-mb must be positive")
+    return args
+
+
+Sample = tuple[bytes, str, int]  # encoded image, file extension, label
+Split = tuple[int, Callable[[int], Sample]]  # number of samples, reader of sample i
+
+
+def folder_samples(data_dir: Path) -> tuple[list[str], dict[str, Split]]:
+    """ImageNet-style folders: the files' own bytes, as they are (no re-encoding)."""
+    from hpcdl.data.imagenet import list_imagenet
+    from hpcdl.data.images import FolderSource
+
+    classes, train, val = list_imagenet(data_dir)
+
+    def reader(source: FolderSource) -> Callable[[int], Sample]:
+        def read(index: int) -> Sample:
+            with open(source.paths[index], "rb") as handle:
+                data = handle.read()
+            extension = "jpg" if data[:3] == b"\xff\xd8\xff" else Path(source.paths[index]).suffix.lstrip(".").lower()
+            return data, extension, int(source.labels[index])
+        return read
+
+    return classes, {"train": (len(train), reader(train)), "val": (len(val), reader(val))}
+
+
+def tensor_samples(dataset: str, data_dir: Path) -> tuple[list[str], dict[str, Split]]:
+    """CIFAR-10 / MNIST: each image encoded as a lossless PNG."""
+    from torchvision.io import encode_png
+
+    from hpcdl.data.legacy import load_dataset
+    from hpcdl.data.tensors import ImageTensors
+
+    bundle = load_dataset(dataset, str(data_dir), seed=0)
+
+    def reader(part: ImageTensors) -> Callable[[int], Sample]:
+        def read(index: int) -> Sample:
+            return bytes(encode_png(part.images[index]).numpy()), "png", int(part.labels[index])
+        return read
+
+    train, test = bundle.train, bundle.test
+    assert isinstance(train, ImageTensors) and isinstance(test, ImageTensors)
+    return [str(i) for i in range(bundle.num_classes)], {"train": (len(train), reader(train)),
+                                                          "val": (len(test), reader(test))}
+
+
+def in_order(read: Callable[[int], Sample], order: np.ndarray, threads: int, window: int = 512) -> Iterator[Sample]:
+    """``read(i)`` for i in ``order``, overlapped on a few threads (file reads wait on I/O), in order,
+    with at most ``window`` samples in memory."""
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for start in range(0, len(order), window):
+            yield from pool.map(read, (int(i) for i in order[start:start + window]))
+
+
+def pack(dataset: str, data_dir: Path, output: Path, shard_bytes: int, seed: int, force: bool,
+         threads: int = 8) -> Path:
+    from tqdm import tqdm
+
+    from hpcdl.data.legacy import check_data_dir
+    from hpcdl.data.shards import ShardWriter, write_index
+
+    if output.exists() and not force:
+        raise UsageError(f"--output {output} exists; pass --force to replace it")
+    data_dir = check_data_dir(dataset, str(data_dir))
+    classes, splits = folder_samples(data_dir) if dataset == "imagenet" else tensor_samples(dataset, data_dir)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        entries = {}
+        for number, (split, (count, read)) in enumerate(splits.items()):
+            # packed in a seeded shuffled order, so that streaming readers of the tars see mixed classes
+            order = np.random.default_rng([seed, number]).permutation(count)
+            writer = ShardWriter(staging, split, shard_bytes)
+            samples = in_order(read, order, threads)
+            for position, (data, extension, label) in enumerate(tqdm(samples, total=count, desc=split, unit="img",
+                                                                     disable=None)):
+                writer.add(f"{position:09d}", extension, data, label)
+            entries[split] = writer.finish()
+        write_index(staging, dataset, classes, entries)
+        if output.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            os.rename(output, retired / output.name)
+            os.rename(staging, output)
+            shutil.rmtree(retired)
+        else:
+            os.rename(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    output = pack(args.dataset, Path(args.data_dir), Path(args.output), int(args.shard_size_mb * 2**20),
+                  args.seed, args.force, max(1, args.threads))
+    print(f"hpcdl.pack: wrote {output}", file=sys.stderr)
+    return 0
+
+
+def main_cli() -> None:
+    """The command line: ``python -m hpcdl.pack``."""
+    run_main(main, program="hpcdl.pack")

@@ -1,0 +1,135 @@
+"""Plot loss and accuracy curves of one or more runs: ``python -m hpcdl.plot RUN_DIR... [-o curves.png]``.
+
+Reads each run's ``metrics.jsonl`` and draws train/test loss and test accuracy against the epoch,
+and test accuracy against wall time (the time-to-accuracy view HPC users compare).
+
+Like every tool around training, it refuses with one line what it cannot do well: a run directory
+that is missing or holds no epochs yet, a metrics file with a malformed line, and an output file
+that exists (``--force`` replaces it) or is one of the repository's committed figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hpcdl.run import outputs
+from hpcdl.run.checkpoint import write_atomically
+from hpcdl.runtime.errors import UsageError, run_main
+
+PROGRAM = "hpcdl.plot"
+REQUIRED = ("epoch", "train_loss", "test_loss", "test_accuracy", "elapsed_seconds")
+FORMATS = (".png", ".pdf", ".svg")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, like every hpcdl program, not usage + error
+        raise UsageError(f"{message} (see --help)")
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every epoch row of a run, checked: each line an object with a number for each plotted key."""
+    if not run_dir.exists():
+        raise UsageError(f"run directory {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir} is a file, not a run directory")
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UsageError(f"{run_dir} has no metrics.jsonl (is it an hpcdl run directory? a run writes it after its "
+                         "first epoch)")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path} is unreadable ({exc})") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}, line {number}: not JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"{path}, line {number}: expected an object with {', '.join(REQUIRED)}")
+        missing = [key for key in REQUIRED if key not in row]
+        if missing:
+            raise UsageError(f"{path}, line {number}: missing {', '.join(missing)}")
+        wrong = [key for key in REQUIRED if isinstance(row[key], bool) or not isinstance(row[key], (int, float))]
+        if wrong:
+            raise UsageError(f"{path}, line {number}: {', '.join(f'{k}={row[k]!r}' for k in wrong)} is not a number")
+        rows.append(row)
+    if not rows:
+        raise UsageError(f"{path} has no epochs yet; nothing to plot")
+    return rows
+
+
+def _positive(values: list[float]) -> bool:
+    return any(math.isfinite(v) and v > 0 for v in values)
+
+
+def plot_runs(run_dirs: Sequence[Path], output: Path, labels: Sequence[str] | None = None) -> Path:
+    """Draw the runs (all read and checked before anything is drawn) and write ``output`` atomically."""
+    runs = [(labels[i] if labels else run_dir.name, read_metrics(run_dir)) for i, run_dir in enumerate(run_dirs)]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc, ax_time) = plt.subplots(1, 3, figsize=(15, 4.2))
+    all_losses: list[float] = []
+    for label, rows in runs:
+        epochs = [r["epoch"] for r in rows]
+        losses = [r["train_loss"] for r in rows], [r["test_loss"] for r in rows]
+        all_losses += losses[0] + losses[1]
+        (line,) = ax_loss.plot(epochs, losses[0], label=f"{label} train")
+        ax_loss.plot(epochs, losses[1], "--", color=line.get_color(), label=f"{label} test")
+        ax_acc.plot(epochs, [r["test_accuracy"] for r in rows], color=line.get_color(), label=label)
+        ax_time.plot([r["elapsed_seconds"] for r in rows], [r["test_accuracy"] for r in rows],
+                     color=line.get_color(), label=label)
+    # A log axis needs a positive value to show; a diverged run (NaN, inf) is drawn where it is finite.
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss", yscale="log" if _positive(all_losses) else "linear")
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy")
+    ax_time.set(xlabel="wall time (s)", ylabel="test accuracy", title="time to accuracy")
+    for ax in (ax_loss, ax_acc, ax_time):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=output.suffix.lstrip("."))
+    plt.close(fig)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(output, lambda handle: handle.write(image.getvalue()))
+    except OSError as exc:
+        raise UsageError(str(exc) if str(exc).startswith("cannot write") else f"cannot write {output}: {exc}") from None
+    return output
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _Parser(prog=f"python -m {PROGRAM}", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl)")
+    parser.add_argument("-o", "--output", type=Path,
+                        help=f"figure to write, {'/'.join(FORMATS)} (default: curves.png in the first run)")
+    parser.add_argument("--labels", nargs="+", help="legend labels, one per run")
+    parser.add_argument("--force", action="store_true", help="replace the output file if it exists")
+    args = parser.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.runs):
+        raise UsageError(f"--labels needs one label per run directory ({len(args.runs)}), got {len(args.labels)}")
+    output = args.output or args.runs[0] / "curves.png"
+    if output.suffix.lower() not in FORMATS:
+        raise UsageError(f"-o {output}: the figure's format comes from its suffix; use one of {', '.join(FORMATS)}")
+    for run_dir in args.runs:  # every run checked before the output is considered
+        read_metrics(run_dir)
+    outputs.check_outputs([output], force=args.force, flag="-o")
+    print(plot_runs(args.runs, output, args.labels))
+    return 0
+
+
+def main_cli() -> None:
+    """The command line: ``python -m hpcdl.plot``."""
+    run_main(main, program=PROGRAM)

@@ -1,0 +1,252 @@
+"""Command-line configuration for ``python -m hpcdl.train``: every flag, written once.
+
+Each field of :class:`TrainConfig` is one flag: its default, help text, accepted values and range
+live on the field and nowhere else. ``PRESETS`` holds only what a dataset's recipe changes from
+those defaults (``--dataset cifar10`` alone is the course's ResNet-32 recipe); flags given on the
+command line win over both. :func:`to_argv` turns a configuration back into flags, which
+tests/test_config.py uses to prove that every flag round-trips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcdl.data import DATASETS
+from hpcdl.runtime.errors import UsageError
+
+# What each dataset's recipe changes from TrainConfig's defaults (which are the digits recipe).
+PRESETS: dict[str, dict[str, Any]] = {
+    "digits": {},
+    "mnist": dict(model="mnist_cnn", epochs=10, batch_size=64, warmup_epochs=0.5, weight_decay=5e-4),
+    "cifar10": dict(model="resnet32", epochs=100, batch_size=128, base_lr=0.1, lr_schedule="step",
+                    lr_decay=[35, 75, 90], warmup_epochs=5.0, weight_decay=5e-4, workers=2),
+    "imagenet": dict(model="resnet50", epochs=90, base_lr=0.0125, lr_schedule="step",
+                     lr_decay=[30, 60, 80], warmup_epochs=5.0, weight_decay=5e-5, workers=4),
+    "synthetic": dict(model="resnet32", epochs=1, batch_size=64, base_lr=0.1, lr_schedule="step",
+                      warmup_epochs=0.0, weight_decay=5e-4),
+}
+
+
+@dataclass(frozen=True)
+class Range:
+    """The accepted interval of a numeric flag (always finite), phrased for the error message."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    label: str = ""  # how the message names the range, when the interval alone would not say enough
+
+    def contains(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
+
+    def __str__(self) -> str:
+        if self.label:
+            return self.label
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"{left}{self.low:g}, {self.high:g}{right}"
+
+
+AT_LEAST_1 = Range(1)
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, low_open=True)
+FRACTION = Range(0, 1, low_open=True, label="a fraction in (0, 1]")
+UNIT_INTERVAL_OPEN_TOP = Range(0, 1, high_open=True)
+
+
+def flag(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, choices: Sequence[str] | None = None,
+         nargs: str | int | None = None, valid: Range | None = None, metavar: str | Sequence[str] | None = None,
+         group: str = "run control") -> Any:
+    """A TrainConfig field that is also a command-line flag (``--field-name``)."""
+    meta = dict(help=help, parse=parse, choices=choices, nargs=nargs, valid=valid, metavar=metavar, group=group)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DATA, MODEL, SPEED, KFAC = "data", "model and optimisation", "speed (GPU)", "K-FAC (kfac.KFACPreconditioner)"
+
+
+@dataclass
+class TrainConfig:
+    # data
+    dataset: str = flag("digits", "digits and synthetic are built in; others read --data-dir", choices=DATASETS,
+                        group=DATA)
+    data_dir: str | None = flag(None, "dataset folder: cifar-10-batches-py, MNIST's IDX files, ImageNet's train/ and "
+                                      "val/, or packed shards (python -m hpcdl.pack)", parse=str, group=DATA)
+    synthetic_shape: list[int] = flag([3, 32, 32], "synthetic image shape", parse=int, nargs=3,
+                                      metavar=("C", "H", "W"), valid=AT_LEAST_1, group=DATA)
+    synthetic_classes: int = flag(10, "synthetic classes", parse=int, valid=Range(2), group=DATA)
+    synthetic_size: int = flag(2048, "synthetic training samples", parse=int, valid=AT_LEAST_1, group=DATA)
+    workers: int = flag(0, "data-loading worker processes per rank", parse=int, valid=NON_NEGATIVE, group=DATA)
+    decode: str = flag("auto", "where JPEGs are decoded: auto is gpu on CUDA, else cpu",
+                       choices=("auto", "cpu", "gpu"), group=DATA)
+    # model and optimisation
+    model: str = flag("digits_cnn", "digits_cnn, mnist_cnn, resnet20/32/44/56/110, or a torchvision model name",
+                      parse=str, group=MODEL)
+    epochs: int = flag(15, "epochs to train", parse=int, valid=AT_LEAST_1, group=MODEL)
+    batch_size: int = flag(32, "per rank, per backward pass", parse=int, valid=AT_LEAST_1, group=MODEL)
+    test_batch_size: int = flag(256, "per rank, evaluation", parse=int, valid=AT_LEAST_1, group=MODEL)
+    base_lr: float = flag(0.02, "learning rate for one rank's batch; scaled by the world size", parse=float,
+                          valid=POSITIVE, group=MODEL)
+    optimizer: str = flag("sgd", "update rule", choices=("sgd", "adam", "adamw"), group=MODEL)
+    momentum: float = flag(0.9, "SGD momentum", parse=float, valid=Range(0, 1, high_open=True), group=MODEL)
+    nesterov: bool = flag(False, "Nesterov momentum (SGD)", group=MODEL)
+    weight_decay: float = flag(1e-4, "L2 weight decay", parse=float, valid=Range(0, 1), group=MODEL)
+    label_smoothing: float = flag(0.0, "label smoothing of the cross-entropy", parse=float,
+                                  valid=UNIT_INTERVAL_OPEN_TOP, group=MODEL)
+    warmup_epochs: float = flag(1.0, "linear per-step warm-up from --base-lr to the scaled rate", parse=float,
+                                valid=NON_NEGATIVE, group=MODEL)
+    lr_schedule: str = flag("cosine", "after warm-up: --lr-decay milestones, or cosine", choices=("step", "cosine"),
+                            group=MODEL)
+    lr_decay: list[int] = flag([], "epochs at which the rate is multiplied by 0.1", parse=int, nargs="*",
+                               valid=AT_LEAST_1, group=MODEL)
+    batches_per_allreduce: int = flag(1, "local gradient accumulation steps", parse=int, valid=AT_LEAST_1, group=MODEL)
+    fp16_allreduce: bool = flag(False, "compress gradients to fp16 for the allreduce", group=MODEL)
+    use_adasum: bool = flag(False, "Horovod's Adasum instead of averaging", group=MODEL)
+    # speed
+    device: str = flag("auto", "auto takes this rank's GPU when CUDA sees one; cuda makes a missing GPU an error",
+                       choices=("auto", "cuda", "cpu"), group=SPEED)
+    amp: str = flag("off", "mixed precision: bf16 (no loss scaling), fp16 (GradScaler, CUDA only), auto (bf16 where "
+                           "supported, else fp16); a bare --amp means auto", choices=("off", "auto", "bf16", "fp16"),
+                    nargs="?", group=SPEED)
+    channels_last: str = flag("auto", "NHWC memory format for convolutional models; auto is on for CUDA",
+                              choices=("auto", "on", "off"), group=SPEED)
+    cudnn_benchmark: bool = flag(True, "let cuDNN pick the fastest kernels for the fixed input shape", group=SPEED)
+    compile: bool = flag(False, "torch.compile the model (measured in benchmarks/train_throughput.py)", group=SPEED)
+    log_every: int = flag(50, "steps between reading metrics back from the device (and checking for a stop signal)",
+                          parse=int, valid=AT_LEAST_1, group=SPEED)
+    # K-FAC
+    kfac_update_freq: int = flag(0, "steps between eigendecompositions; 0 disables K-FAC", parse=int,
+                                 valid=NON_NEGATIVE, group=KFAC)
+    kfac_cov_update_freq: int = flag(1, "steps between factor updates", parse=int, valid=AT_LEAST_1, group=KFAC)
+    damping: float = flag(0.01, "Tikhonov damping in kfac's batch-independent convention (docs/kfac.md)",
+                          parse=float, valid=POSITIVE, group=KFAC)
+    kl_clip: float = flag(0.001, "KL clip of the preconditioned step", parse=float, valid=POSITIVE, group=KFAC)
+    factor_decay: float = flag(0.95, "running-average decay of the factors", parse=float,
+                               valid=UNIT_INTERVAL_OPEN_TOP, group=KFAC)
+    kfac_grad_worker_fraction: float = flag(1.0, "KAISA: share of ranks that precondition each layer", parse=float,
+                                            valid=FRACTION, group=KFAC)
+    # run control
+    output_dir: str | None = flag(None, "run directory (default: a new runs/<time>-<id>)", parse=str)
+    resume: bool = flag(False, "continue from the newest valid checkpoint in --output-dir")
+    seed: int = flag(42, "seed of initial weights, data order and augmentation", parse=int, valid=NON_NEGATIVE)
+    max_steps: int | None = flag(None, "stop after this many optimizer steps", parse=int, valid=AT_LEAST_1)
+    target_accuracy: float | None = flag(None, "stop once test accuracy (a fraction) reaches this", parse=float,
+                                         valid=FRACTION)
+    keep_checkpoints: int = flag(3, "checkpoints kept in <output-dir>/checkpoints", parse=int, valid=AT_LEAST_1)
+    stall_timeout: float = flag(300.0, "end the job when no step completes for this many seconds (0 disables)",
+                                parse=float, valid=NON_NEGATIVE)
+    max_nonfinite_steps: int = flag(5, "stop after this many consecutive steps with non-finite loss or gradients",
+                                    parse=int, valid=AT_LEAST_1)
+    progress: bool = flag(True, "tqdm progress bar on rank 0 (--no-progress: epoch lines only)")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def option_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """argparse from the fields. Every default is SUPPRESS: defaults come from the dataclass and the preset."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hpcdl.train", argument_default=argparse.SUPPRESS,
+        description="Data-parallel training with Horovod (run under mpirun/srun/ibrun for several ranks). "
+                    "Unset flags take the dataset's preset, then the defaults shown.",
+    )
+    groups: dict[str, Any] = {}
+    for f in FIELDS.values():
+        meta = f.metadata
+        group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        help_text = f"{meta['help']} (default: {default})"
+        if isinstance(default, bool):
+            group.add_argument(option_name(f.name), action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        kwargs: dict[str, Any] = dict(help=help_text, metavar=meta["metavar"])
+        if meta["choices"] is not None:
+            kwargs.update(choices=meta["choices"], metavar=None)
+        if meta["parse"] is not None:
+            kwargs["type"] = meta["parse"]
+        if meta["nargs"] is not None:
+            kwargs["nargs"] = meta["nargs"]
+        if f.name == "amp":
+            kwargs["const"] = "auto"
+        group.add_argument(option_name(f.name), **kwargs)
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
+    """Flags, then the dataset's preset for what was not given, then the defaults; validated. Raises UsageError."""
+    parser = build_parser()
+    # argparse would print usage and exit 2: make it one line through the same path as every usage error.
+    parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # type: ignore[method-assign]
+    given = vars(parser.parse_args(argv))
+    dataset = given.get("dataset", FIELDS["dataset"].default)
+    if given.get("lr_decay") and "lr_schedule" not in given:
+        given["lr_schedule"] = "step"  # milestones mean a step schedule, whatever the preset's
+    config = TrainConfig(**{**PRESETS[dataset], **given})
+    validate(config)
+    return config
+
+
+def to_argv(config: TrainConfig) -> list[str]:
+    """Flags that parse back to ``config`` (every field spelled out)."""
+    argv: list[str] = []
+    for name in FIELDS:
+        value = getattr(config, name)
+        option = option_name(name)
+        if isinstance(value, bool):
+            argv.append(option if value else "--no-" + option[2:])
+        elif value is None:
+            continue  # None is the default of every optional flag: leaving it out gives it back
+        elif isinstance(value, list):
+            argv += [option, *map(str, value)]
+        else:
+            argv += [option, repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
+def validate(c: TrainConfig) -> None:
+    """Every value in its range (finite), then the combinations that cannot work; one line naming the flag."""
+    for name, f in FIELDS.items():
+        valid: Range | None = f.metadata["valid"]
+        value = getattr(c, name)
+        if valid is None or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if not valid.contains(float(item)):
+                raise UsageError(f"{option_name(name)} must be {valid} (got {item})")
+    if c.kfac_update_freq < 0:
+        raise UsageError("--kfac-update-freq must be >= 0")
+    if sorted(set(c.lr_decay)) != list(c.lr_decay):
+        raise UsageError(f"--lr-decay takes strictly increasing epoch numbers, e.g. 35 75 90 (got {c.lr_decay})")
+    if c.lr_decay and c.lr_schedule != "step":
+        raise UsageError("--lr-decay milestones need --lr-schedule step (cosine has none; leave --lr-schedule out)")
+    if c.nesterov and (c.optimizer != "sgd" or c.momentum == 0):
+        raise UsageError("--nesterov needs --optimizer sgd and a non-zero --momentum")
+    if c.dataset == "synthetic" and c.synthetic_shape[1] != c.synthetic_shape[2]:
+        raise UsageError(f"--synthetic-shape must be square, C H H (got {' '.join(map(str, c.synthetic_shape))})")
+    if c.resume and not c.output_dir:
+        raise UsageError("--resume needs --output-dir (the run directory to continue)")
+    if c.amp == "fp16" and c.device == "cpu":
+        raise UsageError("--amp fp16 needs CUDA (its GradScaler); on CPU use --amp bf16")
+    if c.compile and c.kfac_update_freq > 0:
+        raise UsageError("--compile cannot be combined with K-FAC (--kfac-update-freq > 0): K-FAC reads each layer "
+                         "through module hooks, which a compiled graph does not run")
+    if c.use_adasum and c.kfac_update_freq > 0:
+        raise UsageError("--use-adasum cannot be combined with K-FAC (--kfac-update-freq > 0): Horovod's Adasum "
+                         "optimizer takes its step inside backward, before K-FAC could precondition the gradient")

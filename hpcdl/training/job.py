@@ -1,0 +1,340 @@
+"""A training job, built once: the world, data, model, optimizer, precision, K-FAC and run state.
+
+:func:`build_job` makes every decision that does not change during training (which device, which
+precision, which memory format, which optimizer, where results go) so that the loop in
+:mod:`hpcdl.loop` only trains. Everything here is collective: every rank builds its job at the same
+point, and a problem on any rank is a one-line error on all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+from hpcdl.data import DataSpec, InputPipeline, build_pipeline
+from hpcdl.run import checkpoint
+from hpcdl.run.metrics import RunRecord
+from hpcdl.run.rundir import RunDir, claim
+from hpcdl.runtime import placement, world
+from hpcdl.runtime.console import print0
+from hpcdl.runtime.errors import UsageError, agree
+from hpcdl.runtime.faults import FaultInjector
+from hpcdl.runtime.signals import GracefulStop
+from hpcdl.runtime.watchdog import StallWatchdog
+from hpcdl.training import runstate
+from hpcdl.training.config import TrainConfig
+from hpcdl.training.models import build_model
+from hpcdl.training.schedule import LRSchedule, lr_scale
+
+# An fp16 step that overflows is skipped by the GradScaler, which then halves the loss scale: that is
+# loss scaling at work, not divergence. Only overflow at a scale this small counts as non-finite.
+FP16_MIN_LOSS_SCALE = 1.0
+
+
+@dataclass
+class Job:
+    config: TrainConfig
+    world: world.World
+    comm: Any
+    run: RunDir
+    data: InputPipeline
+    model: nn.Module  # what the loop calls (compiled when --compile)
+    bare_model: nn.Module  # what is saved and restored
+    optimizer: torch.optim.Optimizer  # Horovod's DistributedOptimizer around the update rule
+    schedule: LRSchedule
+    criterion: nn.Module
+    amp_dtype: torch.dtype | None
+    scaler: torch.amp.GradScaler | None
+    preconditioner: Any  # kfac.KFACPreconditioner or None
+    record: RunRecord
+    watchdog: StallWatchdog
+    stop: GracefulStop
+    faults: FaultInjector
+    progress: runstate.Progress = field(default_factory=runstate.Progress)
+    resumed_state: dict[str, Any] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+    @property
+    def output_dir(self) -> Path:
+        return self.run.path
+
+    @property
+    def run_id(self) -> str:
+        return self.run.run_id
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    def print0(self, message: str) -> None:
+        """One write per line: under mpirun, lines printed in pieces by two ranks can run together."""
+        if self.world.is_root:
+            sys.stdout.write(message + "\n")
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        """Stop the threads and handlers the job started; safe to call twice."""
+        self.watchdog.stop()
+        self.stop.close()
+        self.data.close()
+        self.record.close()
+        self.run.release()
+
+
+def choose_amp(config: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype: bf16 needs no loss scaling, so auto takes it wherever the device supports it."""
+    if config.amp == "off":
+        return None
+    if config.amp == "fp16":
+        if device.type != "cuda":
+            raise UsageError("--amp fp16 needs CUDA (its GradScaler); on CPU use --amp bf16")
+        return torch.float16
+    bf16_ok = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    if config.amp == "bf16" and not bf16_ok:
+        raise UsageError(f"--amp bf16: {torch.cuda.get_device_name(device)} has no bf16; use --amp fp16")
+    return torch.bfloat16 if bf16_ok else torch.float16
+
+
+def is_convolutional(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """SGD/Adam/AdamW with fused kernels: they take the GradScaler's (or our) non-finite flag on the device
+    and skip the update there, so no step has to read the flag back to the host."""
+    params = list(model.parameters())
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay, fused=True)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, fused=True)
+    return torch.optim.SGD(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
+                           weight_decay=config.weight_decay, fused=True)
+
+
+def zero_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
+    """Zero SGD momentum buffers before the first step: the same first update as torch's (buffer = gradient, as
+    dampening is 0), and a skipped first step cannot leave the fused kernel an uninitialised buffer."""
+    for group in optimizer.param_groups:
+        if group.get("momentum"):
+            for p in group["params"]:
+                optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+
+
+def keep_layout(base: Any) -> Any:
+    """Horovod's compression ``base`` for gradients of any memory layout.
+
+    Horovod allreduces contiguous tensors only, and a channels_last model has channels_last
+    gradients: they cross as contiguous copies and come back in their parameter's layout (a fused
+    optimizer given a gradient of another layout than its parameter updates the wrong elements).
+    """
+
+    class KeepLayout:
+        @staticmethod
+        def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            nhwc = tensor.dim() == 4 and not tensor.is_contiguous()
+            compressed, context = base.compress(tensor.contiguous())
+            return compressed, (context, nhwc)
+
+        @staticmethod
+        def decompress(tensor: torch.Tensor, context: Any) -> torch.Tensor:
+            inner, nhwc = context
+            out = base.decompress(tensor, inner)
+            return out.contiguous(memory_format=torch.channels_last) if nhwc else out
+
+    return KeepLayout
+
+
+def broadcast_parameters(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (Horovod broadcasts contiguous tensors: call before
+    the model turns channels_last)."""
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+
+def match_state_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Give each optimizer state tensor its parameter's memory layout (a checkpoint may come from a run with
+    another layout, and a fused update silently mixes up elements of tensors whose layouts differ)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
+                    layout = torch.channels_last if p.dim() == 4 and not p.is_contiguous() else torch.contiguous_format
+                    optimizer.state[p][key] = value.contiguous(memory_format=layout)
+
+
+def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Callable[..., float],
+                         scaler: torch.amp.GradScaler | None) -> Any:
+    if config.kfac_update_freq <= 0:
+        return None
+    from kfac import KFACPreconditioner
+
+    return KFACPreconditioner(
+        model,
+        factor_update_freq=config.kfac_cov_update_freq,
+        inv_update_freq=config.kfac_update_freq,
+        damping=config.damping,
+        factor_decay=config.factor_decay,
+        kl_clip=config.kl_clip,
+        lr=current_lr,
+        grad_worker_fraction=config.kfac_grad_worker_fraction,
+        backward_passes_per_step=config.batches_per_allreduce,  # factors accumulate like the gradients
+        grad_scaler=scaler,  # its scale is divided out of G
+    )
+
+
+def check_adasum(config: TrainConfig, world_size: int, cuda: bool) -> None:
+    """What Horovod's Adasum optimizer cannot do, as one line instead of a traceback mid-step."""
+    if world_size & (world_size - 1):
+        raise UsageError(f"--use-adasum needs a power-of-two number of ranks (Horovod's Adasum), got {world_size}")
+    if config.amp != "off" and cuda:
+        raise UsageError("--use-adasum cannot be combined with --amp on CUDA: the GradScaler must unscale "
+                         "gradients before the step, and Adasum steps inside backward")
+
+
+def refuse_earlier_checkpoints(path: Path, is_root: bool) -> None:
+    """A new run must not mix its checkpoints with an earlier run's (the earlier ones would be pruned as its own)."""
+    if is_root and checkpoint.list_checkpoints(checkpoint.checkpoint_dir(path)):
+        raise UsageError(f"{path} already holds checkpoints of an earlier run: add --resume to continue it, or "
+                         "choose another --output-dir")
+
+
+def try_one_batch(model: nn.Module, data: InputPipeline, config: TrainConfig, device: torch.device) -> None:
+    """Run the model once on a batch of the dataset's shape, so a model that cannot take this input fails with
+    one line naming the model, the input size and a fix, before any rank starts training."""
+    shape = (2, *data.input_shape)
+    try:
+        with torch.no_grad():
+            out = model.eval()(torch.zeros(shape, device=device))
+    except RuntimeError as exc:
+        raise UsageError(
+            f"--model {config.model} cannot take {config.dataset}'s {'x'.join(map(str, data.input_shape))} images "
+            f"({str(exc).splitlines()[0]}); choose a model made for this input size (e.g. resnet20-110 or "
+            f"{'digits_cnn' if data.input_shape[-1] <= 16 else 'resnet18'})") from exc
+    finally:
+        model.train()
+    if out.ndim != 2 or out.shape[1] != data.num_classes:
+        raise UsageError(f"--model {config.model} gives outputs of shape {tuple(out.shape)} for a batch of 2, "
+                         f"not (2, {data.num_classes}) for {config.dataset}'s {data.num_classes} classes")
+
+
+def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, device: torch.device,
+                        amp_dtype: torch.dtype | None) -> nn.Module:
+    """torch.compile the model and compile its training graphs now, on a dummy batch, before the stall watchdog
+    runs and before Horovod hooks the gradients (compiling can take minutes; a hooked backward would allreduce).
+    The model's state is put back afterwards, so that the dummy step changes no BatchNorm statistics."""
+    compiled = torch.compile(model, dynamic=False)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fmt = torch.channels_last if spec.channels_last and len(data.input_shape) == 3 else torch.contiguous_format
+    batch = torch.zeros(spec.batch_size, *data.input_shape, device=device).to(memory_format=fmt)
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    with autocast:
+        out = compiled(batch)
+    out.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(saved)
+    return compiled  # type: ignore[return-value]  # torch.compile of a Module is a Module
+
+
+def build_job(config: TrainConfig) -> Job:
+    me = world.init()
+    comm = world.comm()
+    cuda = me.device.type == "cuda"
+    placement.verify(me, comm, gpu_requested=config.device == "cuda")
+    if config.device == "cpu" and cuda:
+        raise UsageError("--device cpu on a rank that was given a GPU: hide it with CUDA_VISIBLE_DEVICES=''")
+    faults = agree(lambda: FaultInjector(me.rank, world_size=me.size))
+    if config.use_adasum and me.size > 1:
+        agree(lambda: check_adasum(config, me.size, cuda))
+    amp_dtype = agree(lambda: choose_amp(config, me.device))
+    run = claim(config.output_dir, comm, resume=config.resume)
+    try:
+        return _build_rest(config, me, comm, run, faults, amp_dtype)
+    except BaseException:
+        run.release()
+        raise
+
+
+def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, faults: FaultInjector,
+                amp_dtype: torch.dtype | None) -> Job:
+    cuda = me.device.type == "cuda"
+    if cuda:
+        torch.backends.cudnn.benchmark = config.cudnn_benchmark  # fixed shapes: let cuDNN time its kernels once
+        torch.backends.cuda.matmul.allow_tf32 = True  # the precision torch's docs recommend for training
+        torch.backends.cudnn.allow_tf32 = True
+
+    torch.manual_seed(config.seed)  # identical initial weights on every rank (and broadcast to be sure)
+    if not config.resume:
+        agree(lambda: refuse_earlier_checkpoints(run.path, me.is_root))
+    resumed = runstate.read_latest(run.path, comm) if config.resume else None
+    if config.resume and resumed is None:
+        print0("no checkpoint to resume from: starting from scratch")
+    channels_last_wanted = config.channels_last == "on" or (config.channels_last == "auto" and cuda)
+    spec = DataSpec(
+        dataset=config.dataset, data_dir=config.data_dir, batch_size=config.batch_size * config.batches_per_allreduce,
+        test_batch_size=config.test_batch_size, workers=config.workers, seed=config.seed, decode=config.decode,
+        channels_last=channels_last_wanted, synthetic_shape=tuple(config.synthetic_shape),  # type: ignore[arg-type]
+        synthetic_classes=config.synthetic_classes, synthetic_size=config.synthetic_size)
+    data = agree(lambda: build_pipeline(spec, me.rank, me.size, me.device))
+    model = agree(lambda: build_model(config.model, data.num_classes, data.input_shape[0])).to(me.device)
+    broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
+    channels_last = channels_last_wanted and is_convolutional(model)
+    if channels_last:  # before the optimizer exists, so that its state is made in the same layout
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    agree(lambda: try_one_batch(model, data, config, me.device))
+
+    compiled = compile_and_warm_up(model, data, spec, me.device, amp_dtype) if config.compile else model
+
+    peak_lr = config.base_lr * lr_scale(me.size, config.batches_per_allreduce, config.use_adasum, me.local_size, cuda)
+    schedule = LRSchedule(config.base_lr, peak_lr, config.warmup_epochs, config.epochs, config.lr_schedule,
+                          config.lr_decay)
+    optimizer = hvd.DistributedOptimizer(
+        build_update_rule(config, model, schedule(0.0)),
+        named_parameters=model.named_parameters(),
+        compression=keep_layout(hvd.Compression.fp16 if config.fp16_allreduce else hvd.Compression.none),
+        backward_passes_per_step=config.batches_per_allreduce,
+        op=hvd.Adasum if config.use_adasum else hvd.Average,
+    )
+    zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
+    scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+    preconditioner = build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"], scaler)
+
+    criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+    job = Job(config=config, world=me, comm=comm, run=run, data=data, model=compiled, bare_model=model,
+              optimizer=optimizer, schedule=schedule, criterion=criterion,
+              amp_dtype=amp_dtype, scaler=scaler, preconditioner=preconditioner,
+              record=agree(lambda: RunRecord(run.path, me.is_root, config.resume, run.run_id)),
+              watchdog=StallWatchdog(comm, config.stall_timeout), stop=GracefulStop(comm), faults=faults)
+    if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
+        job.progress = runstate.restore(job, resumed)
+        job.resumed_state = resumed
+        match_state_layouts(optimizer)
+    job.watchdog.start()
+    job.print0(
+        f"hpcdl: {config.model} on {config.dataset} | {me.size} rank(s) x batch {config.batch_size}"
+        f" x {config.batches_per_allreduce} = global batch {me.size * config.batch_size * config.batches_per_allreduce}"
+        f" | lr {config.base_lr} -> {peak_lr:g} | {data.steps_per_epoch} steps/epoch | {me.device}"
+        f"{'' if cuda else f' ({me.threads} thread(s)/rank)'} | amp {amp_dtype or 'off'}"
+        f"{' | channels_last' if channels_last else ''}{' | compiled' if config.compile else ''}"
+        f" | {'K-FAC' if preconditioner else 'SGD-family'} ({config.optimizer}) | run {run.run_id} in {run.path}")
+    return job
+
+
+@contextlib.contextmanager
+def opened(config: TrainConfig) -> Iterator[Job]:
+    """``with opened(config) as job:`` builds the job and always closes it."""
+    job = build_job(config)
+    try:
+        yield job
+    finally:
+        job.close()

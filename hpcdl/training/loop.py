@@ -1,0 +1,189 @@
+"""One epoch of training and one evaluation, without waiting on the device inside a step.
+
+A step queues its work and returns: loss and accuracy sums stay on the device
+(:class:`~hpcdl.metrics.DeviceSums`), the non-finite verdict is a device flag that the fused
+optimizer reads to skip the update by itself, and the flags of the last ``--log-every`` steps are
+read back together at the next log point. There, and only there, the host learns the metrics,
+decides about non-finite streaks and exchanges the stop flag with the other ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from hpcdl.run.metrics import DeviceSums, averages
+from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime.signals import StopRequest
+from hpcdl.training.job import FP16_MIN_LOSS_SCALE, Job
+
+LOG_POINT = "hpcdl.log_point"  # the profiler range of the only place a training epoch reads from the device
+
+
+@dataclass
+class EpochResult:
+    train: dict[str, float]  # allreduced sums of the part trained in this session
+    images: int  # training images, all ranks, in this session's part of the epoch
+    seconds: float
+    complete: bool
+    stop: StopRequest | None  # the stop signal(s) that ended it early, if any
+
+
+def nonfinite_flag(parameters: Sequence[torch.Tensor]) -> torch.Tensor:
+    """1.0 on the device when any gradient holds inf or NaN, else 0.0: one fused norm, no host read."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=parameters[0].device)
+    norms = torch._foreach_norm(grads)
+    return (~torch.isfinite(torch.stack(norms).sum())).float()
+
+
+def apply_gradients(job: Job) -> torch.Tensor:
+    """Average gradients over ranks, precondition, step; the returned device flag is 1.0 for a failed step.
+
+    Horovod's DistributedOptimizer allreduces in backward hooks and ``synchronize`` waits for them;
+    K-FAC and the update then run inside ``skip_synchronize``. One rank has nothing to average (and
+    ``synchronize`` would still copy every gradient through Horovod's queue). The update rule is a
+    fused kernel that reads ``found_inf`` on the device and leaves parameters and state untouched
+    when it is set, which is how a non-finite step is skipped without the host looking.
+    """
+    optimizer: Any = job.optimizer  # Horovod's DistributedOptimizer (synchronize, skip_synchronize)
+    scaler = job.scaler
+    params = list(job.bare_model.parameters())
+    if job.config.use_adasum and job.world.size > 1:
+        optimizer.step()  # Horovod's Adasum applies the update inside backward; nothing here can skip it
+        verdict = job.comm.allreduce(float(nonfinite_flag(params)))
+        optimizer.zero_grad()
+        return torch.tensor(float(verdict > 0), device=job.device)
+    if job.world.size > 1:
+        optimizer.synchronize()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+        per_device = scaler._found_inf_per_device(optimizer).values()  # the scaler's own verdict, on the device
+        found_inf = torch.stack(list(per_device)).sum().clamp(max=1.0)
+        # Overflow is loss scaling at work; only overflow at a tiny scale is divergence.
+        failed = found_inf * (scaler._get_scale_async() < FP16_MIN_LOSS_SCALE)  # type: ignore[operator]
+    else:
+        found_inf = failed = nonfinite_flag(params)
+    if job.preconditioner is not None:
+        job.preconditioner.step(found_inf=found_inf)
+    optimizer.found_inf = found_inf
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    del optimizer.found_inf
+    if scaler is not None:
+        scaler.update()  # halves the scale after an overflow, on the device
+    optimizer.zero_grad()
+    return failed
+
+
+class HealthLog:
+    """Per-step failure flags kept on the device between log points, judged on the host at each."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.flags = torch.zeros(job.config.log_every, device=job.device)
+        self.first_step = job.progress.global_step + 1
+        self.count = 0
+
+    def record(self, failed: torch.Tensor) -> None:
+        self.flags[self.count].copy_(failed, non_blocking=True)
+        self.count += 1
+
+    def judge(self) -> None:
+        """Read the flags; announce skipped steps; stop the run (one line) on a streak of failures."""
+        if not self.count:
+            return
+        progress, limit = self.job.progress, self.job.config.max_nonfinite_steps
+        for offset, failed in enumerate(self.flags[: self.count].tolist()):
+            step = self.first_step + offset
+            progress.nonfinite_streak = progress.nonfinite_streak + 1 if failed else 0
+            if progress.nonfinite_streak >= limit:
+                raise UsageError(
+                    f"loss or gradients were non-finite for {progress.nonfinite_streak} consecutive steps "
+                    f"(up to step {step}); lower --base-lr or add --warmup-epochs. Checkpoints were not overwritten.")
+            if failed:
+                self.job.print0(f"step {step}: non-finite gradients, update skipped")
+        self.first_step += self.count
+        self.count = 0
+
+
+def train_one_epoch(job: Job) -> EpochResult:
+    """Train from where ``job.progress`` stands to the end of its epoch (or a stop request or --max-steps)."""
+    config, progress, data = job.config, job.progress, job.data
+    epoch, k = progress.epoch, config.batches_per_allreduce
+    job.bare_model.train()
+    sums, health = DeviceSums(job.device, skip_nonfinite=True), HealthLog(job)
+    bar = tqdm(total=data.steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
+               disable=not (job.world.is_root and config.progress), leave=False, dynamic_ncols=True, mininterval=1.0)
+    stop: StopRequest | None = None
+    images = 0
+    job.watchdog.beat(phase="data")
+    start = time.perf_counter()
+    for images_batch, labels in data.train_epoch(epoch, progress.step_in_epoch):
+        step = progress.global_step + 1
+        job.faults.before_step(step)
+        job.watchdog.beat(phase="compute")
+        lr = job.schedule(epoch + progress.step_in_epoch / data.steps_per_epoch)
+        for group in job.optimizer.param_groups:
+            group["lr"] = lr
+        for x, y in zip(images_batch.chunk(k), labels.chunk(k), strict=True):
+            with job.autocast():
+                logits = job.model(x)
+                loss = job.criterion(logits.float(), y)
+            if job.faults.poison_loss(step):
+                loss = loss * float("nan")
+            scaled = loss / k
+            (job.scaler.scale(scaled) if job.scaler is not None else scaled).backward()
+            sums.add(loss.detach() * len(y), (logits.argmax(1) == y).sum(), len(y))
+        job.watchdog.beat(phase="collective")
+        health.record(apply_gradients(job))
+        progress.global_step, progress.step_in_epoch = step, progress.step_in_epoch + 1
+        images += len(images_batch) * job.world.size
+        bar.update(1)
+        job.watchdog.beat(step, phase="data")
+        last = progress.step_in_epoch >= data.steps_per_epoch or step == config.max_steps
+        if last or health.count == config.log_every:
+            with torch.profiler.record_function(LOG_POINT):
+                job.watchdog.beat(phase="collective")
+                health.judge()
+                stop = job.stop.requested()
+                if not bar.disable:
+                    loss_avg, accuracy = averages(sums.read())
+                    bar.set_postfix(loss=f"{loss_avg:.3f}", acc=f"{accuracy:.3f}", lr=f"{lr:.3g}",
+                                    img_s=f"{images / max(time.perf_counter() - start, 1e-9):.0f}", refresh=False)
+            if stop or last:
+                break
+    if job.device.type == "cuda":
+        torch.cuda.synchronize(job.device)  # the epoch's time includes its queued work
+    seconds = time.perf_counter() - start
+    bar.close()
+    job.watchdog.beat(phase="collective")
+    with torch.profiler.record_function(LOG_POINT):
+        train = sums.reduced(job.comm)
+    return EpochResult(train, images, seconds, progress.step_in_epoch >= data.steps_per_epoch, stop)
+
+
+def evaluate(job: Job) -> dict[str, float]:
+    """Loss and accuracy over the whole test set: sums from every rank's disjoint shard, allreduced."""
+    model = job.bare_model  # uncompiled: evaluation's last, smaller batch would make a compiled model recompile
+    model.eval()
+    job.watchdog.beat(phase="evaluate")
+    sums = DeviceSums(job.device)
+    with torch.no_grad():
+        for images, labels in job.data.test_batches():
+            with job.autocast():
+                logits = model(images)
+            sums.add(F.cross_entropy(logits.float(), labels, reduction="sum"), (logits.argmax(1) == labels).sum(),
+                     len(labels))
+            job.watchdog.beat()
+    job.watchdog.beat(phase="collective")
+    loss, accuracy = averages(sums.reduced(job.comm))
+    job.bare_model.train()
+    return {"test_loss": loss, "test_accuracy": accuracy}

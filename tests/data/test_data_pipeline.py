@@ -1,0 +1,289 @@
+"""The input pipeline: augmentation semantics against torchvision's own transforms, exactly-once
+order over ranks, exact mid-epoch resume, and the CPU and device decode paths agreeing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torchvision import transforms as T
+from torchvision.transforms import functional as TF
+from torchvision.transforms import v2
+
+from hpcdl.data import DataSpec, build_pipeline, load_dataset
+from hpcdl.data.augment import (
+    Normalizer,
+    apply_crop_flip,
+    draw_crop_flip,
+    eval_view,
+    sample_train_params,
+    train_view,
+)
+from hpcdl.data.imagenet import list_imagenet
+from hpcdl.data.pipeline import FilePipeline, ResidentPipeline
+from hpcdl.data.spec import CIFAR_NORM, IMAGENET_NORM, Normalization
+from hpcdl.runtime.errors import UsageError
+from tests.support.data_files import write_cifar10, write_imagenet, write_mnist
+
+CPU = torch.device("cpu")
+
+
+def spec(dataset: str = "synthetic", data_dir: Path | None = None, **changes: object) -> DataSpec:
+    base: dict = dict(dataset=dataset, data_dir=str(data_dir) if data_dir else None, batch_size=4, test_batch_size=5,
+                      workers=0, seed=7)
+    return DataSpec(**{**base, **changes})
+
+
+# ---- augmentation semantics: torchvision's transforms (global RNG) are the reference
+
+@pytest.mark.parametrize("height,width", [(375, 500), (500, 375), (40, 47), (30, 400), (400, 30), (224, 224)])
+def test_crop_and_flip_draws_are_torchvisions(height: int, width: int) -> None:
+    image = torch.zeros(3, height, width)
+    for seed in range(40):
+        torch.manual_seed(seed)
+        expected_crop = T.RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3])
+        expected_flip = bool(torch.rand(1) < 0.5)  # RandomHorizontalFlip's draw, next in the stream
+        assert sample_train_params(height, width, seed) == (expected_crop, expected_flip)
+
+
+def test_train_view_is_random_resized_crop_and_flip() -> None:
+    image = torch.randint(0, 256, (3, 61, 83), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    reference = v2.Compose([v2.RandomResizedCrop(32, antialias=True), v2.RandomHorizontalFlip()])
+    classic = T.Compose([T.RandomResizedCrop(32, antialias=True), T.RandomHorizontalFlip()])
+    flips = set()
+    for seed in range(30):
+        torch.manual_seed(seed)
+        expected = reference(image)
+        torch.manual_seed(seed)
+        expected_classic = classic(image)
+        crop, flip = sample_train_params(61, 83, seed)
+        flips.add(flip)
+        view = train_view(image, crop, flip, 32)
+        assert torch.equal(view, expected)
+        # the classic transforms resize uint8 through float: the same view up to rounding
+        assert (view.int() - expected_classic.int()).abs().max() <= 1
+    assert flips == {True, False}
+
+
+def test_eval_view_is_resize_and_centre_crop() -> None:
+    image = torch.randint(0, 256, (3, 300, 451), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    reference = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])
+    assert torch.equal(eval_view(image, 224), reference(image))
+    classic = T.Compose([T.Resize(256, antialias=True), T.CenterCrop(224)])
+    assert (eval_view(image, 224).int() - classic(image).int()).abs().max() <= 1
+
+
+def test_batched_crop_flip_matches_per_image_pad_crop_flip() -> None:
+    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    top, left, flip = draw_crop_flip(64, 4, torch.Generator().manual_seed(3), CPU)
+    out = apply_crop_flip(images, 4, top, left, flip)
+    for i in range(64):
+        padded = TF.pad(images[i], [4])
+        expected = TF.crop(padded, int(top[i]), int(left[i]), 32, 32)
+        expected = TF.hflip(expected) if bool(flip[i]) else expected
+        assert torch.equal(out[i], expected), i
+
+
+def test_crop_flip_draws_cover_randomcrops_range() -> None:
+    top, left, flip = draw_crop_flip(20000, 4, torch.Generator().manual_seed(4), CPU)
+    assert set(top.flatten().tolist()) == set(range(9)) == set(left.flatten().tolist())
+    assert 0.47 < flip.float().mean().item() < 0.53
+
+
+def test_normalizer_matches_torchvision_normalize() -> None:
+    images = torch.randint(0, 256, (2, 3, 9, 9), dtype=torch.uint8)
+    expected = T.Normalize(CIFAR_NORM.mean, CIFAR_NORM.std)(images.float() / 255)
+    out = Normalizer(CIFAR_NORM, CPU, channels_last=True)(images)
+    assert out.dtype == torch.float32 and out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+# ---- order over ranks and resume, on a resident dataset whose label is the sample's index
+
+def indexed_pipeline(rank: int, size: int, samples: int = 50, **changes: object) -> ResidentPipeline:
+    images = (torch.arange(samples) % 256).to(torch.uint8).view(-1, 1, 1, 1).expand(-1, 3, 4, 4).contiguous()
+    labels = torch.arange(samples)
+    return ResidentPipeline(spec(**changes), rank, size, CPU, train=(images, labels), test=(images[:11], labels[:11]),
+                            norm=Normalization((0.0,), (1.0,)), num_classes=samples, crop_padding=1)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_every_sample_once_per_epoch_across_ranks(size: int) -> None:
+    for epoch in (0, 1):
+        seen = [int(label) for rank in range(size)
+                for _, labels in indexed_pipeline(rank, size).train_epoch(epoch) for label in labels]
+        steps = (50 // size) // 4
+        assert len(seen) == len(set(seen)) == steps * 4 * size  # no duplicate; drop only the remainder
+        assert len(seen) > 50 - 4 * size
+        tests = [int(label) for rank in range(size) for _, labels in indexed_pipeline(rank, size).test_batches()
+                 for label in labels]
+        assert sorted(tests) == list(range(11))
+
+
+def test_epochs_differ_and_resume_mid_epoch_is_exact() -> None:
+    pipeline = indexed_pipeline(1, 2)
+    full = list(pipeline.train_epoch(3))
+    torch.manual_seed(123)  # global RNG state must not matter
+    resumed = list(indexed_pipeline(1, 2).train_epoch(3, start_step=2))
+    assert len(resumed) == len(full) - 2
+    for (x, y), (rx, ry) in zip(full[2:], resumed, strict=True):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+    other = [int(v) for _, y in pipeline.train_epoch(4) for v in y]
+    assert other != [int(v) for _, y in full for v in y]
+
+
+def test_cifar_pipeline_augments_on_the_device_and_resumes(tmp_path: Path) -> None:
+    write_cifar10(tmp_path, per_batch=8)
+    pipeline = build_pipeline(spec("cifar10", tmp_path), 0, 1, CPU)
+    assert (pipeline.num_classes, pipeline.input_shape, pipeline.train_samples, pipeline.test_samples) == (
+        10, (3, 32, 32), 40, 8)
+    full = list(pipeline.train_epoch(0))
+    again = list(build_pipeline(spec("cifar10", tmp_path), 0, 1, CPU).train_epoch(0, start_step=3))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full[3:], again, strict=True))
+    raw = load_dataset("cifar10", str(tmp_path), seed=0).train
+    x, y = full[0]
+    # each augmented image is its source image under some 4-pixel padded crop and flip
+    normalize = Normalizer(CIFAR_NORM, CPU, channels_last=False)
+    candidates = normalize(torch.stack([TF.crop(TF.pad(raw.images[j], [4]), t, s, 32, 32)  # type: ignore[attr-defined]
+                                        for j in range(40) for t in range(9) for s in range(9)]))
+    for image in x:
+        direct = (candidates - image).abs().flatten(1).max(1).values.min()
+        flipped = (candidates.flip(-1) - image).abs().flatten(1).max(1).values.min()
+        assert min(direct, flipped) < 1e-5
+
+
+def test_digits_and_mnist_values_match_the_per_sample_path(tmp_path: Path) -> None:
+    write_mnist(tmp_path)
+    for name, data_dir in (("digits", None), ("mnist", tmp_path)):
+        pipeline = build_pipeline(spec(name, data_dir, test_batch_size=1000), 0, 1, CPU)
+        legacy = load_dataset(name, str(data_dir) if data_dir else None, seed=0).test
+        (x, y), = list(pipeline.test_batches())
+        expected = torch.stack([legacy[i][0] for i in range(len(legacy))])
+        assert torch.allclose(x, expected, atol=1e-5) and torch.equal(y, legacy.labels)  # type: ignore[attr-defined]
+
+
+def test_synthetic_is_generated_on_the_device_with_the_asked_shape() -> None:
+    pipeline = build_pipeline(spec(synthetic_shape=(3, 16, 16), synthetic_classes=5, synthetic_size=300,
+                                   channels_last=True), 0, 2, CPU)
+    x, y = next(pipeline.train_epoch(0))
+    assert x.shape == (4, 3, 16, 16) and x.is_contiguous(memory_format=torch.channels_last)
+    assert y.dtype == torch.int64 and int(y.max()) < 5 and pipeline.steps_per_epoch == 37
+
+
+# ---- JPEG files: CPU decode in workers vs the device decode path (run on the CPU here)
+
+def file_pipelines(root: Path, on_device_path: bool, **changes: object) -> FilePipeline:
+    classes, train, test = list_imagenet(root)
+    return FilePipeline(spec("imagenet", root, image_size=32, **changes), 0, 1, CPU, train=train, test=test,
+                        norm=IMAGENET_NORM, num_classes=len(classes), decode_on_gpu=on_device_path)
+
+
+def test_cpu_and_device_decode_paths_give_identical_batches(tmp_path: Path) -> None:
+    write_imagenet(tmp_path, classes=3, per_class=4, size=48)
+    png = tmp_path / "train" / "n00000001" / "extra.png"  # a PNG among the JPEGs: CPU fallback on the device path
+    from PIL import Image
+    Image.new("RGB", (50, 41), (200, 10, 30)).save(png)
+    cpu, device_path = file_pipelines(tmp_path, False), file_pipelines(tmp_path, True)
+    for epoch in (0, 1):
+        pairs = zip(cpu.train_epoch(epoch, start_step=1), device_path.train_epoch(epoch, start_step=1), strict=True)
+        for (x, y), (dx, dy) in pairs:
+            assert torch.equal(x, dx) and torch.equal(y, dy)
+    for (x, y), (dx, dy) in zip(cpu.test_batches(), device_path.test_batches(), strict=True):
+        assert torch.equal(x, dx) and torch.equal(y, dy)
+    assert cpu.train_samples == 13 and cpu.steps_per_epoch == 3
+
+
+@pytest.mark.processes  # a DataLoader worker process
+def test_file_pipeline_with_a_worker_process_resumes_exactly(tmp_path: Path) -> None:
+    write_imagenet(tmp_path, classes=2, per_class=6, size=40)
+    pipeline = build_pipeline(spec("imagenet", tmp_path, image_size=24, workers=1), 0, 1, CPU)
+    full = list(pipeline.train_epoch(2))
+    resumed = list(pipeline.train_epoch(2, start_step=1))
+    pipeline.close()
+    assert len(full) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(full[1:], resumed, strict=True))
+    assert full[0][0].shape == (4, 3, 24, 24) and full[0][0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("on_device_path", [False, True])
+def test_corrupt_jpeg_names_its_file(tmp_path: Path, on_device_path: bool) -> None:
+    write_imagenet(tmp_path, classes=2, per_class=2)
+    bad = tmp_path / "train" / "n00000001" / "img_1.JPEG"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 truncated jpeg")
+    with pytest.raises(OSError, match=f"cannot decode image {bad}"):
+        list(file_pipelines(tmp_path, on_device_path).train_epoch(0))
+
+
+def test_bad_flags_are_one_line_errors(tmp_path: Path) -> None:
+    write_imagenet(tmp_path, classes=2, per_class=2)
+    with pytest.raises(UsageError, match="--decode gpu needs a CUDA device"):
+        build_pipeline(spec("imagenet", tmp_path, decode="gpu"), 0, 1, CPU)
+    with pytest.raises(UsageError, match="--decode fast"):
+        build_pipeline(spec("imagenet", tmp_path, decode="fast"), 0, 1, CPU)
+    with pytest.raises(UsageError, match="cannot give 3 ranks a batch of 4"):
+        build_pipeline(spec("imagenet", tmp_path), 0, 3, CPU)
+    with pytest.raises(UsageError, match="needs --data-dir"):
+        build_pipeline(spec("cifar10"), 0, 1, CPU)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (nvJPEG decode)")
+def test_gpu_decode_matches_cpu_decode_closely(tmp_path: Path) -> None:
+    write_imagenet(tmp_path, classes=3, per_class=4, size=64)
+    cuda = torch.device("cuda")
+    gpu = build_pipeline(spec("imagenet", tmp_path, image_size=32, decode="gpu"), 0, 1, cuda)
+    cpu = build_pipeline(spec("imagenet", tmp_path, image_size=32, decode="cpu"), 0, 1, cuda)
+    for (x, y), (cx, cy) in zip(gpu.train_epoch(0), cpu.train_epoch(0), strict=True):
+        assert x.device.type == "cuda" and torch.equal(y, cy)
+        # nvJPEG and libjpeg-turbo differ in IDCT rounding; same crops give nearly the same pixels
+        assert (x - cx).abs().mean().item() < 0.05
+    gpu.close()
+    cpu.close()
+
+
+def test_background_prefetch_keeps_order_raises_errors_and_stops_when_abandoned() -> None:
+    import threading
+
+    from hpcdl.data.prefetch import in_background
+
+    def numbers(count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(count):
+            yield torch.tensor([i]), torch.tensor([i])
+
+    assert [int(x) for x, _ in in_background(lambda: numbers(20), CPU)] == list(range(20))
+
+    def failing() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield from numbers(3)
+        raise OSError("cannot decode image broken.jpg")
+
+    with pytest.raises(OSError, match="broken.jpg"):
+        list(in_background(failing, CPU))
+    endless = in_background(lambda: numbers(10**9), CPU)
+    next(endless)
+    endless.close()
+    assert not [t for t in threading.enumerate() if t.name == "hpcdl-prefetch"]
+
+
+@pytest.mark.processes  # a DataLoader worker process
+def test_abandoned_epoch_on_the_device_path_leaves_the_next_epoch_exact(tmp_path: Path) -> None:
+    write_imagenet(tmp_path, classes=2, per_class=8, size=40)
+    pipeline = file_pipelines(tmp_path, True, workers=1)
+    next(iter(pipeline.train_epoch(0)))  # a run stopped after one step of epoch 0
+    resumed = list(pipeline.train_epoch(1))
+    fresh = list(file_pipelines(tmp_path, True).train_epoch(1))
+    pipeline.close()
+    assert len(resumed) == len(fresh) == 4
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(resumed, fresh, strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resident_pipelines_on_cuda_augment_there_and_resume_exactly(tmp_path: Path) -> None:
+    write_cifar10(tmp_path, per_batch=8)
+    cuda = torch.device("cuda")
+    pipeline = build_pipeline(spec("cifar10", tmp_path, channels_last=True), 0, 2, cuda)
+    full = list(pipeline.train_epoch(1))
+    resumed = list(build_pipeline(spec("cifar10", tmp_path, channels_last=True), 0, 2, cuda).train_epoch(1, 2))
+    assert full[0][0].device.type == "cuda" and full[0][0].is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[2:], resumed, strict=True))
+    x, y = next(build_pipeline(spec(synthetic_shape=(3, 64, 64)), 0, 1, cuda).train_epoch(0))
+    assert x.device.type == y.device.type == "cuda" and x.shape == (4, 3, 64, 64)

@@ -1,0 +1,272 @@
+"""K-FAC on several ranks equals K-FAC on one rank with the whole batch.
+
+Run with
+``timeout 900 mpiexec --oversubscribe -n 4 .venv/bin/python -m pytest --with-mpi -m mpi tests/test_kfac_mpi.py``.
+Each rank trains a Horovod data-parallel model on its shard of every global batch (Horovod's
+DistributedOptimizer: synchronize, precondition, step inside skip_synchronize). The reference is
+computed on every rank without any communication: the same model, K-FAC with a single-process
+communicator, on the whole global batch. Verdicts are collective, so a failure never hangs.
+"""
+
+from __future__ import annotations
+
+# tests/conftest.py sets HOROVOD_DYNAMIC_PROCESS_SETS=1 for the --with-mpi session (Horovod reads
+# it when it starts), so K-FAC uses Horovod process sets for its rank groups; without it K-FAC falls
+# back to mpi4py sub-communicators, tested below as well.
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac import KFACPreconditioner
+from kfac.comm import HorovodCommunicator, SingleProcess
+from tests.support.mpi_harness import assert_all_ranks
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+STEPS = 5
+PER_RANK = 4
+DTYPE = torch.float64
+SETTINGS = dict(factor_update_freq=1, inv_update_freq=2, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1)
+
+
+def _horovod():
+    from hpcdl.runtime import world
+
+    world.init()
+    import horovod.torch as hvd
+
+    return hvd
+
+
+class Net(nn.Module):
+    """Six preconditioned layers so that every one of 4 ranks owns work; ``extra`` is used on demand.
+
+    conv3 and conv4 have one shape, so the ranks that hold both eigenbases precondition them
+    in one batched product (the path ResNets take).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.conv2 = nn.Conv2d(6, 8, 3, stride=2, padding=1)
+        self.conv3 = nn.Conv2d(8, 8, 3, padding="same", dilation=2, bias=False)
+        self.conv4 = nn.Conv2d(8, 8, 3, padding="same", dilation=2, bias=False)
+        self.fc1 = nn.Linear(8 * 4 * 4, 16)
+        self.fc2 = nn.Linear(16, 5)
+        self.extra = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = F.relu(self.conv1(x))
+        h = F.relu(self.conv2(h))
+        h = F.relu(self.conv3(h))
+        h = F.relu(self.conv4(h)).flatten(1)
+        h = torch.tanh(self.fc1(h))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.fc2(h)
+
+
+def _model() -> Net:
+    torch.manual_seed(0)
+    return Net().to(DTYPE)
+
+
+def _batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(size, 3, 8, 8, generator=g, dtype=DTYPE), torch.randint(0, 5, (size,), generator=g)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _train_distributed(hvd, fraction: float, passes: int = 1, **extra) -> tuple[torch.Tensor, KFACPreconditioner]:
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(
+        base, named_parameters=model.named_parameters(), backward_passes_per_step=passes
+    )
+    pre = KFACPreconditioner(
+        model,
+        grad_worker_fraction=fraction,
+        skip_layers=["extra"],
+        backward_passes_per_step=passes,
+        **SETTINGS,
+        **extra,
+    )
+    rank, size = hvd.rank(), hvd.size()
+    for step in range(STEPS):
+        x, y = _batch(step, PER_RANK * size)
+        shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        optimizer.zero_grad()
+        for part in torch.arange(shard.start, shard.stop).chunk(passes):  # gradient accumulation
+            (F.cross_entropy(model(x[part]), y[part]) / passes).backward()
+        optimizer.synchronize()
+        pre.step()
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    return _flat(model), pre
+
+
+def _train_single_process(size: int) -> torch.Tensor:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pre = KFACPreconditioner(model, communicator=SingleProcess(), skip_layers=["extra"], **SETTINGS)
+    for step in range(STEPS):
+        x, y = _batch(step, PER_RANK * size)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        optimizer.step()
+    return _flat(model)
+
+
+def _fractions(size: int) -> list[float]:
+    fractions = [1.0 / size, 1.0]
+    if size % 2 == 0 and size > 2:
+        fractions.insert(1, 0.5)
+    return fractions
+
+
+def _same_on_all_ranks(hvd, tensor: torch.Tensor, name: str) -> bool:
+    gathered = hvd.allgather(tensor[None], name=name)  # named: ranks issue different numbers of K-FAC ops
+    return bool((gathered == gathered[0]).all())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_every_grad_worker_fraction_equals_one_rank_on_the_global_batch() -> None:
+    hvd = _horovod()
+    reference = _train_single_process(hvd.size())
+    results, problems = {}, []
+    for fraction in _fractions(hvd.size()):
+        params, pre = _train_distributed(hvd, fraction)
+        results[fraction] = params
+        if not _same_on_all_ranks(hvd, params, f"test.kfac.params.{fraction}"):
+            problems.append(f"fraction {fraction}: parameters differ between ranks")
+        err = _rel(params, reference)
+        if not err < 1e-5:
+            problems.append(f"fraction {fraction}: relative error {err:.2e} against the 1-rank run")
+        if not any(pre.assignment.is_grad_worker(i, hvd.rank()) for i in range(len(pre.layers))) and fraction == 1.0:
+            problems.append("with fraction 1 every rank must precondition every layer")
+        if fraction == 1.0 and not pre._batches:
+            problems.append("with fraction 1, conv3 and conv4 should be preconditioned in one batched product")
+    first = results[_fractions(hvd.size())[0]]
+    for fraction, params in results.items():
+        if not _rel(params, first) < 1e-5:
+            problems.append(f"fraction {fraction} disagrees with fraction {_fractions(hvd.size())[0]}")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+def test_gradient_accumulation_on_every_rank_equals_one_rank() -> None:
+    hvd = _horovod()
+    params, _ = _train_distributed(hvd, 1.0 / hvd.size(), passes=2)
+    err = _rel(params, _train_single_process(hvd.size()))
+    assert_all_ranks(
+        err < 1e-5 and _same_on_all_ranks(hvd, params, "test.kfac.accumulation"), f"relative error {err:.2e}"
+    )
+
+
+def test_memory_optimal_ranks_keep_only_their_layers_decompositions() -> None:
+    hvd = _horovod()
+    _, pre = _train_distributed(hvd, 1.0 / hvd.size())
+    rank = hvd.rank()
+    problems = []
+    for i, layer in enumerate(pre.layers):
+        mine = pre.assignment.is_grad_worker(i, rank)
+        if mine != (pre._decompositions[i] is not None):
+            problems.append(f"{layer.name}: worker={mine} but holds decomposition={pre._decompositions[i] is not None}")
+        if mine and pre.assignment.a_owner[i] != rank:
+            problems.append(f"{layer.name}: the only grad worker must own its factors")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+def test_mpi4py_groups_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Horovod process sets, K-FAC's groups are mpi4py sub-communicators: same numbers."""
+    hvd = _horovod()
+    if hvd.size() % 2 or hvd.size() < 4:
+        pytest.skip("needs an even number of ranks, at least 4, for a group that is neither one rank nor all")
+    monkeypatch.setattr(HorovodCommunicator, "_process_sets", lambda self, partition: None)
+    params, pre = _train_distributed(hvd, 0.5)
+    reference = _train_single_process(hvd.size())
+    ok = type(pre._worker_group).__name__ == "_MpiGroup" and _rel(params, reference) < 1e-5
+    assert_all_ranks(
+        ok and _same_on_all_ranks(hvd, params, "test.kfac.mpi4py"), f"mpi4py groups: {type(pre._worker_group).__name__}"
+    )
+
+
+def test_process_sets_are_used_when_horovod_allows_them() -> None:
+    hvd = _horovod()
+    if hvd.size() % 2 or hvd.size() < 4:
+        pytest.skip("needs an even number of ranks, at least 4")
+    try:
+        hvd.add_process_set([0, 1, 2, 3][: hvd.size() - 1])  # probe: raises if dynamic sets are off
+    except ValueError:
+        pytest.skip("Horovod started before HOROVOD_DYNAMIC_PROCESS_SETS=1 was set in this session")
+    pre = KFACPreconditioner(_model(), grad_worker_fraction=0.5, **SETTINGS)
+    assert_all_ranks(type(pre._worker_group).__name__ == "_HorovodGroup", type(pre._worker_group).__name__)
+
+
+def test_a_branch_used_on_one_rank_only_does_not_break_step() -> None:
+    """Rank 0 runs the extra layer, the others do not: factors come from rank 0's rows alone."""
+    hvd = _horovod()
+    rank, size = hvd.rank(), hvd.size()
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    pre = KFACPreconditioner(model, grad_worker_fraction=1.0 / size, **SETTINGS)
+    extra = next(i for i, layer in enumerate(pre.layers) if layer.name == "extra")
+    x, y = _batch(0, PER_RANK * size)
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x[shard], use_extra=(rank == 0)), y[shard]).backward()
+    optimizer.synchronize()
+    pre.step()
+    with optimizer.skip_synchronize():
+        optimizer.step()
+
+    # Rank 0's input to the extra layer, recomputed with the initial weights.
+    with torch.no_grad():
+        start = _model()
+        h = F.relu(start.conv3(F.relu(start.conv2(F.relu(start.conv1(x[:PER_RANK]))))))
+        h = torch.tanh(start.fc1(F.relu(start.conv4(h)).flatten(1)))
+        rows = torch.cat([h, torch.ones(PER_RANK, 1, dtype=DTYPE)], dim=1)
+        want_a = rows.T @ rows / PER_RANK
+    got_a = pre.a_factors[extra]
+    ok = got_a is not None and _rel(got_a, want_a) < 1e-10
+    assert_all_ranks(ok and _same_on_all_ranks(hvd, _flat(model), "test.kfac.branch"), "extra layer's A factor")
+
+
+def _train_with_skips(hvd, steps: list[int], skipped: set[int]) -> KFACPreconditioner:
+    """Distributed training where the steps in ``skipped`` overflow (inf in a gradient, found_inf=1)."""
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    pre = KFACPreconditioner(model, grad_worker_fraction=1.0 / hvd.size(), skip_layers=["extra"], **SETTINGS)
+    rank = hvd.rank()
+    for step in steps:
+        x, y = _batch(step, PER_RANK * hvd.size())
+        shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[shard]), y[shard]).backward()
+        optimizer.synchronize()
+        if step in skipped:
+            model.fc2.weight.grad[0, 0] = float("inf")
+        pre.step(found_inf=torch.tensor(1.0 if step in skipped else 0.0))
+        if step not in skipped:
+            with optimizer.skip_synchronize():
+                optimizer.step()
+    return pre
+
+
+def test_a_skipped_step_leaves_no_trace_in_the_factors_on_any_rank() -> None:
+    hvd = _horovod()
+    with_skip = _train_with_skips(hvd, [0, 1, 2, 3], {2})
+    without = _train_with_skips(hvd, [0, 1, 3], set())
+    pairs = zip(with_skip.a_factors + with_skip.g_factors, without.a_factors + without.g_factors, strict=True)
+    ok = all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in pairs)
+    assert_all_ranks(ok, "factors of a run with a skipped step differ from a run without it")

@@ -1,0 +1,195 @@
+"""The precision policy of each K-FAC stage (docs/kfac.md, "Precision"), on the CPU and on a GPU.
+
+Factors and preconditioning run in IEEE float32 whatever the script chose for its own matmuls
+(TF32 on a GPU would put them ~1e-3 off); a float32 model's preconditioned gradient then matches
+the float64 dense-solve reference to the tolerance the CPU tests hold. The CUDA test repeats the
+same checks on a GPU with TF32 switched on, and runs a steady-state step under CUDA's sync debug
+mode (any host synchronisation is an error). It is skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac import KFACPreconditioner, solve
+from kfac.precision import ieee_fp32
+from tests.kfac.test_kfac_reference import dense_solve, grad_matrix, reference_factors, rel_err
+
+FLOAT32_TOL = 1e-5
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def tf32_on() -> Iterator[None]:
+    """The training script's choice: TF32 for matmuls and convolutions (restored afterwards)."""
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = (matmul.fp32_precision, conv.fp32_precision)
+    matmul.fp32_precision, conv.fp32_precision = "tf32", "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = saved
+
+
+class Net(nn.Module):
+    """Stride-1 conv (the autocorrelation path), a deep narrow conv (G from the (N·positions, out) matrix)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.conv2 = nn.Conv2d(6, 40, 3, stride=2, padding=1, bias=False)  # 40 channels > 9 positions
+        self.fc = nn.Linear(40 * 3 * 3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.conv2(torch.tanh(self.conv1(x)))).flatten(1))
+
+
+def _data(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def _check_against_dense_solve(device: str) -> None:
+    """A float32 model on ``device``: factors and preconditioned gradients against the float64 reference."""
+    torch.manual_seed(0)
+    reference_model = Net().double()
+    model = Net().to(device)  # float32
+    model.load_state_dict({k: v.float() for k, v in reference_model.state_dict().items()})
+    x, y = _data("cpu")
+    factors = {k: (a.detach(), g.detach()) for k, (a, g) in reference_factors(reference_model, x.double(), y).items()}
+    damping = 0.05
+    pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, damping=damping)
+    xd, yd = _data(device)
+    F.cross_entropy(model(xd), yd).backward()
+    raw = {layer.name: grad_matrix(layer.module).double().cpu() for layer in pre.layers}
+    pre.step()
+    for i, layer in enumerate(pre.layers):
+        big_a, big_g = factors[layer.name]
+        assert pre.a_factors[i].dtype == torch.float32
+        assert rel_err(pre.a_factors[i].double().cpu(), big_a) < FLOAT32_TOL, layer.name
+        assert rel_err(pre.g_factors[i].double().cpu(), big_g) < FLOAT32_TOL, layer.name
+        want = dense_solve(big_a, big_g, raw[layer.name], damping)
+        assert rel_err(grad_matrix(layer.module).double().cpu(), want) < FLOAT32_TOL, layer.name
+
+
+def test_ieee_fp32_switches_tf32_off_inside_and_restores_the_scripts_setting() -> None:
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        matmul.allow_tf32 = True  # a script using the legacy flag
+        with ieee_fp32():
+            assert matmul.fp32_precision == "ieee" and torch.backends.cudnn.conv.fp32_precision == "ieee"
+        assert matmul.allow_tf32 is True  # still readable with the legacy API afterwards
+        matmul.allow_tf32 = False
+        with ieee_fp32():
+            assert matmul.fp32_precision == "ieee"
+        assert matmul.allow_tf32 is False
+    finally:
+        matmul.fp32_precision = saved
+
+
+def test_every_kfac_product_runs_in_ieee_fp32_when_the_script_enabled_tf32(
+    tf32_on: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, set[str]] = {"a": set(), "g": set(), "precondition": set()}
+    torch.manual_seed(0)
+    model = Net()
+    pre = KFACPreconditioner(model, inv_update_freq=1)
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            seen[name].add(torch.backends.cuda.matmul.fp32_precision + "/" + torch.backends.cudnn.conv.fp32_precision)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    for layer in pre.layers:
+        monkeypatch.setattr(layer, "a_moment", spy("a", layer.a_moment))
+        monkeypatch.setattr(layer, "g_moment", spy("g", layer.g_moment))
+    monkeypatch.setattr(solve, "precondition_eigen", spy("precondition", solve.precondition_eigen))
+    x, y = _data("cpu")
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+    assert seen == {"a": {"ieee/ieee"}, "g": {"ieee/ieee"}, "precondition": {"ieee/ieee"}}
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # the script's setting is back
+
+
+def test_float32_model_matches_the_float64_dense_solve_on_cpu() -> None:
+    _check_against_dense_solve("cpu")
+
+
+def test_decompositions_are_float32_and_retried_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    factor = torch.eye(4) * 2.0
+    vectors, values = solve.eigen_decomposition(factor, torch.float32)
+    assert vectors.dtype == values.dtype == torch.float32
+    dtypes = []
+    real = torch.linalg.eigh
+
+    def eigh(matrix, *args, **kwargs):
+        dtypes.append(matrix.dtype)
+        if matrix.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("injected")
+        return real(matrix, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    (vectors, values), how = solve.robust_eigen_decomposition(factor, torch.float32, None)
+    assert dtypes == [torch.float32, torch.float64] and how == "float64_retry" and values.dtype == torch.float32
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_cuda_matches_the_dense_solve_with_tf32_on(tf32_on: None) -> None:
+    _check_against_dense_solve("cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_cuda_steady_state_step_never_synchronises_and_masks_skipped_steps() -> None:
+    torch.manual_seed(0)
+    model = Net().cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = KFACPreconditioner(model, factor_update_freq=1, inv_update_freq=100, cpu_eigen_limit=20)
+    x, y = _data("cuda")
+    for _ in range(2):  # first factors and decompositions (these may synchronise)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step(found_inf=torch.zeros((), device="cuda"))
+        optimizer.step()
+    before = [f.clone() for f in pre.a_factors + pre.g_factors]
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    model.fc.weight.grad[0, 0] = float("inf")
+    found_inf = torch.ones((), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pre.step(found_inf=found_inf)  # factor update, KL clip and preconditioning, all on the device
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(before, pre.a_factors + pre.g_factors, strict=True))
+    assert pre.stats["skipped_factor_updates"] == len(pre.layers)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_cuda_decompositions_split_between_host_and_gpu_equal_the_cpu_ones() -> None:
+    torch.manual_seed(0)
+    cpu_model = Net()
+    gpu_model = Net().cuda()
+    gpu_model.load_state_dict(cpu_model.state_dict())
+    x, y = _data("cpu")
+    pres = {}
+    for name, model, data in (("cpu", cpu_model, (x, y)), ("cuda", gpu_model, _data("cuda"))):
+        pres[name] = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, cpu_eigen_limit=30)
+        F.cross_entropy(model(data[0]), data[1]).backward()
+        pres[name].step()
+    for i in range(len(pres["cpu"].layers)):
+        for side in (0, 1):
+            factor = (pres["cpu"].a_factors if side == 0 else pres["cpu"].g_factors)[i].double()
+            q, d = (t.double().cpu() for t in pres["cuda"]._decompositions[i][side])
+            assert rel_err(q @ torch.diag(d) @ q.T, factor) < FLOAT32_TOL
+    for p, q in zip(cpu_model.parameters(), gpu_model.parameters(), strict=True):
+        assert rel_err(q.grad.cpu().double(), p.grad.double()) < FLOAT32_TOL

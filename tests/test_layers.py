@@ -1,0 +1,139 @@
+"""The layout states the architecture: each layer imports only the layers below it, and no module
+imports itself back through others (lazy imports inside functions count too).
+
+Layers, lowest first: runtime; collectives, data, kfac; run; training; bench, demos, tools; the
+entry modules at the package root (``python -m hpcdl.train`` ...).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = {
+    "runtime": 0,
+    "collectives": 1, "data": 1, "kfac": 1,
+    "run": 2,
+    "training": 3,
+    "bench": 4, "demos": 4, "tools": 4,
+    "<entry>": 5,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a dotted module name belongs to; None for anything outside hpcdl and kfac."""
+    parts = module.split(".")
+    if parts[0] == "kfac":
+        return "kfac"
+    if parts[0] != "hpcdl":
+        return None
+    if len(parts) == 1:
+        return "<entry>"
+    return parts[1] if parts[1] in LAYERS else "<entry>"
+
+
+def package_modules() -> dict[str, Path]:
+    files = [*REPO.joinpath("hpcdl").rglob("*.py"), *REPO.joinpath("kfac").rglob("*.py")]
+    return {module_name(path): path for path in files}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """Modules of hpcdl/kfac that ``path`` imports, anywhere in the file."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in known else node.module)
+    return {name for name in found if name in known}
+
+
+def graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    known = set(modules)
+    return {name: imports_of(path, known) - {name} for name, path in modules.items()}
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for source, targets in edges.items():
+        for target in targets:
+            a, b = layer_of(source), layer_of(target)
+            assert a is not None and b is not None
+            # a package's own __init__ re-exports its modules; any other import must go strictly down
+            if a != b and LAYERS[b] >= LAYERS[a]:
+                wrong.append(f"{source} ({a}) imports {target} ({b})")
+    return sorted(wrong)
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules, or None. Package __init__ files that re-export their
+    own modules are not edges back into the package."""
+    def real(source: str, target: str) -> bool:
+        return not source.startswith(target + ".")
+
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if not real(node, nxt):
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_every_module_belongs_to_a_known_layer() -> None:
+    for name in package_modules():
+        parts = name.split(".")
+        if parts[0] == "hpcdl" and len(parts) > 2:
+            assert parts[1] in LAYERS, f"{name} is in no layer; add its package to LAYERS and README's layout"
+
+
+def test_layers_import_only_downward() -> None:
+    assert upward_imports(graph()) == []
+
+
+def test_no_import_cycle() -> None:
+    assert find_cycle(graph()) is None
+
+
+@pytest.mark.parametrize("edges, expected", [
+    ({"hpcdl.runtime.world": {"hpcdl.run.checkpoint"}, "hpcdl.run.checkpoint": set()},
+     ["hpcdl.runtime.world (runtime) imports hpcdl.run.checkpoint (run)"]),
+    ({"hpcdl.data.spec": {"hpcdl.collectives.ring"}, "hpcdl.collectives.ring": set()},
+     ["hpcdl.data.spec (data) imports hpcdl.collectives.ring (collectives)"]),
+    ({"hpcdl.training.job": {"hpcdl.run.checkpoint"}, "hpcdl.run.checkpoint": set()}, []),
+])
+def test_the_layer_check_catches_an_upward_or_sideways_import(edges, expected) -> None:
+    assert upward_imports(edges) == expected
+
+
+def test_the_cycle_check_catches_a_cycle() -> None:
+    edges = {"hpcdl.training.job": {"hpcdl.training.runstate"}, "hpcdl.training.runstate": {"hpcdl.training.job"}}
+    assert find_cycle(edges) == ["hpcdl.training.job", "hpcdl.training.runstate", "hpcdl.training.job"]
+    assert find_cycle({"hpcdl.data": {"hpcdl.data.spec"}, "hpcdl.data.spec": {"hpcdl.data"}}) is None

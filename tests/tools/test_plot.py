@@ -1,0 +1,128 @@
+"""hpcdl.plot: curves from real-looking run directories, and one line for everything it cannot plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcdl.runtime.errors import UsageError
+from hpcdl.tools.plot import main, read_metrics
+from tests.support.mpi_harness import REPO
+
+pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def row(epoch: int, loss: float = 1.0) -> dict:
+    return {"epoch": epoch, "global_step": 10 * epoch, "train_loss": loss / epoch, "train_accuracy": 0.5,
+            "test_loss": loss / epoch + 0.1, "test_accuracy": 0.4 + 0.1 * epoch, "elapsed_seconds": 3.0 * epoch,
+            "run_id": "20261123T110000-node-1-abcdef"}
+
+
+def make_run(path: Path, lines: list[str] | None = None) -> Path:
+    path.mkdir(parents=True)
+    text = "\n".join(lines if lines is not None else [json.dumps(row(e)) for e in (1, 2, 3)])
+    (path / "metrics.jsonl").write_text(text + "\n")
+    return path
+
+
+def test_two_runs_make_one_figure(tmp_path: Path) -> None:
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    out = tmp_path / "figs" / "curves.png"
+    assert main([str(a), str(b), "-o", str(out), "--labels", "sgd", "kfac"]) == 0
+    assert out.read_bytes()[:8] == PNG and [p.name for p in out.parent.iterdir()] == ["curves.png"]
+
+
+def test_default_output_goes_into_the_first_run(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run")
+    assert main([str(run)]) == 0
+    assert (run / "curves.png").read_bytes()[:8] == PNG
+
+
+def test_a_diverged_run_with_nan_losses_still_plots(tmp_path: Path) -> None:
+    lines = [json.dumps(row(1)), json.dumps(row(2, loss=math.nan)), json.dumps(row(3, loss=math.inf))]
+    run = make_run(tmp_path / "run", lines)
+    assert main([str(run), "-o", str(tmp_path / "c.svg")]) == 0
+    assert b"<svg" in (tmp_path / "c.svg").read_bytes()[:400]
+
+
+@pytest.mark.parametrize(("lines", "message"), [
+    ([], r"metrics.jsonl has no epochs yet; nothing to plot"),
+    (["", "  "], r"metrics.jsonl has no epochs yet"),
+    ([json.dumps(row(1)), '{"epoch": 2, "train_loss": 0.'],
+     r"metrics.jsonl, line 2: not JSON \(Expecting .*, column \d+\)$"),
+    ([json.dumps(row(1)), "[1, 2]"], r"line 2: expected an object with epoch, train_loss"),
+    ([json.dumps({k: v for k, v in row(1).items() if k != "test_loss"})], r"line 1: missing test_loss"),
+    ([json.dumps({**row(1), "test_accuracy": "high"})], r"line 1: test_accuracy='high' is not a number"),
+    ([json.dumps({**row(1), "epoch": True})], r"line 1: epoch=True is not a number"),
+])
+def test_invalid_metrics_are_one_line_naming_the_file(tmp_path: Path, lines: list[str], message: str) -> None:
+    run = make_run(tmp_path / "run", lines)
+    with pytest.raises(UsageError, match=message) as raised:
+        main([str(run), "-o", str(tmp_path / "c.png")])
+    assert str(run / "metrics.jsonl") in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_missing_and_empty_run_directories(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"run directory .*nowhere does not exist"):
+        read_metrics(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match=r"empty has no metrics.jsonl \(is it an hpcdl run directory"):
+        read_metrics(tmp_path / "empty")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match=r"file is a file, not a run directory"):
+        read_metrics(tmp_path / "file")
+
+
+def test_an_existing_figure_is_replaced_only_with_force(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run")
+    out = tmp_path / "curves.png"
+    out.write_bytes(b"an earlier figure")
+    with pytest.raises(UsageError, match=r"curves.png already exists; add --force to replace it, or choose another -o"):
+        main([str(run), "-o", str(out)])
+    assert out.read_bytes() == b"an earlier figure"
+    assert main([str(run), "-o", str(out), "--force"]) == 0
+    assert out.read_bytes()[:8] == PNG
+
+
+def test_the_repositorys_committed_figures_are_never_replaced(tmp_path: Path) -> None:
+    checkout = tmp_path / "checkout"
+    (checkout / "hpcdl").mkdir(parents=True)
+    (checkout / "hpcdl" / "__init__.py").write_text("")
+    (checkout / "benchmarks" / "results").mkdir(parents=True)
+    committed = checkout / "benchmarks" / "results" / "curves.png"
+    committed.write_bytes(b"committed")
+    run = make_run(tmp_path / "run")
+    for extra in ([], ["--force"]):
+        with pytest.raises(UsageError, match="is in benchmarks/results, the results committed in the repository"):
+            main([str(run), "-o", str(committed), *extra])
+    assert committed.read_bytes() == b"committed"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--labels", "only-one"], r"--labels needs one label per run directory \(2\), got 1"),
+    (["-o", "curves.jpeg"], r"the figure's format comes from its suffix; use one of .png, .pdf, .svg"),
+    (["--no-such-flag"], r"unrecognized arguments: --no-such-flag \(see --help\)"),
+])
+def test_bad_flags(tmp_path: Path, args: list[str], message: str) -> None:
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    with pytest.raises(UsageError, match=message):
+        main([str(a), str(b), *args])
+
+
+def test_command_line_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", [json.dumps({"epoch": 1})])
+    result = subprocess.run([sys.executable, "-m", "hpcdl.plot", str(run)], capture_output=True, text=True, cwd=REPO,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"hpcdl.plot: error: {run / 'metrics.jsonl'}, line 1: missing train_loss, test_loss, test_accuracy, "
+        "elapsed_seconds"]

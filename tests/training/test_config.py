@@ -1,0 +1,96 @@
+"""hpcdl.config: every flag round-trips, presets hold only differences, and bad values get one line naming the flag."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hpcdl.runtime.errors import UsageError
+from hpcdl.training.config import FIELDS, PRESETS, TrainConfig, build_parser, option_name, parse_config, to_argv
+
+# A valid value different from the default for every field: the round-trip test covers each flag.
+CHANGED = dict(
+    dataset="cifar10", data_dir="/data/cifar", synthetic_shape=[1, 16, 16], synthetic_classes=5,
+    synthetic_size=100, workers=3, decode="gpu", model="resnet20", epochs=7, batch_size=16, test_batch_size=64,
+    base_lr=0.05, optimizer="sgd", momentum=0.8, nesterov=True, weight_decay=0.001, label_smoothing=0.1,
+    warmup_epochs=2.5, lr_schedule="step", lr_decay=[3, 5], batches_per_allreduce=2, fp16_allreduce=True,
+    use_adasum=False, device="cpu", amp="bf16", channels_last="off", cudnn_benchmark=False, compile=True,
+    log_every=7, kfac_update_freq=0, kfac_cov_update_freq=3, damping=0.003, kl_clip=0.002, factor_decay=0.9,
+    kfac_grad_worker_fraction=0.5, output_dir="/tmp/run", resume=True, seed=7, max_steps=11, target_accuracy=0.9,
+    keep_checkpoints=2, stall_timeout=60.0, max_nonfinite_steps=2, progress=False,
+)
+# Fields whose changed value above equals the default (so the test says why it does not change them).
+UNCHANGED_ON_PURPOSE = {"optimizer", "use_adasum", "kfac_update_freq"}  # they exclude other changed flags
+
+
+def test_the_changed_values_cover_every_field() -> None:
+    assert set(CHANGED) == set(FIELDS)
+    defaults = TrainConfig()
+    for name, value in CHANGED.items():
+        if name not in UNCHANGED_ON_PURPOSE:
+            assert getattr(defaults, name) != value, name
+
+
+@pytest.mark.parametrize("config", [TrainConfig(), TrainConfig(**CHANGED)], ids=["defaults", "every-flag-changed"])
+def test_every_flag_round_trips(config: TrainConfig) -> None:
+    assert parse_config(to_argv(config)) == config
+
+
+def test_each_default_is_written_once_and_presets_hold_only_differences() -> None:
+    defaults = dataclasses.asdict(TrainConfig())
+    for dataset, preset in PRESETS.items():
+        for name, value in preset.items():
+            assert name in FIELDS, f"preset {dataset} sets unknown field {name}"
+            assert defaults[name] != value, f"preset {dataset} repeats the default of {name}"
+    for action in build_parser()._actions:  # argparse holds no defaults of its own
+        assert action.default in (None, "==SUPPRESS==") or action.dest == "help", action.dest
+
+
+def test_unset_flags_take_the_preset_and_given_flags_win() -> None:
+    config = parse_config(["--dataset", "cifar10", "--epochs", "30"])
+    assert config.model == "resnet32" and config.lr_decay == [35, 75, 90] and config.epochs == 30
+    assert parse_config([]).model == "digits_cnn"
+
+
+def test_bare_amp_means_auto() -> None:
+    assert parse_config(["--amp"]).amp == "auto"
+    assert parse_config([]).amp == "off"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--base-lr", "nan"], "--base-lr must be > 0 (got nan)"),
+    (["--base-lr", "inf"], "--base-lr must be > 0 (got inf)"),
+    (["--base-lr", "-1"], "--base-lr must be > 0"),
+    (["--momentum", "1.5"], "--momentum must be [0, 1)"),
+    (["--weight-decay", "nan"], "--weight-decay must be [0, 1]"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--kfac-grad-worker-fraction", "0"], "--kfac-grad-worker-fraction must be a fraction in (0, 1]"),
+    (["--target-accuracy", "95"], "--target-accuracy must be a fraction in (0, 1]"),
+    (["--synthetic-shape", "3", "0", "0"], "--synthetic-shape must be >= 1"),
+    (["--lr-decay", "5", "3"], "strictly increasing"),
+    (["--lr-decay", "0"], "--lr-decay must be >= 1"),
+    (["--lr-decay", "3", "--lr-schedule", "cosine"], "need --lr-schedule step"),
+    (["--lr-decay", "3", "--lr-schedule", "cosine", "--dataset", "cifar10"], "need --lr-schedule step"),
+    (["--nesterov", "--optimizer", "adam"], "--nesterov needs --optimizer sgd"),
+    (["--dataset", "synthetic", "--synthetic-shape", "3", "32", "16"], "must be square"),
+    (["--resume"], "--resume needs --output-dir"),
+    (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs CUDA"),
+    (["--compile", "--kfac-update-freq", "10"], "--compile cannot be combined with K-FAC"),
+    (["--use-adasum", "--kfac-update-freq", "10"], "--use-adasum cannot be combined with K-FAC"),
+    (["--epochs", "two"], "invalid int value: 'two'"),
+    (["--dataset", "mnits"], "invalid choice: 'mnits'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_bad_values_get_one_line_naming_the_flag(argv: list[str], words: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_config(argv)
+    message = str(caught.value)
+    assert words in message and "\n" not in message
+
+
+def test_every_numeric_flag_rejects_nan() -> None:
+    for name, f in FIELDS.items():
+        if f.metadata["parse"] is float:
+            with pytest.raises(UsageError, match=option_name(name)):
+                parse_config([option_name(name), "nan"])

@@ -1,0 +1,115 @@
+"""Whole training jobs under mpirun: accuracy, exact data parallelism, resume, and run outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.mpi_harness import run_train
+
+pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
+
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    newest = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1]
+    return torch.load(newest, map_location="cpu", weights_only=True)["model"]
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=rtol, atol=atol), f"{name} differs by {(a[name] - b[name]).abs().max()}"
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
+    """`mpirun -np 4 python -m hpcdl.train` with the defaults (digits)."""
+    run_dir = tmp_path_factory.mktemp("default") / "run"
+    result = run_train(4, run_dir, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_defaults_reach_95_percent_on_4_ranks_with_identical_replicas(default_run: Path) -> None:
+    summary = json.loads((default_run / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    assert summary["final_accuracy"] >= 0.95 and summary["best_accuracy"] >= summary["final_accuracy"]
+    assert 0 <= summary["best_accuracy"] <= 1
+    assert summary["replicas_identical"] is True
+    assert summary["images_per_second"] > 0 and summary["time_to_target_seconds"] is None
+    assert summary["config"]["dataset"] == "digits" and summary["epochs"] == summary["config"]["epochs"]
+
+
+def test_run_directory_holds_metrics_checkpoints_and_tensorboard(default_run: Path) -> None:
+    rows = [json.loads(line) for line in (default_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == list(range(1, len(rows) + 1))
+    assert {"train_loss", "test_loss", "test_accuracy", "lr", "images_per_second"} <= rows[0].keys()
+    assert rows[-1]["test_loss"] < rows[0]["test_loss"]
+    checkpoints = list((default_run / "checkpoints").glob("ckpt-*.pt"))
+    assert len(checkpoints) == 3  # --keep-checkpoints default
+    assert not list((default_run / "checkpoints").glob(".*tmp*"))
+    assert list((default_run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_plot_draws_curves_of_several_runs(default_run: Path, tmp_path: Path) -> None:
+    from hpcdl.tools.plot import main as plot_main
+
+    output = tmp_path / "curves.png"
+    assert plot_main([str(default_run), str(default_run), "-o", str(output), "--labels", "a", "b"]) == 0
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and output.stat().st_size > 20_000
+
+
+def test_one_rank_and_two_ranks_take_the_same_steps(tmp_path: Path) -> None:
+    """Data parallelism is exact: 2 ranks x 32 equals 1 rank x 64 (same seed, same global batch)."""
+    common = ["--max-steps", "6", "--warmup-epochs", "0", "--epochs", "1", "--seed", "3"]
+    one = run_train(1, tmp_path / "one", "--batch-size", "64", "--base-lr", "0.04", *common)
+    two = run_train(2, tmp_path / "two", "--batch-size", "32", "--base-lr", "0.02", *common)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    w1, w2 = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    assert_close(w1, w2, rtol=1e-5, atol=1e-6)
+    initial = torch.load(sorted((tmp_path / "one" / "checkpoints").glob("ckpt-*.pt"))[0], weights_only=True)
+    assert initial["global_step"] == 6  # the comparison is after real steps, not of the initial weights
+
+
+def test_resume_after_a_kill_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Kill rank 0 during epoch 3; --resume continues from epoch 3 and ends bit-identical."""
+    flags = ["--epochs", "4", "--seed", "5"]
+    steps_per_epoch = 1437 // 64  # digits train split, 2 ranks x 32
+    full = run_train(2, tmp_path / "full", *flags)
+    assert full.returncode == 0, full.stderr[-2000:]
+    killed = run_train(2, tmp_path / "cut", *flags, env={"HPCDL_FAULT": f"0:{2 * steps_per_epoch + 3}:kill"})
+    assert killed.returncode != 0
+    assert not (tmp_path / "cut" / "summary.json").exists()
+    resumed = run_train(2, tmp_path / "cut", *flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout and "epoch   3/4" in resumed.stdout
+    assert "epoch   1/4" not in resumed.stdout
+    rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2, 3, 4]
+    a, b = final_weights(tmp_path / "full"), final_weights(tmp_path / "cut")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kfac_training_with_accumulation_checkpoints_its_factors(tmp_path: Path) -> None:
+    result = run_train(2, tmp_path / "kfac", "--kfac-update-freq", "10", "--epochs", "3",
+                       "--batches-per-allreduce", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "K-FAC" in result.stdout
+    summary = json.loads((tmp_path / "kfac" / "summary.json").read_text())
+    assert summary["final_accuracy"] > 0.9 and summary["replicas_identical"] is True
+    newest = sorted((tmp_path / "kfac" / "checkpoints").glob("ckpt-*.pt"))[-1]
+    assert torch.load(newest, weights_only=True)["kfac"] is not None
+
+
+def test_adasum_trains_on_two_ranks(tmp_path: Path) -> None:
+    """--use-adasum: Horovod's Adasum optimizer steps inside backward, so the loop must not wrap it in
+    skip_synchronize (which it refuses); replicas stay identical and the model learns."""
+    job = run_train(2, tmp_path / "adasum", "--use-adasum", "--epochs", "3", "--seed", "0")
+    assert job.returncode == 0, job.stderr[-3000:]
+    summary = json.loads((tmp_path / "adasum" / "summary.json").read_text())
+    assert summary["replicas_identical"] is True
+    assert summary["final_accuracy"] > 0.7, summary["final_accuracy"]  # chance is 0.1; 0.875 when written
