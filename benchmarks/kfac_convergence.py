@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -185,26 +184,27 @@ def check_mnist_folder(data_dir: Path) -> None:
         )
 
 
-def as_tensors(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole dataset as two tensors, read once: the study indexes batches itself, so every rank
-    and every run sees exactly the same examples in the same order for a seed."""
-    images, labels = [], []
-    for x, y in DataLoader(dataset, batch_size=4096):
-        images.append(x)
-        labels.append(y)
-    return torch.cat(images).float(), torch.cat(labels).long()
-
-
 def load(
     dataset: str, data_dir: Path | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    from hpcdl.data import load_dataset
+    """The whole dataset as normalised float tensors, read once through hpcdl.data's registry: the study
+    indexes batches itself, so every rank and every run sees exactly the same examples in the same order
+    for a seed. A dataset with a crop/flip augmentation (CIFAR-10) gets one fixed draw of it."""
+    from hpcdl.data import REGISTRY, TensorSplits, read_dataset
+    from hpcdl.data.augment import Normalizer, pad_crop_flip
 
     if dataset == "mnist":
         data_dir = data_dir or DEFAULT_MNIST_DIR
         check_mnist_folder(data_dir)
-    bundle = load_dataset(dataset, None if data_dir is None else str(data_dir), seed=0)
-    return (*as_tensors(bundle.train), *as_tensors(bundle.test), bundle.num_classes, bundle.channels)
+    data = read_dataset(dataset, None if data_dir is None else str(data_dir))
+    assert isinstance(data, TensorSplits)
+    info = REGISTRY[dataset]
+    normalize = Normalizer(info.norm, torch.device("cpu"), channels_last=False)
+    train_images = data.train.images
+    if info.crop_padding:
+        train_images = pad_crop_flip(train_images, info.crop_padding, torch.Generator().manual_seed(0))
+    return (normalize(train_images), data.train.labels, normalize(data.test.images), data.test.labels,
+            data.num_classes, int(train_images.shape[1]))
 
 
 # ---------------------------------------------------------------- one training run

@@ -8,8 +8,8 @@ It writes its own ImageNet-like data first (JPEG files of 500x375 pixels at qual
 110 KB each, in class folders; then the same set packed with hpcdl.pack), so anyone can rerun it.
 Contenders, every one producing normalised 224x224 training batches on the device:
 
-* ``pil-folder``: the old path (torchvision ImageFolder, PIL decode, transforms on PIL images,
-  float32 batches from the workers), the baseline;
+* ``pil-folder``: the baseline (torchvision ImageFolder, PIL decode, transforms on PIL images,
+  float32 batches from the workers; defined here and nowhere else);
 * ``folder-cpu`` / ``shards-cpu``: hpcdl.data with libjpeg-turbo decode in the workers, uint8 batches;
 * ``folder-gpu`` / ``shards-gpu`` (CUDA only): bytes from the workers, nvJPEG batch decode and crops on the GPU.
 
@@ -60,32 +60,48 @@ def write_jpegs(root: Path, images: int, classes: int, seed: int = 0) -> Path:
 Batches = Callable[[int], Iterator]  # epoch -> iterator of (images, labels) on the device
 
 
+def pil_baseline(folder: Path, workers: int, batch: int, device):  # type: ignore[no-untyped-def]
+    """The thing hpcdl.data is compared with: torchvision ImageFolder, PIL decode, the classic transforms
+    on PIL images, float32 batches built per sample in the workers. It lives only here."""
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    from hpcdl.data.registry import REGISTRY
+
+    norm = REGISTRY["imagenet"].norm
+    train_tf = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+                                   transforms.ToTensor(), transforms.Normalize(norm.mean, norm.std)])
+    dataset = ImageFolder(str(folder / "train"), transform=train_tf)
+    sampler = RandomSampler(dataset, generator=torch.Generator())
+    options: dict = dict(num_workers=workers, persistent_workers=workers > 0, pin_memory=device.type == "cuda")
+    if workers > 0:
+        options["prefetch_factor"] = 4
+    loader = DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True, **options)
+
+    def epoch_batches(epoch: int) -> Iterator:
+        sampler.generator.manual_seed(epoch)  # type: ignore[union-attr]
+        for images, labels in loader:
+            yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+    return epoch_batches
+
+
 def contenders(names: list[str], folder: Path, shards: Path, workers: int, batch: int, device) -> dict:  # type: ignore[no-untyped-def]
     """name -> (epoch -> batch iterator, closer)."""
-    import torch
-
-    from hpcdl.data import DataSpec, build_pipeline, load_dataset, make_loaders
+    from hpcdl.data import DataSpec, build_pipeline
 
     built: dict = {}
     for name in names:
         if name == "pil-folder":
-            data = load_dataset("imagenet", str(folder), seed=0)
-            loader, sampler, _ = make_loaders(data, 0, 1, batch, batch, workers, seed=0,
-                                              pin_memory=device.type == "cuda")
-
-            def pil_epoch(epoch: int, loader=loader, sampler=sampler) -> Iterator:  # type: ignore[no-untyped-def]
-                sampler.set_epoch(epoch)
-                for images, labels in loader:
-                    yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-
-            built[name] = (pil_epoch, lambda: None)
+            built[name] = (pil_baseline(folder, workers, batch, device), lambda: None)
         else:
             source, decode = name.split("-")
             spec = DataSpec("imagenet", str(folder if source == "folder" else shards), batch, batch, workers, 0,
                             decode=decode, channels_last=device.type == "cuda")
             pipeline = build_pipeline(spec, 0, 1, device)
             built[name] = (pipeline.train_epoch, pipeline.close)
-    del torch
     return built
 
 
@@ -172,11 +188,14 @@ def reader_rates(folder: Path, shards: Path, rounds: int, block: int = 16) -> di
     """images/s of reading the encoded bytes alone (no decode), the part of the pipeline the file system
     sees. Blocks of ``block`` samples alternate between folder and shards (the order flips every block),
     so both see the same machine; per round of one epoch's order, the median block's rate."""
-    from hpcdl.data.imagenet import list_imagenet
     from hpcdl.data.order import epoch_permutation
-    from hpcdl.data.shards import ShardSource, read_index
+    from hpcdl.data.registry import FileSplits, read_dataset
 
-    sources = {"folder": list_imagenet(folder)[1], "shards": ShardSource(read_index(shards).splits["train"])}
+    sources = {}
+    for name, path in (("folder", folder), ("shards", shards)):
+        data = read_dataset("imagenet", str(path))
+        assert isinstance(data, FileSplits)
+        sources[name] = data.train
     rates: dict[str, list[float]] = {name: [] for name in sources}
     for round_ in range(rounds):
         block_rates: dict[str, list[float]] = {name: [] for name in sources}

@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpcdl.data.spec import CIFAR_NORM
-from hpcdl.data.tensors import DataBundle, ImageTensors, validate_images
+from hpcdl.data.tensors import ImageTensors, TensorSplits, validate_images
 from hpcdl.runtime.errors import UsageError
 
 TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
@@ -57,21 +56,9 @@ def read_split(folder: Path, names: list[str]) -> tuple[torch.Tensor, torch.Tens
     return images, labels
 
 
-def check_cifar10(data_dir: Path) -> None:
-    """A clear error for a missing or malformed cifar-10-batches-py folder, before any loader starts."""
-    folder = cifar_folder(data_dir)
-    for name in TRAIN_BATCHES + TEST_BATCHES:
-        read_batch(folder / name)
-
-
-def load_cifar10(data_dir: Path) -> DataBundle:
-    """Training and test sets as uint8 tensors. ``__getitem__`` of the training set applies today's CPU
-    augmentation (4-pixel padded random crop + flip) for the per-sample DataLoader path."""
-    from torchvision.transforms import v2
-
+def load_cifar10(data_dir: Path) -> TensorSplits:
+    """Training and test sets as uint8 tensors (augmentation runs later, batched on the device)."""
     folder = cifar_folder(data_dir)
     train_images, train_labels = read_split(folder, TRAIN_BATCHES)
     test_images, test_labels = read_split(folder, TEST_BATCHES)
-    augment = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()])
-    return DataBundle(ImageTensors(train_images, train_labels, CIFAR_NORM, transform=augment),
-                      ImageTensors(test_images, test_labels, CIFAR_NORM), NUM_CLASSES, 3, 32)
+    return TensorSplits(ImageTensors(train_images, train_labels), ImageTensors(test_images, test_labels), NUM_CLASSES)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hpcdl.data.spec import DIGITS_NORM
-from hpcdl.data.tensors import DataBundle, ImageTensors, validate_images
+from hpcdl.data.tensors import ImageTensors, TensorSplits, validate_images
 
 
-def load_digits(test_fraction: float = 0.2, seed: int = 0) -> DataBundle:
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> TensorSplits:
     """The digits with a stratified held-out test split; pixels are the set's integers 0..16, kept as uint8."""
     from sklearn.datasets import load_digits as sklearn_digits
     from sklearn.model_selection import train_test_split
@@ -23,6 +22,6 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> DataBundle:
     def as_dataset(x: np.ndarray, y: np.ndarray) -> ImageTensors:
         images, labels = torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y).long()
         validate_images("scikit-learn digits", images, labels, 10, (1, 8, 8))
-        return ImageTensors(images, labels, DIGITS_NORM)
+        return ImageTensors(images, labels)
 
-    return DataBundle(as_dataset(x_train, y_train), as_dataset(x_test, y_test), 10, 1, 8)
+    return TensorSplits(as_dataset(x_train, y_train), as_dataset(x_test, y_test), 10)

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hpcdl.data.spec import MNIST_NORM
-from hpcdl.data.tensors import DataBundle, ImageTensors, validate_images
+from hpcdl.data.tensors import ImageTensors, TensorSplits, validate_images
 from hpcdl.runtime.errors import UsageError
 
 IMAGE_MAGIC, LABEL_MAGIC = 2051, 2049  # 0x00000803: uint8 3-d; 0x00000801: uint8 1-d
@@ -106,9 +105,9 @@ def load_split(data_dir: Path, split: str) -> ImageTensors:
     if n_labels and int(labels.max()) >= NUM_CLASSES:
         raise UsageError(f"MNIST file {label_path}: label {int(labels.max())} out of range 0..{NUM_CLASSES - 1}")
     validate_images(f"MNIST file {image_path}", images, labels, NUM_CLASSES, (1, IMAGE_SIDE, IMAGE_SIDE))
-    return ImageTensors(images, labels, MNIST_NORM)
+    return ImageTensors(images, labels)
 
 
-def load_mnist(data_dir: Path) -> DataBundle:
+def load_mnist(data_dir: Path) -> TensorSplits:
     """The 60,000 training and 10,000 test images (or whatever subset the files hold), as uint8 tensors."""
-    return DataBundle(load_split(data_dir, "train"), load_split(data_dir, "test"), NUM_CLASSES, 1, IMAGE_SIDE)
+    return TensorSplits(load_split(data_dir, "train"), load_split(data_dir, "test"), NUM_CLASSES)

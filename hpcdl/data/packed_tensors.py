@@ -1,4 +1,4 @@
-"""Small datasets (CIFAR-10, MNIST) read back from shards into memory as uint8 tensors."""
+"""Small datasets (CIFAR-10, MNIST) read back from PNG shards into memory as uint8 tensors."""
 
 from __future__ import annotations
 
@@ -6,18 +6,13 @@ import torch
 from torchvision.io import ImageReadMode
 
 from hpcdl.data.images import ByteSource, decode_cpu
-from hpcdl.data.spec import CIFAR_NORM, MNIST_NORM
 from hpcdl.data.tensors import ImageTensors, validate_images
 from hpcdl.runtime.errors import UsageError
 
-LAYOUTS = {
-    "cifar10": (ImageReadMode.RGB, (3, 32, 32), CIFAR_NORM),
-    "mnist": (ImageReadMode.GRAY, (1, 28, 28), MNIST_NORM),
-}
 
-
-def decode_all(dataset: str, source: ByteSource) -> ImageTensors:
-    mode, shape, norm = LAYOUTS[dataset]
+def decode_all(dataset: str, source: ByteSource, shape: tuple[int, int, int], num_classes: int) -> ImageTensors:
+    """Every image of ``source``, each checked to be ``shape`` (C, H, W)."""
+    mode = ImageReadMode.GRAY if shape[0] == 1 else ImageReadMode.RGB
     images = []
     for index in range(len(source)):
         try:
@@ -29,5 +24,6 @@ def decode_all(dataset: str, source: ByteSource) -> ImageTensors:
         images.append(image)
     tensors = torch.stack(images)
     labels = torch.from_numpy(source.labels.copy())
-    validate_images(f"{dataset} shards in {getattr(source, 'paths', ['?'])[0]}..", tensors, labels, 10, shape)
-    return ImageTensors(tensors, labels, norm)
+    validate_images(f"{dataset} shards in {getattr(source, 'paths', ['?'])[0]}..", tensors, labels, num_classes,
+                    shape)
+    return ImageTensors(tensors, labels)

@@ -1,11 +1,9 @@
-"""What the training loop asks of the data side: the dataset names, a :class:`DataSpec`, and each
-dataset's normalisation constants (applied on the device, so images travel as uint8)."""
+"""What the training loop asks of the data side: a :class:`DataSpec`, and the form of a normalisation."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-DATASETS = ("digits", "mnist", "cifar10", "imagenet", "synthetic")
 DECODERS = ("auto", "cpu", "gpu")
 
 
@@ -34,14 +32,3 @@ class Normalization:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     max_value: float = 255.0
-
-
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
-
-CIFAR_NORM = Normalization(CIFAR_MEAN, CIFAR_STD)
-IMAGENET_NORM = Normalization(IMAGENET_MEAN, IMAGENET_STD)
-MNIST_NORM = Normalization(MNIST_MEAN, MNIST_STD)
-DIGITS_NORM = Normalization((0.5,), (0.5,), max_value=16.0)  # sklearn's digits are integers 0..16
-IDENTITY_NORM = Normalization((0.0,), (1.0,), max_value=1.0)  # synthetic images are already N(0, 1)

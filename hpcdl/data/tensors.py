@@ -1,47 +1,35 @@
-"""Datasets held in memory as integer images: uint8 (C, H, W) tensors plus int64 labels.
-
-The new pipeline reads ``images``/``labels`` directly (and moves them to the device once);
-``__getitem__`` serves the older per-sample DataLoader path with normalised float images.
-"""
+"""Datasets held in memory as integer images: uint8 (N, C, H, W) tensors plus int64 labels."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import Dataset
 
-from hpcdl.data.spec import Normalization
 from hpcdl.runtime.errors import UsageError
 
 
 @dataclass
-class DataBundle:
-    train: Dataset
-    test: Dataset
-    num_classes: int
-    channels: int
-    image_size: int
+class ImageTensors:
+    """One split: images (N, C, H, W) of an integer dtype and labels (N,)."""
 
+    images: torch.Tensor
+    labels: torch.Tensor
 
-class ImageTensors(Dataset):
-    """Images (N, C, H, W) of an integer dtype with labels (N,), and the normalisation they need."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, norm: Normalization,
-                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        self.images, self.labels, self.norm, self.transform = images, labels.long(), norm, transform
+    def __post_init__(self) -> None:
+        self.labels = self.labels.long()
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = self.images[index]
-        if self.transform is not None:
-            image = self.transform(image)
-        mean = torch.tensor(self.norm.mean).view(-1, 1, 1)
-        std = torch.tensor(self.norm.std).view(-1, 1, 1)
-        return (image.float() / self.norm.max_value - mean) / std, self.labels[index]
+
+@dataclass
+class TensorSplits:
+    """A dataset small enough for memory: its training and test splits."""
+
+    train: ImageTensors
+    test: ImageTensors
+    num_classes: int
 
 
 def validate_images(source: str, images: torch.Tensor, labels: torch.Tensor, num_classes: int,

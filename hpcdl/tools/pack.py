@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcdl.data.registry import PACKABLE
 from hpcdl.runtime.errors import UsageError, run_main
-
-PACKABLE = ("imagenet", "cifar10", "mnist")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -46,42 +45,37 @@ Sample = tuple[bytes, str, int]  # encoded image, file extension, label
 Split = tuple[int, Callable[[int], Sample]]  # number of samples, reader of sample i
 
 
-def folder_samples(data_dir: Path) -> tuple[list[str], dict[str, Split]]:
-    """ImageNet-style folders: the files' own bytes, as they are (no re-encoding)."""
-    from hpcdl.data.imagenet import list_imagenet
-    from hpcdl.data.images import FolderSource
-
-    classes, train, val = list_imagenet(data_dir)
-
-    def reader(source: FolderSource) -> Callable[[int], Sample]:
-        def read(index: int) -> Sample:
-            with open(source.paths[index], "rb") as handle:
-                data = handle.read()
-            extension = "jpg" if data[:3] == b"\xff\xd8\xff" else Path(source.paths[index]).suffix.lstrip(".").lower()
-            return data, extension, int(source.labels[index])
-        return read
-
-    return classes, {"train": (len(train), reader(train)), "val": (len(val), reader(val))}
-
-
-def tensor_samples(dataset: str, data_dir: Path) -> tuple[list[str], dict[str, Split]]:
-    """CIFAR-10 / MNIST: each image encoded as a lossless PNG."""
+def dataset_samples(dataset: str, data_dir: Path) -> tuple[list[str], dict[str, Split]]:
+    """The samples of each split as the registry reads them: encoded files keep their own bytes (no
+    re-encoding); datasets held as tensors are encoded image by image as lossless PNGs."""
     from torchvision.io import encode_png
 
-    from hpcdl.data.legacy import load_dataset
+    from hpcdl.data.images import FolderSource
+    from hpcdl.data.registry import FileSplits, read_layout
     from hpcdl.data.tensors import ImageTensors
 
-    bundle = load_dataset(dataset, str(data_dir), seed=0)
+    data = read_layout(dataset, data_dir)
+    if isinstance(data, FileSplits):
+        def file_reader(source: FolderSource) -> Callable[[int], Sample]:
+            def read(index: int) -> Sample:
+                with open(source.paths[index], "rb") as handle:
+                    data = handle.read()
+                extension = ("jpg" if data[:3] == b"\xff\xd8\xff"
+                             else Path(source.paths[index]).suffix.lstrip(".").lower())
+                return data, extension, int(source.labels[index])
+            return read
 
-    def reader(part: ImageTensors) -> Callable[[int], Sample]:
+        assert isinstance(data.train, FolderSource) and isinstance(data.test, FolderSource)
+        return data.classes, {"train": (len(data.train), file_reader(data.train)),
+                              "val": (len(data.test), file_reader(data.test))}
+
+    def tensor_reader(part: ImageTensors) -> Callable[[int], Sample]:
         def read(index: int) -> Sample:
             return bytes(encode_png(part.images[index]).numpy()), "png", int(part.labels[index])
         return read
 
-    train, test = bundle.train, bundle.test
-    assert isinstance(train, ImageTensors) and isinstance(test, ImageTensors)
-    return [str(i) for i in range(bundle.num_classes)], {"train": (len(train), reader(train)),
-                                                          "val": (len(test), reader(test))}
+    return [str(i) for i in range(data.num_classes)], {"train": (len(data.train), tensor_reader(data.train)),
+                                                        "val": (len(data.test), tensor_reader(data.test))}
 
 
 def in_order(read: Callable[[int], Sample], order: np.ndarray, threads: int, window: int = 512) -> Iterator[Sample]:
@@ -96,13 +90,13 @@ def pack(dataset: str, data_dir: Path, output: Path, shard_bytes: int, seed: int
          threads: int = 8) -> Path:
     from tqdm import tqdm
 
-    from hpcdl.data.legacy import check_data_dir
+    from hpcdl.data.registry import check_data_dir
     from hpcdl.data.shards import ShardWriter, write_index
 
     if output.exists() and not force:
         raise UsageError(f"--output {output} exists; pass --force to replace it")
     data_dir = check_data_dir(dataset, str(data_dir))
-    classes, splits = folder_samples(data_dir) if dataset == "imagenet" else tensor_samples(dataset, data_dir)
+    classes, splits = dataset_samples(dataset, data_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:

@@ -3,16 +3,18 @@ order over ranks, exact mid-epoch resume, and the CPU and device decode paths ag
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 from torchvision.transforms import v2
 
-from hpcdl.data import DataSpec, build_pipeline, load_dataset
+from hpcdl.data import DataSpec, build_pipeline
 from hpcdl.data.augment import (
     Normalizer,
     apply_crop_flip,
@@ -23,9 +25,12 @@ from hpcdl.data.augment import (
 )
 from hpcdl.data.imagenet import list_imagenet
 from hpcdl.data.pipeline import FilePipeline, ResidentPipeline
-from hpcdl.data.spec import CIFAR_NORM, IMAGENET_NORM, Normalization
+from hpcdl.data.registry import REGISTRY
+from hpcdl.data.spec import Normalization
 from hpcdl.runtime.errors import UsageError
-from tests.support.data_files import write_cifar10, write_imagenet, write_mnist
+from tests.support.data_files import write_cifar10, write_imagenet
+
+CIFAR_NORM, IMAGENET_NORM = REGISTRY["cifar10"].norm, REGISTRY["imagenet"].norm
 
 CPU = torch.device("cpu")
 
@@ -142,11 +147,13 @@ def test_cifar_pipeline_augments_on_the_device_and_resumes(tmp_path: Path) -> No
     full = list(pipeline.train_epoch(0))
     again = list(build_pipeline(spec("cifar10", tmp_path), 0, 1, CPU).train_epoch(0, start_step=3))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(full[3:], again, strict=True))
-    raw = load_dataset("cifar10", str(tmp_path), seed=0).train
+    written = [pickle.loads((tmp_path / "cifar-10-batches-py" / f"data_batch_{i}").read_bytes())["data"]
+               for i in range(1, 6)]
+    raw = torch.from_numpy(np.concatenate(written)).view(40, 3, 32, 32)  # the release's layout, read by hand
     x, y = full[0]
     # each augmented image is its source image under some 4-pixel padded crop and flip
     normalize = Normalizer(CIFAR_NORM, CPU, channels_last=False)
-    candidates = normalize(torch.stack([TF.crop(TF.pad(raw.images[j], [4]), t, s, 32, 32)  # type: ignore[attr-defined]
+    candidates = normalize(torch.stack([TF.crop(TF.pad(raw[j], [4]), t, s, 32, 32)
                                         for j in range(40) for t in range(9) for s in range(9)]))
     for image in x:
         direct = (candidates - image).abs().flatten(1).max(1).values.min()
@@ -154,14 +161,17 @@ def test_cifar_pipeline_augments_on_the_device_and_resumes(tmp_path: Path) -> No
         assert min(direct, flipped) < 1e-5
 
 
-def test_digits_and_mnist_values_match_the_per_sample_path(tmp_path: Path) -> None:
-    write_mnist(tmp_path)
-    for name, data_dir in (("digits", None), ("mnist", tmp_path)):
-        pipeline = build_pipeline(spec(name, data_dir, test_batch_size=1000), 0, 1, CPU)
-        legacy = load_dataset(name, str(data_dir) if data_dir else None, seed=0).test
-        (x, y), = list(pipeline.test_batches())
-        expected = torch.stack([legacy[i][0] for i in range(len(legacy))])
-        assert torch.allclose(x, expected, atol=1e-5) and torch.equal(y, legacy.labels)  # type: ignore[attr-defined]
+def test_digits_values_are_scikit_learns_normalised_by_hand() -> None:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    pipeline = build_pipeline(spec("digits", test_batch_size=1000), 0, 1, CPU)
+    (x, y), = list(pipeline.test_batches())
+    digits = load_digits()
+    _, x_test, _, y_test = train_test_split(digits.images, digits.target, test_size=0.2, random_state=0,
+                                            stratify=digits.target)
+    expected = (torch.from_numpy(x_test).float().unsqueeze(1) / 16 - 0.5) / 0.5
+    assert torch.allclose(x, expected, atol=1e-6) and y.tolist() == y_test.tolist()
 
 
 def test_synthetic_is_generated_on_the_device_with_the_asked_shape() -> None:
