@@ -2,16 +2,19 @@
 
 :func:`build_job` makes every decision that does not change during training (which device, which
 precision, which memory format, which optimizer, where results go) so that the loop in
-:mod:`hpcdl.loop` only trains. Everything here is collective: every rank builds its job at the same
-point, and a problem on any rank is a one-line error on all of them.
+:mod:`hpcdl.training.loop` only trains. It hands the loop a :class:`~hpcdl.training.loop.Trainer`
+(what the loop uses) and the checkpointer the stateful parts (:class:`~hpcdl.training.runstate.TrainState`);
+:class:`Job` holds those two and what only the epoch driver in :mod:`hpcdl.training.train` uses.
+Everything here is collective: every rank builds its job at the same point, and a problem on any
+rank is a one-line error on all of them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from torch import nn
 
 from hpcdl.data import DataSpec, InputPipeline, build_pipeline
 from hpcdl.run import checkpoint
+from hpcdl.run.checkpointer import Checkpointer
 from hpcdl.run.metrics import RunRecord
 from hpcdl.run.rundir import RunDir, claim
 from hpcdl.runtime import placement, world
@@ -30,65 +34,43 @@ from hpcdl.runtime.faults import FaultInjector
 from hpcdl.runtime.signals import GracefulStop
 from hpcdl.runtime.watchdog import StallWatchdog
 from hpcdl.training import runstate
-from hpcdl.training.config import TrainConfig
+from hpcdl.training.config import TrainConfig, check_amp_device
+from hpcdl.training.loop import LoopSettings, Trainer
 from hpcdl.training.models import build_model
-from hpcdl.training.schedule import LRSchedule, lr_scale
-
-# An fp16 step that overflows is skipped by the GradScaler, which then halves the loss scale: that is
-# loss scaling at work, not divergence. Only overflow at a scale this small counts as non-finite.
-FP16_MIN_LOSS_SCALE = 1.0
+from hpcdl.training.optimizers import build_preconditioner, build_update_rule
+from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
 
 
 @dataclass
 class Job:
+    """A built job: the loop's :class:`Trainer`, the checkpointer, and the run's directory and records."""
+
     config: TrainConfig
     world: world.World
     comm: Any
     run: RunDir
-    data: InputPipeline
-    model: nn.Module  # what the loop calls (compiled when --compile)
-    bare_model: nn.Module  # what is saved and restored
-    optimizer: torch.optim.Optimizer  # Horovod's DistributedOptimizer around the update rule
-    schedule: LRSchedule
-    criterion: nn.Module
-    amp_dtype: torch.dtype | None
-    scaler: torch.amp.GradScaler | None
-    preconditioner: Any  # kfac.KFACPreconditioner or None
     record: RunRecord
-    watchdog: StallWatchdog
-    stop: GracefulStop
-    faults: FaultInjector
-    progress: runstate.Progress = field(default_factory=runstate.Progress)
-    resumed_state: dict[str, Any] | None = None
+    trainer: Trainer
+    checkpointer: Checkpointer
+    resumed: dict[str, Any] | None = None  # the resumed checkpoint's header (run_id, config, ...), or None
 
     @property
-    def device(self) -> torch.device:
-        return self.world.device
+    def state(self) -> runstate.TrainState:
+        return self.trainer.state
 
     @property
     def output_dir(self) -> Path:
         return self.run.path
 
-    @property
-    def run_id(self) -> str:
-        return self.run.run_id
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
-
-    def print0(self, message: str) -> None:
-        """One write per line: under mpirun, lines printed in pieces by two ranks can run together."""
-        if self.world.is_root:
-            sys.stdout.write(message + "\n")
-            sys.stdout.flush()
+    def save(self) -> None:
+        """Write a checkpoint of the stateful parts (collective)."""
+        runstate.save(self.trainer.state, self.checkpointer, self.config)
 
     def close(self) -> None:
         """Stop the threads and handlers the job started; safe to call twice."""
-        self.watchdog.stop()
-        self.stop.close()
-        self.data.close()
+        self.trainer.watchdog.stop()
+        self.trainer.stop.close()
+        self.trainer.data.close()
         self.record.close()
         self.run.release()
 
@@ -98,8 +80,7 @@ def choose_amp(config: TrainConfig, device: torch.device) -> torch.dtype | None:
     if config.amp == "off":
         return None
     if config.amp == "fp16":
-        if device.type != "cuda":
-            raise UsageError("--amp fp16 needs CUDA (its GradScaler); on CPU use --amp bf16")
+        check_amp_device(config.amp, device.type)
         return torch.float16
     bf16_ok = device.type != "cuda" or torch.cuda.is_bf16_supported()
     if config.amp == "bf16" and not bf16_ok:
@@ -109,18 +90,6 @@ def choose_amp(config: TrainConfig, device: torch.device) -> torch.dtype | None:
 
 def is_convolutional(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
-
-
-def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """SGD/Adam/AdamW with fused kernels: they take the GradScaler's (or our) non-finite flag on the device
-    and skip the update there, so no step has to read the flag back to the host."""
-    params = list(model.parameters())
-    if config.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay, fused=True)
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, fused=True)
-    return torch.optim.SGD(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
-                           weight_decay=config.weight_decay, fused=True)
 
 
 def zero_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
@@ -171,26 +140,6 @@ def match_state_layouts(optimizer: torch.optim.Optimizer) -> None:
                 if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
                     layout = torch.channels_last if p.dim() == 4 and not p.is_contiguous() else torch.contiguous_format
                     optimizer.state[p][key] = value.contiguous(memory_format=layout)
-
-
-def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Callable[..., float],
-                         scaler: torch.amp.GradScaler | None) -> Any:
-    if config.kfac_update_freq <= 0:
-        return None
-    from kfac import KFACPreconditioner
-
-    return KFACPreconditioner(
-        model,
-        factor_update_freq=config.kfac_cov_update_freq,
-        inv_update_freq=config.kfac_update_freq,
-        damping=config.damping,
-        factor_decay=config.factor_decay,
-        kl_clip=config.kl_clip,
-        lr=current_lr,
-        grad_worker_fraction=config.kfac_grad_worker_fraction,
-        backward_passes_per_step=config.batches_per_allreduce,  # factors accumulate like the gradients
-        grad_scaler=scaler,  # its scale is divided out of G
-    )
 
 
 def check_adasum(config: TrainConfig, world_size: int, cuda: bool) -> None:
@@ -247,6 +196,8 @@ def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, d
 
 
 def build_job(config: TrainConfig) -> Job:
+    if deterministic(config):
+        world.fix_reduction_order()
     me = world.init()
     comm = world.comm()
     cuda = me.device.type == "cuda"
@@ -265,6 +216,13 @@ def build_job(config: TrainConfig) -> Job:
         raise
 
 
+def deterministic(config: TrainConfig) -> bool:
+    """``--deterministic``: auto is on where it is cheap and promised, i.e. for CPU runs."""
+    if config.deterministic != "auto":
+        return config.deterministic == "on"
+    return config.device == "cpu" or not torch.cuda.is_available()
+
+
 def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, faults: FaultInjector,
                 amp_dtype: torch.dtype | None) -> Job:
     cuda = me.device.type == "cuda"
@@ -272,11 +230,18 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         torch.backends.cudnn.benchmark = config.cudnn_benchmark  # fixed shapes: let cuDNN time its kernels once
         torch.backends.cuda.matmul.allow_tf32 = True  # the precision torch's docs recommend for training
         torch.backends.cudnn.allow_tf32 = True
+    if cuda and deterministic(config):  # kernels whose result does not depend on thread timing (cuDNN, scatter-add)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True)
 
     torch.manual_seed(config.seed)  # identical initial weights on every rank (and broadcast to be sure)
+    watchdog = StallWatchdog(comm, config.stall_timeout)
+    checkpointer = Checkpointer(run.path, run.run_id, comm, config.keep_checkpoints, watchdog, faults)
     if not config.resume:
         agree(lambda: refuse_earlier_checkpoints(run.path, me.is_root))
-    resumed = runstate.read_latest(run.path, comm) if config.resume else None
+    resumed = runstate.read_latest(checkpointer) if config.resume else None
     if config.resume and resumed is None:
         print0("no checkpoint to resume from: starting from scratch")
     channels_last_wanted = config.channels_last == "on" or (config.channels_last == "auto" and cuda)
@@ -296,8 +261,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     compiled = compile_and_warm_up(model, data, spec, me.device, amp_dtype) if config.compile else model
 
     peak_lr = config.base_lr * lr_scale(me.size, config.batches_per_allreduce, config.use_adasum, me.local_size, cuda)
-    schedule = LRSchedule(config.base_lr, peak_lr, config.warmup_epochs, config.epochs, config.lr_schedule,
-                          config.lr_decay)
+    schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, config.warmup_start_factor), peak_lr,
+                          config.warmup_epochs, config.epochs, config.lr_schedule, config.lr_decay)
     optimizer = hvd.DistributedOptimizer(
         build_update_rule(config, model, schedule(0.0)),
         named_parameters=model.named_parameters(),
@@ -307,20 +272,22 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     )
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    preconditioner = build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"], scaler)
+    preconditioner = agree(lambda: build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"],
+                                                        scaler))
 
     criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
-    job = Job(config=config, world=me, comm=comm, run=run, data=data, model=compiled, bare_model=model,
-              optimizer=optimizer, schedule=schedule, criterion=criterion,
-              amp_dtype=amp_dtype, scaler=scaler, preconditioner=preconditioner,
-              record=agree(lambda: RunRecord(run.path, me.is_root, config.resume, run.run_id)),
-              watchdog=StallWatchdog(comm, config.stall_timeout), stop=GracefulStop(comm), faults=faults)
+    state = runstate.TrainState(model, optimizer, scaler, preconditioner)
+    record = agree(lambda: RunRecord(run.path, me.is_root, config.resume, run.run_id))
+    trainer = Trainer(model=compiled, state=state, schedule=schedule, criterion=criterion, amp_dtype=amp_dtype,
+                      data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
+                      settings=LoopSettings.of(config))
+    job = Job(config=config, world=me, comm=comm, run=run, record=record, trainer=trainer, checkpointer=checkpointer)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
-        job.progress = runstate.restore(job, resumed)
-        job.resumed_state = resumed
+        runstate.restore(state, resumed, config, me.rank, me.size, run.path)
+        job.resumed = {key: value for key, value in resumed.items() if key not in state.parts() and key != "rng"}
         match_state_layouts(optimizer)
-    job.watchdog.start()
-    job.print0(
+    watchdog.start()
+    print0(
         f"hpcdl: {config.model} on {config.dataset} | {me.size} rank(s) x batch {config.batch_size}"
         f" x {config.batches_per_allreduce} = global batch {me.size * config.batch_size * config.batches_per_allreduce}"
         f" | lr {config.base_lr} -> {peak_lr:g} | {data.steps_per_epoch} steps/epoch | {me.device}"

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Linear warm-up from ``base_lr`` to ``peak_lr``, then step decay (x0.1 per milestone) or cosine."""
+    """Linear warm-up from ``base_lr`` to ``peak_lr``, then step decay (x0.1 per milestone) or cosine.
+
+    ``base_lr`` is where the warm-up starts (see :func:`warmup_start`); at ``progress`` p < warmup
+    the rate is base_lr + (peak_lr - base_lr) * p / warmup_epochs, so it reaches ``peak_lr`` exactly
+    when the warm-up ends.
+    """
 
     base_lr: float
     peak_lr: float
@@ -45,3 +50,14 @@ def lr_scale(world_size: int, batches_per_allreduce: int, use_adasum: bool, loca
     if use_adasum:
         return float(local_size if gpu else 1) * batches_per_allreduce
     return float(world_size * batches_per_allreduce)
+
+
+def warmup_start(base_lr: float, peak_lr: float, start_factor: float | None) -> float:
+    """The rate the warm-up starts from.
+
+    By default the single-rank rate ``base_lr`` (Goyal et al.'s gradual warm-up from the rate of one
+    worker's batch to the scaled one), which is no warm-up at all on one rank. With ``start_factor``
+    the warm-up starts at that fraction of ``peak_lr`` whatever the world size, which is what a large
+    batch reached on few ranks (gradient accumulation) needs.
+    """
+    return base_lr if start_factor is None else start_factor * peak_lr

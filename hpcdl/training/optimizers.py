@@ -1,0 +1,110 @@
+"""The update rule and the gradient preconditioner of a training job, built from the configuration.
+
+Every rule honours the loop's non-finite verdict: the loop sets ``optimizer.found_inf`` (a 0-dim
+device tensor, 1.0 = skip) before ``step()``. torch's fused SGD/Adam/AdamW read it on the device.
+timm's LARS and LAMB have no fused kernel that takes it, so :class:`SkipsNonFinite` reads the flag
+back to the host and leaves parameters and state untouched when it is set: one device sync per step
+on a GPU, nothing on a CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from timm.optim import Lamb, Lars
+from torch import nn
+
+from hpcdl.runtime.errors import UsageError
+from hpcdl.training.config import TrainConfig
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+FUSED = ("sgd", "adam", "adamw")  # read found_inf on the device
+
+
+class SkipsNonFinite:
+    """Mixin: ``step()`` does nothing when the loop's ``found_inf`` flag is set (a host read)."""
+
+    found_inf: torch.Tensor | None
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf):
+            return None
+        return super().step(closure)  # type: ignore[misc]
+
+
+class GuardedLars(SkipsNonFinite, Lars):
+    """timm's LARS (You et al. 2017): SGD with momentum and a per-layer trust ratio ||w|| / ||g||."""
+
+
+class GuardedLamb(SkipsNonFinite, Lamb):
+    """timm's LAMB (You et al. 2020): Adam moments with a per-layer trust ratio."""
+
+
+def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The ``--optimizer`` rule over the model's parameters, at learning rate ``lr``.
+
+    SGD/Adam/AdamW use torch's fused kernels, which take the non-finite flag on the device. LARS keeps
+    timm's trust coefficient (0.001) and applies the trust ratio to every parameter, as timm does
+    when weight decay is on; LAMB keeps timm's defaults (betas 0.9/0.999, global gradient-norm clip 1).
+    """
+    params = list(model.parameters())
+    name = config.optimizer
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay, fused=True)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, fused=True)
+    if name == "lars":
+        return GuardedLars(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
+                           weight_decay=config.weight_decay)
+    if name == "lamb":
+        return GuardedLamb(params, lr=lr, weight_decay=config.weight_decay)
+    if name != "sgd":
+        raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {name})")
+    return torch.optim.SGD(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
+                           weight_decay=config.weight_decay, fused=True)
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """``module:function`` -> the function; a one-line UsageError when it cannot be imported."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise UsageError(f"--kfac-impl takes hpcdl or module:function (got {spec!r})")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"--kfac-impl {spec}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    if not callable(factory):
+        raise UsageError(f"--kfac-impl {spec} is not callable")
+    return factory
+
+
+def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Callable[..., float],
+                         scaler: torch.amp.GradScaler | None) -> Any:
+    """hpcdl's K-FAC (``kfac/``), another implementation through ``--kfac-impl``, or None.
+
+    The plugin point exists so that benchmarks can run another K-FAC (kfac-pytorch) inside this same
+    training loop: ``module:function`` is called as ``function(config, model, current_lr, scaler)`` and
+    returns an object with ``step(found_inf=...)``, ``state_dict()`` and ``load_state_dict(state)``.
+    """
+    if config.kfac_update_freq <= 0:
+        return None
+    if config.kfac_impl != "hpcdl":
+        return load_factory(config.kfac_impl)(config, model, current_lr, scaler)
+    from kfac import KFACPreconditioner
+
+    return KFACPreconditioner(
+        model,
+        factor_update_freq=config.kfac_cov_update_freq,
+        inv_update_freq=config.kfac_update_freq,
+        damping=config.damping,
+        factor_decay=config.factor_decay,
+        kl_clip=config.kl_clip,
+        lr=current_lr,
+        grad_worker_fraction=config.kfac_grad_worker_fraction,
+        backward_passes_per_step=config.batches_per_allreduce,  # factors accumulate like the gradients
+        grad_scaler=scaler,  # its scale is divided out of G
+    )
