@@ -1,19 +1,22 @@
 """Packed shards: a dataset as a few large WebDataset tar files plus an index, for parallel file systems.
 
-Layout of a shard folder (format version 1, written by ``python -m hpcdl.pack``)::
+Layout of a shard folder (format version 2, written by ``python -m hpcdl.pack``)::
 
-    index.json               {"format": "hpcdl-shards", "version": 1, "dataset": "imagenet",
+    index.json               {"format": "hpcdl-shards", "version": 2, "dataset": "imagenet",
                               "classes": [...], "splits": {"train": {"samples": N, "table": "train.npy",
                               "shards": [{"file": "train-000000.tar", "samples": n, "bytes": b}, ...]}, "val": ...}}
     train-000000.tar ...     WebDataset layout: members <key>.jpg (or .png) and <key>.cls (the label
-                             as decimal text), consecutive, keys "000000000", "000000001", ...
+                             as decimal text), consecutive; the key is the sample's index in
+                             the original folder (9 digits), the tars hold them shuffled
     train.npy                int64 (N, 4): shard number, byte offset of the image member's data,
-                             its length, label -- one row per sample, in packed order
+                             its length, label -- row i is sample i of the original folder
 
 Why random access by offset rather than streaming the tars: every epoch uses one global
-permutation of the samples (:mod:`hpcdl.data.order`), exactly as the folder reader does, so
-exactly-once across any number of ranks and exact mid-epoch resume need no extra state (no shard
-assignment, no shuffle-buffer contents). The file-system cost Lustre cares about -- one metadata
+permutation of the samples (:mod:`hpcdl.data.order`), exactly as the folder reader does, and the
+table is in the folder's sample order, so a run on the shards sees the same batches as a run on the
+folder, and repacking (with any ``--seed``) changes no run's data order.
+Exactly-once across any number of ranks and exact mid-epoch resume need no extra state (no
+shard assignment, no shuffle-buffer contents). The file-system cost Lustre cares about -- one metadata
 request per file opened -- drops from one per image to one per shard per worker; the reads
 themselves are ``pread`` calls of one image each. The tars remain ordinary WebDataset shards that
 streaming tools (the ``webdataset`` library, ``tar tf``) read front to back.
@@ -35,7 +38,7 @@ import torch
 from hpcdl.data.images import read_into_tensor
 from hpcdl.runtime.errors import UsageError
 
-FORMAT, VERSION = "hpcdl-shards", 1
+FORMAT, VERSION = "hpcdl-shards", 2
 INDEX = "index.json"
 SPLITS = ("train", "val")
 TABLE_COLUMNS = 4  # shard, offset, length, label
@@ -149,11 +152,15 @@ class ShardSource:
 
 
 class ShardWriter:
-    """Writes samples into numbered tar shards of about ``shard_bytes`` each, recording the table."""
+    """Writes samples into numbered tar shards of about ``shard_bytes`` each, recording the table.
+
+    Samples may arrive in any order (pack shuffles them for streaming readers); each carries its
+    index in the original folder, and the table is written in that order.
+    """
 
     def __init__(self, folder: Path, split: str, shard_bytes: int) -> None:
         self.folder, self.split, self.shard_bytes = folder, split, shard_bytes
-        self.rows: list[tuple[int, int, int, int]] = []
+        self.rows: dict[int, tuple[int, int, int, int]] = {}
         self.shards: list[dict] = []
         self.tar: tarfile.TarFile | None = None
 
@@ -166,12 +173,15 @@ class ShardWriter:
         self.tar.addfile(info, io.BytesIO(data))
         return start
 
-    def add(self, key: str, extension: str, data: bytes, label: int) -> None:
+    def add(self, index: int, extension: str, data: bytes, label: int) -> None:
+        """Sample ``index`` of the original folder (0-based), written at the end of the current shard."""
+        if index in self.rows:
+            raise ValueError(f"sample {index} of {self.split} added twice")
         if self.tar is None or self.tar.offset >= self.shard_bytes:
             self._next_shard()
-        offset = self._member(f"{key}.{extension}", data)
-        self._member(f"{key}.cls", str(label).encode())
-        self.rows.append((len(self.shards) - 1, offset, len(data), label))
+        offset = self._member(f"{index:09d}.{extension}", data)
+        self._member(f"{index:09d}.cls", str(label).encode())
+        self.rows[index] = (len(self.shards) - 1, offset, len(data), label)
         self.shards[-1]["samples"] += 1
 
     def _next_shard(self) -> None:
@@ -189,8 +199,11 @@ class ShardWriter:
     def finish(self) -> dict:
         """Close the last shard, write the table; returns this split's entry of index.json."""
         self._close_shard()
+        if sorted(self.rows) != list(range(len(self.rows))):
+            raise ValueError(f"{self.split}: sample indices are not 0..{len(self.rows) - 1}")
         table = f"{self.split}.npy"
-        np.save(self.folder / table, np.asarray(self.rows, dtype=np.int64).reshape(-1, TABLE_COLUMNS))
+        rows = [self.rows[i] for i in range(len(self.rows))]
+        np.save(self.folder / table, np.asarray(rows, dtype=np.int64).reshape(-1, TABLE_COLUMNS))
         return {"samples": len(self.rows), "table": table, "shards": self.shards}
 
 

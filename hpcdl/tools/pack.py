@@ -11,10 +11,7 @@ and renamed into place at the end, so an interrupted run never leaves a half-wri
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +20,7 @@ import numpy as np
 
 from hpcdl.data.registry import PACKABLE
 from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.tools.staging import refuse_own_input, staged_folder, sweep_stale, writable_parent
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -93,34 +91,28 @@ def pack(dataset: str, data_dir: Path, output: Path, shard_bytes: int, seed: int
     from hpcdl.data.registry import check_data_dir
     from hpcdl.data.shards import ShardWriter, write_index
 
+    refuse_own_input(output, {"--data-dir": data_dir})
+    writable_parent(output)
+    for line in sweep_stale(output):
+        print(f"hpcdl.pack: {line}", file=sys.stderr)
     if output.exists() and not force:
         raise UsageError(f"--output {output} exists; pass --force to replace it")
     data_dir = check_data_dir(dataset, str(data_dir))
+    refuse_own_input(output, {"--data-dir": data_dir})  # the folder the registry reads may lie below the one given
     classes, splits = dataset_samples(dataset, data_dir)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
-    try:
+    with staged_folder(output, replace=True) as staging:
         entries = {}
         for number, (split, (count, read)) in enumerate(splits.items()):
-            # packed in a seeded shuffled order, so that streaming readers of the tars see mixed classes
+            # packed in a seeded shuffled order, so that streaming readers of the tars see mixed classes;
+            # the table keeps the folder's order (hpcdl/data/shards.py)
             order = np.random.default_rng([seed, number]).permutation(count)
             writer = ShardWriter(staging, split, shard_bytes)
             samples = in_order(read, order, threads)
-            for position, (data, extension, label) in enumerate(tqdm(samples, total=count, desc=split, unit="img",
-                                                                     disable=None)):
-                writer.add(f"{position:09d}", extension, data, label)
+            progress = tqdm(samples, total=count, desc=split, unit="img", disable=None)
+            for index, (data, extension, label) in zip(order.tolist(), progress, strict=True):
+                writer.add(index, extension, data, label)
             entries[split] = writer.finish()
         write_index(staging, dataset, classes, entries)
-        if output.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-            os.rename(output, retired / output.name)
-            os.rename(staging, output)
-            shutil.rmtree(retired)
-        else:
-            os.rename(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return output
 
 

@@ -57,7 +57,7 @@ def folder_samples(folder: Path, split: str) -> Counter:
 def test_shards_are_webdataset_tars_holding_exactly_the_folder_samples(imagenet: tuple[Path, Path]) -> None:
     folder, shards = imagenet
     index = json.loads((shards / "index.json").read_text())
-    assert index["format"] == "hpcdl-shards" and index["version"] == 1 and index["dataset"] == "imagenet"
+    assert index["format"] == "hpcdl-shards" and index["version"] == 2 and index["dataset"] == "imagenet"
     assert index["classes"] == ["n00000000", "n00000001", "n00000002"]
     for split in ("train", "val"):
         entry = index["splits"][split]
