@@ -21,12 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.run import rundir
-from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime import launcher
+from hpcdl.runtime.errors import UsageError, rank0_then_all
 
 BENCH_PARENT = Path("runs") / "bench"
-# Variables that only a launcher sets (SLURM_PROCID is also set inside an sbatch script itself).
-LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK", "MV2_COMM_WORLD_SIZE",
-                 "SLURM_STEP_NUM_TASKS")
 
 
 def checkout_results() -> Path | None:
@@ -79,21 +77,7 @@ def results_stem(requested: Path | None, name: str, suffixes: Sequence[str], *, 
     ``benchmarks/results/<name>``. Collective when ``comm`` is given: rank 0 decides, every rank
     gets the same stem or the same UsageError.
     """
-    rank = comm.Get_rank() if comm is not None else 0
-    outcome: tuple[str | None, str | None] = (None, None)
-    if rank == 0:
-        try:
-            stem = _decide(requested, name, suffixes, refresh_results, force, flag)
-            outcome = (str(stem), None)
-        except UsageError as exc:
-            outcome = (None, str(exc))
-    if comm is not None and comm.Get_size() > 1:
-        outcome = comm.bcast(outcome, root=0)
-    where, error = outcome
-    if error is not None:
-        raise UsageError(error)
-    assert where is not None
-    return Path(where)
+    return Path(rank0_then_all(lambda: str(_decide(requested, name, suffixes, refresh_results, force, flag)), comm))
 
 
 def _decide(requested: Path | None, name: str, suffixes: Sequence[str], refresh_results: bool, force: bool,
@@ -134,7 +118,7 @@ def require_launcher(min_ranks: int, program: str, comm: Any = None) -> None:
         return
     how = (f"mpirun -np {min_ranks} python -m {program} ... (or srun -n {min_ranks} --mpi=pmix ..., "
            f"ibrun on TACC systems)")
-    if size == 1 and not any(os.environ.get(name) for name in LAUNCHER_VARS):
+    if size == 1 and not launcher.launched():
         raise UsageError(f"{program} measures {min_ranks} or more ranks and was started as a single process, "
                          f"without a launcher; run: {how}")
     raise UsageError(f"{program} needs at least {min_ranks} ranks, this job has {size}; run: {how}")

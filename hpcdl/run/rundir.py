@@ -42,7 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime.errors import LockHeldError, UsageError, rank0_then_all
 
 LOCK_NAME = ".hpcdl.lock"
 HEARTBEAT_SECONDS = 20.0
@@ -315,7 +315,7 @@ def _take_over(lock: Path, seen: Holder | None, me: Holder) -> bool:
 
 def acquire(path: Path, run_id: str, program: str, resume: bool,
             stale_after: float = STALE_AFTER_SECONDS) -> None:
-    """Create this run's lock in ``path`` (rank 0's part of :func:`claim`); UsageError when held by a live run."""
+    """Create this run's lock in ``path`` (rank 0's part of :func:`claim`); LockHeldError when a live run holds it."""
     lock = path / LOCK_NAME
     me = Holder.me(run_id, program)
     for _ in range(5):
@@ -332,14 +332,14 @@ def acquire(path: Path, run_id: str, program: str, resume: bool,
         if reason is None:
             who = holder.describe() if holder else f"a run whose lock file {lock} is unreadable"
             hint = " (--resume continues a run only after it has stopped)" if resume else ""
-            raise UsageError(f"output directory {path} is in use by {who}, last heartbeat {max(age, 0):.0f} s ago; "
+            raise LockHeldError(f"output directory {path} is in use by {who}, last heartbeat {max(age, 0):.0f} s ago; "
                              f"wait for it to end, stop it, or choose another --output-dir{hint}")
         if _take_over(lock, holder, me):
             dead = holder.describe() if holder else "an unreadable lock"
             print(f"{program}: taking over {path} from {dead}: {reason}", file=sys.stderr, flush=True)
             if holder is not None:
                 remove_temporaries(path, holder.run_id)
-    raise UsageError(f"could not lock output directory {path}: other runs keep taking it; try again")
+    raise LockHeldError(f"could not lock output directory {path}: other runs keep taking it; try again")
 
 
 def claim(output_dir: str | os.PathLike[str] | None, comm: Any, resume: bool, program: str = "hpcdl.train",
@@ -347,35 +347,25 @@ def claim(output_dir: str | os.PathLike[str] | None, comm: Any, resume: bool, pr
     """Make a run directory this run's own (collective: every rank calls it).
 
     Rank 0 creates the directory (a new default one when ``output_dir`` is None), takes the lock
-    and broadcasts the outcome, so every rank gets the same RunDir or the same UsageError.
-    ``comm`` may be None for a single process.
+    and broadcasts the outcome, so every rank gets the same RunDir or the same error (UsageError,
+    LockHeldError). ``comm`` may be None for a single process.
     """
-    rank = comm.Get_rank() if comm is not None else 0
-    outcome: tuple[str, str, str | None] | None = None
-    if rank == 0:
+
+    def on_root() -> tuple[str, str]:
         run_id = new_run_id()
-        path: Path | None = None
-        try:
-            if output_dir is None:
-                if resume:
-                    raise UsageError("--resume needs --output-dir (the run directory to continue)")
-                path = default_directory()
-            else:
-                path = Path(output_dir)
-                if path.exists() and not path.is_dir():
-                    raise UsageError(f"output directory {path} is a file, not a directory")
-                try:
-                    path.mkdir(parents=True, exist_ok=True)
-                except OSError as exc:
-                    raise UsageError(f"output directory {path} is not writable ({exc.strerror or exc})") from None
-            acquire(path, run_id, program, resume, stale_after)
-            outcome = (str(path), run_id, None)
-        except UsageError as exc:
-            outcome = (str(path or output_dir or ""), run_id, str(exc))
-    if comm is not None and comm.Get_size() > 1:
-        outcome = comm.bcast(outcome, root=0)
-    assert outcome is not None
-    where, run_id, error = outcome
-    if error is not None:
-        raise UsageError(error)
-    return RunDir(Path(where), run_id, owner=rank == 0, heartbeat_seconds=heartbeat_seconds)
+        if output_dir is None:
+            path = default_directory()
+        else:
+            path = Path(output_dir)
+            if path.exists() and not path.is_dir():
+                raise UsageError(f"output directory {path} is a file, not a directory")
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UsageError(f"output directory {path} is not writable ({exc.strerror or exc})") from None
+        acquire(path, run_id, program, resume, stale_after)
+        return str(path), run_id
+
+    where, run_id = rank0_then_all(on_root, comm)
+    is_root = comm is None or comm.Get_rank() == 0
+    return RunDir(Path(where), run_id, owner=is_root, heartbeat_seconds=heartbeat_seconds)

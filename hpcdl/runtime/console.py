@@ -7,16 +7,19 @@ times. These are the only ways hpcdl's programs print to the user.
 from __future__ import annotations
 
 import argparse
-from typing import Any, NoReturn
+import sys
+from typing import Any, NoReturn, TextIO
 
-from hpcdl.runtime.errors import UsageError, current_rank
+from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime.launcher import current_rank
 
 
-def print0(*args: Any, **kwargs: Any) -> None:
-    """print() on rank 0 only, flushed so that output interleaves sensibly under mpirun."""
+def print0(*args: Any, sep: str = " ", end: str = "\n", file: TextIO | None = None) -> None:
+    """print() on rank 0 only, as one flushed write: a line written in pieces can run into another rank's."""
     if current_rank() == 0:
-        kwargs.setdefault("flush", True)
-        print(*args, **kwargs)
+        out = sys.stdout if file is None else file
+        out.write(sep.join(map(str, args)) + end)
+        out.flush()
 
 
 class RankZeroParser(argparse.ArgumentParser):

@@ -1,16 +1,20 @@
-"""How hpcdl programs fail: one line for bad input, a whole-job abort for a crashed rank.
+"""How hpcdl programs fail: a class per kind of failure, each with its own exit behaviour.
 
-Two kinds of failure need two behaviours under MPI:
+Two behaviours are needed under MPI:
 
-* UsageError -- bad flags, paths, data or world sizes. Every rank reaches the same verdict
-  (checks run on every rank, or through :func:`agree`), so rank 0 prints one line and every
-  rank exits with status 2 by itself: no traceback wall, no MPI_Abort noise.
-* Anything else raised on one rank -- a bug, a failing disk, a fault injected on purpose.
-  The other ranks would wait for it forever in the next collective, so the failing rank
-  prints one line naming itself and the cause (after the traceback, for what may be a bug) and
-  calls MPI_Abort, which ends every rank of the job. Running out of memory and I/O errors
-  (a corrupt image file, a vanished mount) are not bugs: their message is the whole story, so
-  they get the line without the traceback (HPCDL_TRACEBACK=1 shows it anyway).
+* :class:`JobError` -- a failure every rank agrees on: bad input (:class:`UsageError`), a run
+  that diverged (:class:`DivergenceError`), a write that failed (:class:`StorageError`), an
+  output directory held by another run (:class:`LockHeldError`). Every rank reaches the same
+  verdict (checks run on every rank, or through :func:`agree` or :func:`rank0_then_all`), so
+  rank 0 prints one line and every rank exits with status 2 by itself: no traceback wall, no
+  MPI_Abort noise.
+* Anything else raised on one rank -- a bug, a failing disk, a fault injected on purpose, a rank
+  that lost the others (:class:`LostRankError`). The other ranks would wait for it forever in the
+  next collective, so the failing rank prints one line naming itself and the cause (after the
+  traceback, for what may be a bug) and calls MPI_Abort, which ends every rank of the job.
+  Running out of memory, I/O errors (a corrupt image file, a vanished mount) and a lost rank are
+  not bugs: their message is the whole story, so they get the line without the traceback
+  (HPCDL_TRACEBACK=1 shows it anyway).
 """
 
 from __future__ import annotations
@@ -19,60 +23,93 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from hpcdl.runtime.launcher import current_rank
 
 T = TypeVar("T")
 
 EXIT_USAGE = 2
 EXIT_CRASH = 1
 
-
-class UsageError(Exception):
-    """Bad input the user can fix; the message is the whole story."""
-
-
-# Launchers announce the global rank before MPI is initialised (flags are checked before that).
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+__all__ = ["EXIT_CRASH", "EXIT_USAGE", "DivergenceError", "JobError", "LockHeldError", "LostRankError",
+           "StorageError", "UsageError", "agree", "current_rank", "describe", "rank0_then_all", "run_main"]
 
 
-def current_rank() -> int:
-    """This process's global rank: MPI's once initialised, else the launcher's variable, else 0."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
-        return mpi.COMM_WORLD.Get_rank()
-    for name in RANK_VARS:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+class JobError(Exception):
+    """A failure every rank agrees on: rank 0 prints the message as one line, each rank exits with ``exit_code``."""
+
+    exit_code = EXIT_USAGE
+
+
+class UsageError(JobError):
+    """Bad input the user can fix (flags, paths, data, world sizes); the message is the whole story."""
+
+
+class DivergenceError(JobError):
+    """Training diverged: loss, gradients or metrics stayed non-finite. Checkpoints are not overwritten."""
+
+
+class StorageError(JobError):
+    """A checkpoint or results file could not be written (full disk, quota, permissions); earlier files are intact."""
+
+
+class LockHeldError(JobError):
+    """The output directory belongs to another live run."""
+
+
+class LostRankError(Exception):
+    """Another rank of the job is gone (killed, crashed, shut Horovod down): this rank ends the job, one line."""
 
 
 def agree(check: Callable[[], T]) -> T:
-    """Run ``check`` on every rank and make its UsageError everyone's.
+    """Run ``check`` on every rank and make its JobError everyone's.
 
     For checks whose outcome can differ between ranks (a file only one node cannot read):
-    every rank raises the same UsageError, naming the first rank that failed, so none is
-    left waiting in a later collective.
+    every rank raises the same error, of the same class, naming the first rank that failed, so
+    none is left waiting in a later collective.
     """
     from mpi4py import MPI
 
-    error: str | None = None
+    error: tuple[type[JobError], str] | None = None
     result: T | None = None
     try:
         result = check()
-    except UsageError as exc:
-        error = str(exc)
+    except JobError as exc:
+        error = (type(exc), str(exc))
     errors = MPI.COMM_WORLD.allgather(error)
-    for rank, message in enumerate(errors):
-        if message is not None:
+    for rank, found in enumerate(errors):
+        if found is not None:
+            kind, message = found
             prefix = f"rank {rank}: " if MPI.COMM_WORLD.Get_size() > 1 and rank != 0 else ""
-            raise UsageError(prefix + message)
+            raise kind(prefix + message)
     return result  # type: ignore[return-value]
 
 
+def rank0_then_all(attempt: Callable[[], T], comm: Any) -> T:
+    """Run ``attempt`` on rank 0 only; every rank returns its result or raises its JobError (same class and line).
+
+    For work that only rank 0 does (writing a file, reading a checkpoint, taking a lock) while the
+    other ranks must not run on without knowing how it went. ``comm`` None: this process alone.
+    """
+    outcome: tuple[Any, tuple[type[JobError], str] | None] = (None, None)
+    if comm is None or comm.Get_rank() == 0:
+        try:
+            outcome = (attempt(), None)
+        except JobError as exc:
+            outcome = (None, (type(exc), str(exc)))
+    if comm is not None and comm.Get_size() > 1:
+        outcome = comm.bcast(outcome, root=0)
+    result, error = outcome
+    if error is not None:
+        kind, message = error
+        raise kind(message)
+    return result
+
+
 def is_environmental(exc: BaseException) -> bool:
-    """Out of memory (host or GPU) or an I/O error: the machine's doing, not a bug in the code."""
-    return isinstance(exc, (MemoryError, OSError)) or type(exc).__name__ == "OutOfMemoryError"
+    """Out of memory (host or GPU), an I/O error or a lost rank: the machine's doing, not a bug in the code."""
+    return isinstance(exc, (MemoryError, OSError, LostRankError)) or type(exc).__name__ == "OutOfMemoryError"
 
 
 def describe(exc: BaseException) -> str:
@@ -90,10 +127,10 @@ def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
     """Call ``main`` and exit with the right behaviour for each kind of failure."""
     try:
         code = main() or 0
-    except UsageError as exc:
+    except JobError as exc:
         if current_rank() == 0:
             print(f"{program}: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USAGE)
+        sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
     except SystemExit:
@@ -102,9 +139,8 @@ def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
         rank = current_rank()
         if not is_environmental(exc) or os.environ.get("HPCDL_TRACEBACK") == "1":
             traceback.print_exc()
-        print(
-            f"{program}: rank {rank} failed with {describe(exc)}; aborting the whole job", file=sys.stderr, flush=True
-        )
+        what = f"stops: {exc}" if isinstance(exc, LostRankError) else f"failed with {describe(exc)}"
+        print(f"{program}: rank {rank} {what}; aborting the whole job", file=sys.stderr, flush=True)
         mpi = sys.modules.get("mpi4py.MPI")
         if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
             mpi.COMM_WORLD.Abort(EXIT_CRASH)

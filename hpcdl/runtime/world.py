@@ -16,11 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hpcdl.runtime import allocator
-
-# Launchers announce the node-local rank under different names. The MPI launcher's own variable
-# comes first: under `mpirun` inside an sbatch job every rank sees SLURM_LOCALID=0.
-LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
+from hpcdl.runtime.launcher import local_rank_from_env, local_size_from_env
 
 
 class WorldError(RuntimeError):
@@ -46,26 +42,6 @@ class World:
 
 
 _world: World | None = None
-
-
-def local_rank_from_env(env: Mapping[str, str] | None = None) -> int | None:
-    """The node-local rank a launcher announced, or None when no launcher variable is set."""
-    env = os.environ if env is None else env
-    for name in LOCAL_RANK_VARS:
-        value = env.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return None
-
-
-def local_size_from_env(env: Mapping[str, str] | None = None) -> int | None:
-    """The number of ranks on this node as the MPI launcher announced it, or None."""
-    env = os.environ if env is None else env
-    for name in LOCAL_SIZE_VARS:
-        value = env.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return None
 
 
 def choose_device(local_rank: int, cuda_devices: int) -> torch.device:

@@ -9,6 +9,7 @@ decides about non-finite streaks and exchanges the stop flag with the other rank
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,14 +17,70 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
+from hpcdl.data import InputPipeline
 from hpcdl.run.metrics import DeviceSums, averages
-from hpcdl.runtime.errors import UsageError
-from hpcdl.runtime.signals import StopRequest
-from hpcdl.training.job import FP16_MIN_LOSS_SCALE, Job
+from hpcdl.runtime.console import print0
+from hpcdl.runtime.errors import DivergenceError
+from hpcdl.runtime.faults import FaultInjector
+from hpcdl.runtime.signals import GracefulStop, StopRequest
+from hpcdl.runtime.watchdog import StallWatchdog
+from hpcdl.runtime.world import World
+from hpcdl.training.config import TrainConfig
+from hpcdl.training.runstate import TrainState
+from hpcdl.training.schedule import LRSchedule
 
 LOG_POINT = "hpcdl.log_point"  # the profiler range of the only place a training epoch reads from the device
+# An fp16 step that overflows is skipped by the GradScaler, which then halves the loss scale: that is
+# loss scaling at work, not divergence. Only overflow at a scale this small counts as non-finite.
+FP16_MIN_LOSS_SCALE = 1.0
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The flags the loop reads."""
+
+    batches_per_allreduce: int
+    log_every: int
+    max_nonfinite_steps: int
+    epochs: int
+    max_steps: int | None
+    use_adasum: bool
+    progress_bar: bool
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> LoopSettings:
+        return cls(config.batches_per_allreduce, config.log_every, config.max_nonfinite_steps, config.epochs,
+                   config.max_steps, config.use_adasum, config.progress)
+
+
+@dataclass
+class Trainer:
+    """What the loop uses: the model to call, the stateful parts it updates, the data and the run's guards."""
+
+    model: nn.Module  # what is called (compiled when --compile); state.model is the bare one
+    state: TrainState
+    schedule: LRSchedule
+    criterion: nn.Module
+    amp_dtype: torch.dtype | None
+    data: InputPipeline
+    world: World
+    comm: Any
+    watchdog: StallWatchdog
+    stop: GracefulStop
+    faults: FaultInjector
+    settings: LoopSettings
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
 
 @dataclass
@@ -44,7 +101,7 @@ def nonfinite_flag(parameters: Sequence[torch.Tensor]) -> torch.Tensor:
     return (~torch.isfinite(torch.stack(norms).sum())).float()
 
 
-def apply_gradients(job: Job) -> torch.Tensor:
+def apply_gradients(trainer: Trainer) -> torch.Tensor:
     """Average gradients over ranks, precondition, step; the returned device flag is 1.0 for a failed step.
 
     Horovod's DistributedOptimizer allreduces in backward hooks and ``synchronize`` waits for them;
@@ -53,15 +110,16 @@ def apply_gradients(job: Job) -> torch.Tensor:
     fused kernel that reads ``found_inf`` on the device and leaves parameters and state untouched
     when it is set, which is how a non-finite step is skipped without the host looking.
     """
-    optimizer: Any = job.optimizer  # Horovod's DistributedOptimizer (synchronize, skip_synchronize)
-    scaler = job.scaler
-    params = list(job.bare_model.parameters())
-    if job.config.use_adasum and job.world.size > 1:
+    state = trainer.state
+    optimizer: Any = state.optimizer  # Horovod's DistributedOptimizer (synchronize, skip_synchronize)
+    scaler = state.scaler
+    params = list(state.model.parameters())
+    if trainer.settings.use_adasum and trainer.world.size > 1:
         optimizer.step()  # Horovod's Adasum applies the update inside backward; nothing here can skip it
-        verdict = job.comm.allreduce(float(nonfinite_flag(params)))
+        verdict = trainer.comm.allreduce(float(nonfinite_flag(params)))
         optimizer.zero_grad()
-        return torch.tensor(float(verdict > 0), device=job.device)
-    if job.world.size > 1:
+        return torch.tensor(float(verdict > 0), device=trainer.device)
+    if trainer.world.size > 1:
         optimizer.synchronize()
     if scaler is not None:
         scaler.unscale_(optimizer)
@@ -71,8 +129,8 @@ def apply_gradients(job: Job) -> torch.Tensor:
         failed = found_inf * (scaler._get_scale_async() < FP16_MIN_LOSS_SCALE)  # type: ignore[operator]
     else:
         found_inf = failed = nonfinite_flag(params)
-    if job.preconditioner is not None:
-        job.preconditioner.step(found_inf=found_inf)
+    if state.preconditioner is not None:
+        state.preconditioner.step(found_inf=found_inf)
     optimizer.found_inf = found_inf
     with optimizer.skip_synchronize():
         optimizer.step()
@@ -86,10 +144,11 @@ def apply_gradients(job: Job) -> torch.Tensor:
 class HealthLog:
     """Per-step failure flags kept on the device between log points, judged on the host at each."""
 
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.flags = torch.zeros(job.config.log_every, device=job.device)
-        self.first_step = job.progress.global_step + 1
+    def __init__(self, trainer: Trainer) -> None:
+        self.progress = trainer.state.progress
+        self.limit = trainer.settings.max_nonfinite_steps
+        self.flags = torch.zeros(trainer.settings.log_every, device=trainer.device)
+        self.first_step = self.progress.global_step + 1
         self.count = 0
 
     def record(self, failed: torch.Tensor) -> None:
@@ -100,90 +159,93 @@ class HealthLog:
         """Read the flags; announce skipped steps; stop the run (one line) on a streak of failures."""
         if not self.count:
             return
-        progress, limit = self.job.progress, self.job.config.max_nonfinite_steps
+        progress, limit = self.progress, self.limit
         for offset, failed in enumerate(self.flags[: self.count].tolist()):
             step = self.first_step + offset
             progress.nonfinite_streak = progress.nonfinite_streak + 1 if failed else 0
             if progress.nonfinite_streak >= limit:
-                raise UsageError(
+                raise DivergenceError(
                     f"loss or gradients were non-finite for {progress.nonfinite_streak} consecutive steps "
                     f"(up to step {step}); lower --base-lr or add --warmup-epochs. Checkpoints were not overwritten.")
             if failed:
-                self.job.print0(f"step {step}: non-finite gradients, update skipped")
+                print0(f"step {step}: non-finite gradients, update skipped")
         self.first_step += self.count
         self.count = 0
 
 
-def train_one_epoch(job: Job) -> EpochResult:
-    """Train from where ``job.progress`` stands to the end of its epoch (or a stop request or --max-steps)."""
-    config, progress, data = job.config, job.progress, job.data
-    epoch, k = progress.epoch, config.batches_per_allreduce
-    job.bare_model.train()
-    sums, health = DeviceSums(job.device, skip_nonfinite=True), HealthLog(job)
-    bar = tqdm(total=data.steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
-               disable=not (job.world.is_root and config.progress), leave=False, dynamic_ncols=True, mininterval=1.0)
+def train_one_epoch(trainer: Trainer) -> EpochResult:
+    """Train from where ``trainer.state.progress`` stands to the end of its epoch (or a stop request or --max-steps)."""
+    settings, state, data = trainer.settings, trainer.state, trainer.data
+    progress, optimizer, scaler = state.progress, state.optimizer, state.scaler
+    watchdog, faults = trainer.watchdog, trainer.faults
+    epoch, k = progress.epoch, settings.batches_per_allreduce
+    state.model.train()
+    sums, health = DeviceSums(trainer.device, skip_nonfinite=True), HealthLog(trainer)
+    bar = tqdm(total=data.steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {epoch + 1}/{settings.epochs}",
+               disable=not (trainer.world.is_root and settings.progress_bar), leave=False, dynamic_ncols=True,
+               mininterval=1.0)
     stop: StopRequest | None = None
     images = 0
-    job.watchdog.beat(phase="data")
+    watchdog.beat(phase="data")
     start = time.perf_counter()
     for images_batch, labels in data.train_epoch(epoch, progress.step_in_epoch):
         step = progress.global_step + 1
-        job.faults.before_step(step)
-        job.watchdog.beat(phase="compute")
-        lr = job.schedule(epoch + progress.step_in_epoch / data.steps_per_epoch)
-        for group in job.optimizer.param_groups:
+        faults.before_step(step)
+        watchdog.beat(phase="compute")
+        lr = trainer.schedule(epoch + progress.step_in_epoch / data.steps_per_epoch)
+        for group in optimizer.param_groups:
             group["lr"] = lr
         for x, y in zip(images_batch.chunk(k), labels.chunk(k), strict=True):
-            with job.autocast():
-                logits = job.model(x)
-                loss = job.criterion(logits.float(), y)
-            if job.faults.poison_loss(step):
+            with trainer.autocast():
+                logits = trainer.model(x)
+                loss = trainer.criterion(logits.float(), y)
+            if faults.poison_loss(step):
                 loss = loss * float("nan")
             scaled = loss / k
-            (job.scaler.scale(scaled) if job.scaler is not None else scaled).backward()
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
             sums.add(loss.detach() * len(y), (logits.argmax(1) == y).sum(), len(y))
-        job.watchdog.beat(phase="collective")
-        health.record(apply_gradients(job))
+        watchdog.beat(phase="collective")
+        health.record(apply_gradients(trainer))
         progress.global_step, progress.step_in_epoch = step, progress.step_in_epoch + 1
-        images += len(images_batch) * job.world.size
+        images += len(images_batch) * trainer.world.size
         bar.update(1)
-        job.watchdog.beat(step, phase="data")
-        last = progress.step_in_epoch >= data.steps_per_epoch or step == config.max_steps
-        if last or health.count == config.log_every:
+        watchdog.beat(step, phase="data")
+        last = progress.step_in_epoch >= data.steps_per_epoch or step == settings.max_steps
+        if last or health.count == settings.log_every:
             with torch.profiler.record_function(LOG_POINT):
-                job.watchdog.beat(phase="collective")
+                watchdog.beat(phase="collective")
                 health.judge()
-                stop = job.stop.requested()
+                stop = trainer.stop.requested()
                 if not bar.disable:
                     loss_avg, accuracy = averages(sums.read())
                     bar.set_postfix(loss=f"{loss_avg:.3f}", acc=f"{accuracy:.3f}", lr=f"{lr:.3g}",
                                     img_s=f"{images / max(time.perf_counter() - start, 1e-9):.0f}", refresh=False)
             if stop or last:
                 break
-    if job.device.type == "cuda":
-        torch.cuda.synchronize(job.device)  # the epoch's time includes its queued work
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)  # the epoch's time includes its queued work
     seconds = time.perf_counter() - start
     bar.close()
-    job.watchdog.beat(phase="collective")
+    watchdog.beat(phase="collective")
     with torch.profiler.record_function(LOG_POINT):
-        train = sums.reduced(job.comm)
+        train = sums.reduced(trainer.comm)
     return EpochResult(train, images, seconds, progress.step_in_epoch >= data.steps_per_epoch, stop)
 
 
-def evaluate(job: Job) -> dict[str, float]:
+def evaluate(trainer: Trainer) -> dict[str, float]:
     """Loss and accuracy over the whole test set: sums from every rank's disjoint shard, allreduced."""
-    model = job.bare_model  # uncompiled: evaluation's last, smaller batch would make a compiled model recompile
+    model = trainer.state.model  # uncompiled: evaluation's last, smaller batch would make a compiled model recompile
     model.eval()
-    job.watchdog.beat(phase="evaluate")
-    sums = DeviceSums(job.device)
+    trainer.watchdog.beat(phase="evaluate")
+    sums = DeviceSums(trainer.device)
     with torch.no_grad():
-        for images, labels in job.data.test_batches():
-            with job.autocast():
+        for images, labels in trainer.data.test_batches():
+            with trainer.autocast():
                 logits = model(images)
             sums.add(F.cross_entropy(logits.float(), labels, reduction="sum"), (logits.argmax(1) == labels).sum(),
                      len(labels))
-            job.watchdog.beat()
-    job.watchdog.beat(phase="collective")
-    loss, accuracy = averages(sums.reduced(job.comm))
-    job.bare_model.train()
+            trainer.watchdog.beat()
+    trainer.watchdog.beat(phase="collective")
+    loss, accuracy = averages(sums.reduced(trainer.comm))
+    model.train()
     return {"test_loss": loss, "test_accuracy": accuracy}

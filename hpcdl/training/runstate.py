@@ -1,7 +1,7 @@
 """Run state: what a checkpoint holds, its format, and what resuming means. Described here once.
 
-A checkpoint (``<run>/checkpoints/ckpt-<step>.pt``, written atomically by :mod:`hpcdl.checkpoint`)
-is a dict with:
+A checkpoint (``<run>/checkpoints/ckpt-<step>.pt``, written by :class:`hpcdl.run.checkpointer.Checkpointer`
+from the stateful parts of :class:`TrainState`) is a dict with:
 
 ==================  ===========================================================================
 ``format``          ``"hpcdl.train checkpoint"`` (a file from another program is refused)
@@ -9,7 +9,7 @@ is a dict with:
 ``run_id``          the run that wrote it
 ``global_step``     optimizer steps taken (also the file name)
 ``world_size``      ranks that wrote it (a resume on another size rescales, see below)
-``config``          the whole :class:`~hpcdl.config.TrainConfig` of that run, as a dict
+``config``          the whole :class:`~hpcdl.training.config.TrainConfig` of that run, as a dict
 ``progress``        :class:`Progress`: epoch, position in it, best accuracy, timings, stop reason
 ``model``           rank 0's model state (parameters are identical on every rank)
 ``optimizer``       the optimizer state (momentum buffers, Adam moments)
@@ -29,25 +29,24 @@ extended (more epochs or steps, a higher target).
 from __future__ import annotations
 
 import dataclasses
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
-from hpcdl.run import checkpoint
-from hpcdl.runtime.errors import UsageError, agree, describe
+from hpcdl.run.checkpointer import Checkpointer, Stateful, load_parts, set_rng_state
+from hpcdl.runtime.console import print0
+from hpcdl.runtime.errors import UsageError, agree
 from hpcdl.training.config import TrainConfig, option_name
-
-if TYPE_CHECKING:
-    from hpcdl.training.job import Job
 
 FORMAT = "hpcdl.train checkpoint"
 FORMAT_VERSION = 2
 MUST_MATCH = ("dataset", "model", "optimizer", "synthetic_shape", "synthetic_classes")
 FINAL_REASONS = ("epochs", "max_steps", "target_accuracy")
-OPTIMIZER_FIELDS = {"weight_decay": "weight_decay", "momentum": "momentum", "nesterov": "nesterov"}
+# Flags that are also optimizer hyperparameters: a resume writes their new values into the restored param groups.
+OPTIMIZER_FIELDS = ("weight_decay", "momentum", "nesterov")
 
 
 @dataclass
@@ -69,83 +68,39 @@ class Progress:
     stop_reason: str | None = None  # epochs, max_steps, target_accuracy, a signal name; None while running
     resumed_with_changes: list[str] = field(default_factory=list)
 
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-def snapshot(job: Job, rng: list[dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint of ``job`` as it stands (rank 0; ``rng`` gathered from every rank)."""
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "run_id": job.run_id,
-        "global_step": job.progress.global_step,
-        "world_size": job.world.size,
-        "config": dataclasses.asdict(job.config),
-        "progress": dataclasses.asdict(job.progress),
-        "model": job.bare_model.state_dict(),
-        "optimizer": job.optimizer.state_dict(),
-        "scaler": job.scaler.state_dict() if job.scaler is not None else None,
-        "kfac": job.preconditioner.state_dict() if job.preconditioner is not None else None,
-        "rng": rng,
-    }
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in dataclasses.asdict(Progress(**state)).items():
+            setattr(self, key, value)
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+@dataclass
+class TrainState:
+    """The stateful parts of a training run: everything a checkpoint holds besides its header."""
+
+    model: nn.Module  # the bare model (not the compiled wrapper)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    preconditioner: Any  # kfac.KFACPreconditioner or None
+    progress: Progress = field(default_factory=Progress)
+
+    def parts(self) -> dict[str, Stateful | None]:
+        """The parts under their names in the checkpoint file."""
+        return {"progress": self.progress, "model": self.model, "optimizer": self.optimizer, "scaler": self.scaler,
+                "kfac": self.preconditioner}
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(state["python"]), None))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def save(state: TrainState, checkpointer: Checkpointer, config: TrainConfig) -> None:
+    """Write the checkpoint of ``state`` (collective; StorageError on every rank when the write fails)."""
+    header = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": dataclasses.asdict(config)}
+    checkpointer.save(state.parts(), header, state.progress.global_step)
 
 
-def save(job: Job) -> None:
-    """Write the checkpoint (collective: every rank gives its RNG state; rank 0 writes).
-
-    A failed write (disk full, quota, permissions) ends the job on every rank with one line naming
-    the path: the earlier checkpoints are intact, and training on without saving would only lose more.
-    """
-    job.watchdog.beat(phase="checkpoint" if job.world.is_root else "collective")
-    rng = job.comm.gather(rng_state(), root=0)
-    problem = None
-    if job.world.is_root:
-        directory = checkpoint.checkpoint_dir(job.output_dir)
-        try:
-            checkpoint.save(directory, snapshot(job, rng), job.config.keep_checkpoints,
-                            before_rename=job.faults.while_saving(job.progress.global_step), run_id=job.run_id)
-        except checkpoint.CheckpointError as exc:
-            print(f"hpcdl: not saving: {exc}", flush=True)  # the non-finite check stops the run
-        except (OSError, RuntimeError) as exc:  # torch reports a failed write (e.g. ENOSPC) as RuntimeError
-            problem = (f"could not write the checkpoint of step {job.progress.global_step} to {directory} "
-                       f"({describe(exc)}); the earlier checkpoints are intact: free space or fix the file system, "
-                       "then --resume")
-    problem = job.comm.bcast(problem, root=0)
-    job.watchdog.beat()
-    if problem:
-        raise UsageError(problem)
-
-
-def read_latest(output_dir: Path, comm) -> dict[str, Any] | None:
-    """Rank 0 reads the newest readable checkpoint, checks its format, and broadcasts it (None: there is none)."""
-
-    def on_root() -> dict[str, Any] | None:
-        if comm.Get_rank() != 0:
-            return None
-        directory = checkpoint.checkpoint_dir(output_dir)
-        found = checkpoint.list_checkpoints(directory)
-        state, path = checkpoint.load_latest(directory, set_aside=True)
-        if state is None and found:
-            raise UsageError(f"none of the {len(found)} checkpoint(s) in {directory} is readable (see above); "
-                             "move them away to start from scratch")
-        if state is not None:
-            check_format(state, path)
-            print(f"resuming from {path}", flush=True)
-        return state
-
-    return comm.bcast(agree(on_root), root=0)
+def read_latest(checkpointer: Checkpointer) -> dict[str, Any] | None:
+    """The newest readable checkpoint of this run, format checked, on every rank (None: there is none)."""
+    return checkpointer.read_latest(check_format)
 
 
 def check_format(state: Any, path: Path | None) -> None:
@@ -182,40 +137,36 @@ def stop_condition_extended(saved: dict[str, Any], config: TrainConfig, progress
     return True
 
 
-def restore(job: Job, state: dict[str, Any]) -> Progress:
-    """Load ``state`` into the job on every rank; apply and record what the flags changed."""
-    changes = resume_changes(state["config"], job.config)
+def restore(state: TrainState, saved: dict[str, Any], config: TrainConfig, rank: int, world_size: int,
+            where: Path) -> None:
+    """Load ``saved`` into ``state`` on every rank; apply and record what the flags changed."""
+    changes = resume_changes(saved["config"], config)
+    parts = state.parts()
+    progress = parts.pop("progress")
 
     def load() -> None:
         try:
-            job.bare_model.load_state_dict(state["model"])
-            job.optimizer.load_state_dict(state["optimizer"])
+            load_parts(parts, saved)
         except (RuntimeError, ValueError, KeyError) as exc:
-            raise UsageError(f"the checkpoint in {job.output_dir} does not fit this model: "
-                             f"{str(exc).splitlines()[0]}") from exc
+            raise UsageError(f"the checkpoint in {where} does not fit this model: {str(exc).splitlines()[0]}") from exc
 
     agree(load)
-    for group in job.optimizer.param_groups:  # what may change takes effect on the restored state
-        for name, key in OPTIMIZER_FIELDS.items():
-            if key in group:
-                group[key] = getattr(job.config, name)
-    if job.preconditioner is not None and state.get("kfac") is not None:
-        job.preconditioner.load_state_dict(state["kfac"])
-    if job.scaler is not None and state.get("scaler") is not None:
-        job.scaler.load_state_dict(state["scaler"])
-    progress = Progress(**state["progress"])
-    progress.resumed_with_changes = progress.resumed_with_changes + changes
+    for group in state.optimizer.param_groups:  # what may change takes effect on the restored state
+        for name in OPTIMIZER_FIELDS:
+            if name in group:
+                group[name] = getattr(config, name)
+    assert progress is not None
+    progress.load_state_dict(saved["progress"])
+    state.progress.resumed_with_changes = state.progress.resumed_with_changes + changes
     if changes:
-        job.print0("resuming with changed flags: " + "; ".join(changes))
-    saved = state["config"]
-    saved_batch = state["world_size"] * saved["batch_size"] * saved["batches_per_allreduce"]
-    batch = job.world.size * job.config.batch_size * job.config.batches_per_allreduce
-    if state["world_size"] == job.world.size and saved_batch == batch:
-        set_rng_state(state["rng"][job.world.rank])
+        print0("resuming with changed flags: " + "; ".join(changes))
+    old = saved["config"]
+    saved_batch = saved["world_size"] * old["batch_size"] * old["batches_per_allreduce"]
+    batch = world_size * config.batch_size * config.batches_per_allreduce
+    if saved["world_size"] == world_size and saved_batch == batch:
+        set_rng_state(saved["rng"][rank])
     else:
-        job.print0(
-            f"checkpoint was written by {state['world_size']} rank(s) with global batch {saved_batch}, resuming on "
-            f"{job.world.size} with global batch {batch}: learning rate rescaled, position in the epoch kept by "
-            "sample count (an exact continuation needs the same ranks and batch size)")
-        progress.step_in_epoch = progress.step_in_epoch * saved_batch // batch
-    return progress
+        print0(f"checkpoint was written by {saved['world_size']} rank(s) with global batch {saved_batch}, resuming on "
+               f"{world_size} with global batch {batch}: learning rate rescaled, position in the epoch kept by "
+               "sample count (an exact continuation needs the same ranks and batch size)")
+        state.progress.step_in_epoch = state.progress.step_in_epoch * saved_batch // batch

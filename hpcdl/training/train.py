@@ -1,9 +1,9 @@
 """Data-parallel training with Horovod: ``mpirun -np N python -m hpcdl.train [flags]``.
 
-Read top to bottom: build the job (world, data, model, optimizer, K-FAC, run state; hpcdl.job),
-then per epoch train (hpcdl.loop), evaluate on sharded test data, record the metrics, write a
-checkpoint (hpcdl.runstate) and decide whether to stop. With no flags it trains a small CNN on the
-embedded digits data. ``--help`` lists every flag.
+Read top to bottom: build the job (world, data, model, optimizer, K-FAC, run state;
+hpcdl.training.job), then per epoch train (hpcdl.training.loop), evaluate on sharded test data,
+record the metrics, write a checkpoint (hpcdl.training.runstate) and decide whether to stop. With
+no flags it trains a small CNN on the embedded digits data. ``--help`` lists every flag.
 """
 
 from __future__ import annotations
@@ -14,14 +14,17 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from horovod.common.exceptions import HorovodInternalError
 from torch import nn
 
 from hpcdl.run.checkpoint import WriteError
 from hpcdl.run.metrics import averages
-from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.console import print0
+from hpcdl.runtime.errors import DivergenceError, LostRankError, StorageError, rank0_then_all, run_main
 from hpcdl.runtime.watchdog import stop_all as stop_all_watchdogs
 from hpcdl.training import runstate
 from hpcdl.training.config import TrainConfig, parse_config
@@ -41,19 +44,22 @@ def train(config: TrainConfig) -> TrainResult:
     try:
         with opened(config) as job:
             return run(job)
+    except HorovodInternalError as exc:  # a rank died or raised: Horovod shut down under this one
+        raise LostRankError(f"another rank of the job is gone ({str(exc).splitlines()[0]})") from exc
     finally:
         stop_all_watchdogs()  # after an exception too: nothing may end this process later
 
 
 def run(job: Job) -> TrainResult:
-    progress, config = job.progress, job.config
-    if job.resumed_state is not None:
+    trainer, config = job.trainer, job.config
+    state, progress = trainer.state, trainer.state.progress
+    if job.resumed is not None:
         if (progress.stop_reason in runstate.FINAL_REASONS
-                and not runstate.stop_condition_extended(job.resumed_state["config"], config, progress)):
-            job.print0(f"hpcdl: run {job.resumed_state['run_id']} in {job.output_dir} already finished "
-                       f"(stopped by {progress.stop_reason} after {progress.epochs_completed} epoch(s)); nothing to "
-                       "do. Raise --epochs, --max-steps or --target-accuracy to train further.")
-            return TrainResult(job.bare_model, {"stop_reason": progress.stop_reason, "already_finished": True})
+                and not runstate.stop_condition_extended(job.resumed["config"], config, progress)):
+            print0(f"hpcdl: run {job.resumed['run_id']} in {job.output_dir} already finished "
+                   f"(stopped by {progress.stop_reason} after {progress.epochs_completed} epoch(s)); nothing to "
+                   "do. Raise --epochs, --max-steps or --target-accuracy to train further.")
+            return TrainResult(state.model, {"stop_reason": progress.stop_reason, "already_finished": True})
         progress.stop_reason = None
         if config.target_accuracy is not None and progress.best_accuracy < config.target_accuracy:
             progress.time_to_target = None
@@ -62,7 +68,7 @@ def run(job: Job) -> TrainResult:
         epoch_start = time.perf_counter()
         if progress.step_in_epoch == 0:  # mid-epoch resumes restored the exact RNG state instead
             torch.manual_seed(rank_seed(config.seed, progress.epoch, job.world.rank))
-        result = train_one_epoch(job)
+        result = train_one_epoch(trainer)
         progress.train_seconds += result.seconds
         progress.images_seen += result.images
         train_sums = add_sums(result.train, progress.epoch_sums)
@@ -70,27 +76,26 @@ def run(job: Job) -> TrainResult:
             progress.epoch_sums = train_sums  # so that the resumed epoch's metrics cover all of it
             progress.stop_reason = result.stop.name
             progress.elapsed_seconds += time.perf_counter() - epoch_start
-            runstate.save(job)
-            job.print0(f"hpcdl: {result.stop.describe()}: checkpoint written at step {progress.global_step}; "
-                       f"continue with --resume --output-dir {job.output_dir}")
+            job.save()
+            print0(f"hpcdl: {result.stop.describe()}: checkpoint written at step {progress.global_step}; "
+                   f"continue with --resume --output-dir {job.output_dir}")
             break
-        test = evaluate(job)
+        test = evaluate(trainer)
         progress.elapsed_seconds += time.perf_counter() - epoch_start
-        check_finite_metrics(job, train_sums, test)
+        check_finite_metrics(progress.epoch, train_sums, test)
         record_epoch(job, result, train_sums, test)
         progress.stop_reason = decide_stop(job, result)
-        runstate.save(job)
+        job.save()
         if result.stop:
-            job.print0(f"hpcdl: {result.stop.describe()}: stopped after epoch {progress.epoch}; "
-                       "continue with --resume")
+            print0(f"hpcdl: {result.stop.describe()}: stopped after epoch {progress.epoch}; continue with --resume")
 
     summary = summarise(job)
     if progress.stop_reason in runstate.FINAL_REASONS:  # an interrupted run has no summary until it finishes
-        write_results(job, lambda: job.record.write_summary(summary))
+        write_results(lambda: job.record.write_summary(summary), job.comm, job.output_dir)
     if not summary["replicas_identical"]:
         raise RuntimeError("ranks ended with different parameters: the allreduce did not keep replicas in sync")
-    exit_code = 0 if progress.stop_reason in runstate.FINAL_REASONS else job.stop.exit_code(progress.stop_reason)
-    return TrainResult(job.bare_model, summary, exit_code)
+    exit_code = 0 if progress.stop_reason in runstate.FINAL_REASONS else trainer.stop.exit_code(progress.stop_reason)
+    return TrainResult(state.model, summary, exit_code)
 
 
 def rank_seed(seed: int, epoch: int, rank: int) -> int:
@@ -102,35 +107,36 @@ def add_sums(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {key: a.get(key, 0.0) + b.get(key, 0.0) for key in set(a) | set(b)}
 
 
-def check_finite_metrics(job: Job, train_sums: dict[str, float], test: dict[str, float]) -> None:
+def check_finite_metrics(epoch: int, train_sums: dict[str, float], test: dict[str, float]) -> None:
     """Stop (one line, every rank: the sums were allreduced) when the epoch's loss or metrics are not finite."""
     values = {"train loss": averages(train_sums)[0], "test loss": test["test_loss"],
               "test accuracy": test["test_accuracy"]}
     bad = [f"{name} {value}" for name, value in values.items() if not math.isfinite(value)]
     if bad:
-        raise UsageError(f"epoch {job.progress.epoch + 1} ended with non-finite metrics ({', '.join(bad)}); lower "
-                         "--base-lr or add --warmup-epochs. Checkpoints were not overwritten.")
+        raise DivergenceError(f"epoch {epoch + 1} ended with non-finite metrics ({', '.join(bad)}); lower "
+                              "--base-lr or add --warmup-epochs. Checkpoints were not overwritten.")
 
 
-def write_results(job: Job, write: Callable[[], None]) -> None:
+def write_results(write: Callable[[], None], comm: Any, where: Path) -> None:
     """Rank 0 writes a results file; a failed write (disk full, quota, permissions) is one line on every rank,
     naming the path, and the earlier files stay as they were (writes are atomic)."""
-    problem = None
-    if job.world.is_root:
+    intact = "; the checkpoints are intact: fix the file system, then --resume"
+
+    def on_root() -> None:
         try:
             write()
-        except WriteError as exc:
-            problem = f"could not write results: {exc}"  # names the file and the cause
+        except WriteError as exc:  # names the file and the cause
+            raise StorageError(f"could not write results: {exc}{intact}") from exc
         except OSError as exc:
-            problem = f"could not write results to {exc.filename or job.output_dir} ({exc.strerror or exc})"
-    problem = job.comm.bcast(problem, root=0)
-    if problem:
-        raise UsageError(problem + "; the checkpoints are intact: fix the file system, then --resume")
+            raise StorageError(f"could not write results to {exc.filename or where} "
+                               f"({exc.strerror or exc}){intact}") from exc
+
+    rank0_then_all(on_root, comm)
 
 
 def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], test: dict[str, float]) -> None:
     """Epoch bookkeeping: progress, the metrics row, TensorBoard and the rank-0 line."""
-    progress, config = job.progress, job.config
+    progress, config = job.state.progress, job.config
     epoch = progress.epoch
     if result.complete:
         progress.epoch, progress.step_in_epoch = epoch + 1, 0
@@ -144,12 +150,12 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
     train_loss, train_accuracy = averages(train_sums)
     row = {
         "epoch": epoch + 1, "global_step": progress.global_step, "train_loss": train_loss,
-        "train_accuracy": train_accuracy, **test, "lr": job.optimizer.param_groups[0]["lr"],
+        "train_accuracy": train_accuracy, **test, "lr": job.state.optimizer.param_groups[0]["lr"],
         "images_per_second": result.images / max(result.seconds, 1e-9), "epoch_seconds": result.seconds,
         "train_seconds": progress.train_seconds, "elapsed_seconds": progress.elapsed_seconds,
     }
-    write_results(job, lambda: job.record.log_epoch(row))
-    job.print0(
+    write_results(lambda: job.record.log_epoch(row), job.comm, job.output_dir)
+    print0(
         f"epoch {epoch + 1:3d}/{config.epochs} | train loss {train_loss:.4f} acc {train_accuracy:.4f}"
         f" | test loss {test['test_loss']:.4f} acc {test['test_accuracy']:.4f} | lr {row['lr']:.4g}"
         f" | {row['images_per_second']:.0f} img/s | {result.seconds:.1f} s")
@@ -157,7 +163,7 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
 
 def decide_stop(job: Job, result: EpochResult) -> str | None:
     """Why the run stops after this epoch, or None to go on."""
-    progress, config = job.progress, job.config
+    progress, config = job.state.progress, job.config
     if result.stop:
         return result.stop.name
     if progress.time_to_target is not None:
@@ -182,7 +188,7 @@ def replicas_identical(model: nn.Module, comm) -> bool:
 
 
 def summarise(job: Job) -> dict[str, Any]:
-    progress = job.progress
+    progress = job.state.progress
     last = progress.last_test
     return {
         "best_accuracy": progress.best_accuracy,
@@ -198,7 +204,7 @@ def summarise(job: Job) -> dict[str, Any]:
         "stop_reason": progress.stop_reason,
         "stopped_by_signal": progress.stop_reason if progress.stop_reason not in runstate.FINAL_REASONS else None,
         "resumed_with_changes": progress.resumed_with_changes,
-        "replicas_identical": replicas_identical(job.bare_model, job.comm),
+        "replicas_identical": replicas_identical(job.state.model, job.comm),
         "config": dataclasses.asdict(job.config),
     }
 

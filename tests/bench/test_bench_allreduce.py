@@ -18,6 +18,7 @@ import pytest
 from hpcdl.bench import alphabeta, report, timing
 from hpcdl.bench.cli import format_size, parse_size
 from hpcdl.run import outputs
+from hpcdl.runtime import launcher
 from hpcdl.runtime.errors import UsageError
 from tests.support.mpi_harness import PYTHON, REPO, error_lines, mpi_env, run_mpi
 
@@ -166,7 +167,7 @@ def fake_checkout(root: Path) -> Path:
 
 
 def test_a_two_rank_benchmark_started_without_a_launcher_refuses_in_one_line(tmp_path: Path) -> None:
-    env = {k: v for k, v in mpi_env().items() if k not in outputs.LAUNCHER_VARS}
+    env = {k: v for k, v in mpi_env().items() if k not in launcher.LAUNCHED_VARS}
     result = subprocess.run(
         [PYTHON, *QUICK, "--output-dir", str(tmp_path)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
     )

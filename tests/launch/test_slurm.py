@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.runtime.world import choose_device, local_rank_from_env
+from hpcdl.runtime.launcher import local_rank_from_env
+from hpcdl.runtime.world import choose_device
 from tests.support.slurm_cluster import (
     NODE_GPUS,
     SlurmCluster,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hpcdl.run import rundir
-from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime.errors import LockHeldError, UsageError
 from tests.support.mpi_harness import REPO, error_lines, run_mpi
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
@@ -76,7 +76,7 @@ def dead_pid() -> int:
 def test_a_second_run_on_a_held_directory_is_refused_naming_the_holder(tmp_path: Path) -> None:
     proc, holder_id = start_holder(tmp_path)
     try:
-        with pytest.raises(UsageError) as refused:
+        with pytest.raises(LockHeldError) as refused:
             rundir.claim(tmp_path, None, resume=False)
         line = str(refused.value)
         assert "\n" not in line
@@ -94,7 +94,7 @@ def test_a_second_run_on_a_held_directory_is_refused_naming_the_holder(tmp_path:
 def test_resume_of_a_running_run_is_refused_too(tmp_path: Path) -> None:
     proc, holder_id = start_holder(tmp_path)
     try:
-        with pytest.raises(UsageError, match=rf"in use by run {holder_id} .*--resume continues a run only after"):
+        with pytest.raises(LockHeldError, match=rf"in use by run {holder_id} .*--resume continues a run only after"):
             rundir.claim(tmp_path, None, resume=True)
     finally:
         proc.communicate("\n", timeout=30)
@@ -123,7 +123,7 @@ def test_a_killed_run_leaves_a_lock_the_next_run_takes_over(tmp_path: Path) -> N
 
 def test_lock_from_another_host_is_respected_while_its_heartbeat_is_fresh(tmp_path: Path) -> None:
     write_lock(tmp_path, host="node-that-is-not-here", pid=dead_pid())  # a pid elsewhere says nothing
-    with pytest.raises(UsageError, match=r"in use by run .* \(host node-that-is-not-here, .*last heartbeat \d+ s ago"):
+    with pytest.raises(LockHeldError, match=r"in use by run .* \(host node-that-is-not-here, .*last heartbeat \d+ s ago"):
         rundir.claim(tmp_path, None, resume=True)
 
 
@@ -176,7 +176,7 @@ def test_takeover_removes_only_the_dead_runs_temporaries(tmp_path: Path) -> None
 def test_garbled_lock_counts_as_held_until_its_heartbeat_is_stale(tmp_path: Path) -> None:
     lock = tmp_path / rundir.LOCK_NAME
     lock.write_bytes(b"\x00{half")
-    with pytest.raises(UsageError, match="lock file .* is unreadable"):
+    with pytest.raises(LockHeldError, match="lock file .* is unreadable"):
         rundir.claim(tmp_path, None, resume=True)
     old = time.time() - 2 * rundir.STALE_AFTER_SECONDS
     os.utime(lock, (old, old))
@@ -195,11 +195,6 @@ def test_output_dir_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "run").write_text("")
     with pytest.raises(UsageError, match=r"output directory .*run is a file, not a directory"):
         rundir.claim(tmp_path / "run", None, resume=False)
-
-
-def test_resume_without_a_directory_is_refused() -> None:
-    with pytest.raises(UsageError, match="--resume needs --output-dir"):
-        rundir.claim(None, None, resume=True)
 
 
 def test_release_leaves_a_lock_taken_over_by_another_run_alone(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hpcdl.runtime import world
-from hpcdl.runtime.world import LOCAL_RANK_VARS, WorldError, choose_device, local_rank_from_env, local_size_from_env
+from hpcdl.runtime.launcher import LOCAL_RANK_VARS, local_rank_from_env, local_size_from_env
+from hpcdl.runtime.world import WorldError, choose_device
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 

@@ -70,7 +70,7 @@ def read_backs_outside_log_points(flags: list[str], tmp_path: Path,
     spy = PythonReadBacks(monkeypatch)
     with opened(config) as job, profile(activities=[ProfilerActivity.CPU]) as trace:
         spy.active = True
-        train_one_epoch(job)
+        train_one_epoch(job.trainer)
         spy.active = False
     events = trace.events()
     windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == LOG_POINT]

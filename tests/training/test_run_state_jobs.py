@@ -113,29 +113,27 @@ def test_an_unreadable_metrics_file_on_resume_gets_one_line(tmp_path_factory, tm
 
 
 def test_a_failed_results_write_is_one_line_on_every_rank_and_leaves_no_partial_file(tmp_path: Path) -> None:
-    """Disk full while replacing metrics.jsonl: a UsageError naming the path, the old file intact, no temporary."""
+    """Disk full while replacing metrics.jsonl: a StorageError naming the path, the old file intact, no temporary."""
     import errno
-    import types
 
     import pytest
     from mpi4py import MPI
 
     from hpcdl.run.metrics import RunRecord
-    from hpcdl.runtime.errors import UsageError
+    from hpcdl.runtime.errors import StorageError
     from hpcdl.training.train import write_results
 
     record = RunRecord(tmp_path, active=True, resume=False, run_id="r1")
     record.log_epoch({"epoch": 1, "test_loss": 0.5})
     before = (tmp_path / "metrics.jsonl").read_bytes()
-    job = types.SimpleNamespace(world=types.SimpleNamespace(is_root=True), comm=MPI.COMM_SELF, output_dir=tmp_path)
 
     def full_disk(fd: int) -> None:  # the data were written to the temporary; the disk fills on flushing them
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(os, "fsync", full_disk)
-        with pytest.raises(UsageError, match="could not write results: cannot write .*metrics.jsonl: No space left"):
-            write_results(job, lambda: record.log_epoch({"epoch": 2, "test_loss": 0.4}))  # type: ignore[arg-type]
+        with pytest.raises(StorageError, match="could not write results: cannot write .*metrics.jsonl: No space left"):
+            write_results(lambda: record.log_epoch({"epoch": 2, "test_loss": 0.4}), MPI.COMM_SELF, tmp_path)
     record.close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
