@@ -617,7 +617,7 @@ class KFACPreconditioner:
         device = self.layers[0].device
         transfers = []
         for root, (shapes, tensors, dtype) in payloads.items():
-            size = max(1, sum(_numel(shape) for shape in shapes))
+            size = max(1, sum(torch.Size(shape).numel() for shape in shapes))
             if root == self.comm.rank and shapes:
                 buffer = tensors_to_buffer(tensors, dtype, device)
             else:
@@ -655,10 +655,3 @@ def _usable(batches: list[tuple[int, Tensor, Tensor]], found_inf: Tensor | None)
     if found_inf is None:
         return verdicts
     return [ok & (found_inf.to(ok.device).reshape(()) == 0) for ok in verdicts]
-
-
-def _numel(shape: Sequence[int]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total

@@ -8,6 +8,7 @@ entry modules at the package root (``python -m hpcdl.train`` ...).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,29 @@ def test_every_module_belongs_to_a_known_layer() -> None:
         parts = name.split(".")
         if parts[0] == "hpcdl" and len(parts) > 2:
             assert parts[1] in LAYERS, f"{name} is in no layer; add its package to LAYERS and README's layout"
+
+
+def readme_layout() -> str:
+    text = REPO.joinpath("README.md").read_text()
+    section = text[text.index("## Layout"):]
+    return section[: section.find("\n## ", 1)] if "\n## " in section[1:] else section
+
+
+def test_readme_layout_names_what_exists() -> None:
+    """Every folder README's Layout names exists, every layer is in it, and so is every module of the run,
+    runtime and training layers (whose module names carry the architecture)."""
+    layout = readme_layout()
+    named = set(re.findall(r"(?<![\w/.])((?:hpcdl|kfac|benchmarks|launch|scripts|tests)/[\w/.]*)", layout))
+    assert named, "the Layout section names no paths"
+    missing = [path for path in named if not REPO.joinpath(path).exists()]
+    assert missing == []
+    for layer in LAYERS:
+        if layer not in ("<entry>", "kfac"):
+            assert f"hpcdl/{layer}/" in layout, f"README's Layout does not name hpcdl/{layer}/"
+    for layer in ("runtime", "run", "training"):
+        for module in REPO.joinpath("hpcdl", layer).glob("*.py"):
+            if module.stem != "__init__":
+                assert re.search(rf"\b{module.stem}\b", layout), f"README's Layout does not name hpcdl/{layer}/{module.name}"
 
 
 def test_layers_import_only_downward() -> None:

@@ -7,7 +7,7 @@ read, saying so. Only the newest ``keep`` files are kept. Files are loaded with
 ``weights_only=True``: a checkpoint on a shared file system is not trusted to run code.
 
 Temporaries are named after the run that writes them (``.ckpt-<step>.pt.tmp-<run id>``, see
-:func:`hpcdl.rundir.temporary_path`), so a run cleans up only its own. A write that fails (a full
+:func:`hpcdl.run.rundir.temporary_path`), so a run cleans up only its own. A write that fails (a full
 disk, a quota, permissions, a read-only file system) raises :class:`WriteError`, an OSError whose
 message is one line naming the file and the cause; the temporary is removed and the files
 already there are untouched.
@@ -29,9 +29,9 @@ import torch
 from hpcdl.run.rundir import temporary_path
 
 PATTERN = re.compile(r"^ckpt-(\d{9})\.pt$")
-LEGACY_TEMPORARY = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp-\d+$")  # named by pid: callers that pass no run id
+PID_TEMPORARY = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp-\d+$")  # named by pid: writers that are not a run (demos, tools)
 UNREADABLE_SUFFIX = ".unreadable"
-REQUIRED = ("model", "global_step")  # the rest of the layout is hpcdl.runstate's (it checks format and version)
+REQUIRED = ("model", "global_step")  # the rest of the layout is hpcdl.training.runstate's (format, version)
 
 # What to do about each common write failure (the OS's own words come first, e.g. "No space left on device").
 _ADVICE = {
@@ -87,7 +87,7 @@ def write_atomically(final: Path, write: Callable[[IO[bytes]], object], run_id: 
 
     A reader sees the old file or the complete new one. On any failure the temporary is removed
     and the old file stays; an OSError from the file system comes out as one-line WriteError.
-    ``run_id`` names the temporary (without one, the pid does, as before run ids existed).
+    ``run_id`` names the temporary (without one, the pid does: a tool or demo is no run).
     ``before_rename`` is a test hook that sees the complete temporary file.
     """
     temporary = temporary_path(final, run_id) if run_id else final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -181,15 +181,15 @@ def remove_stale_temporaries(directory: Path, run_id: str | None = None) -> list
     """Delete half-written checkpoint files that this run left behind (a write it abandoned).
 
     With a ``run_id``, only that run's temporaries: another run's may be in the middle of a write
-    (the leftovers of a dead run are removed when its lock is taken over, hpcdl.rundir). Without
-    one, the pid-named temporaries of callers that predate run ids, as before.
+    (the leftovers of a dead run are removed when its lock is taken over, hpcdl.run.rundir). Without
+    one, the pid-named temporaries that writers outside a run leave.
     """
     if not directory.is_dir():
         return []
     if run_id:
         stale = [p for p in directory.iterdir() if p.name.startswith(".ckpt-") and p.name.endswith(f".tmp-{run_id}")]
     else:
-        stale = [p for p in directory.iterdir() if LEGACY_TEMPORARY.match(p.name)]
+        stale = [p for p in directory.iterdir() if PID_TEMPORARY.match(p.name)]
     for path in stale:
         path.unlink(missing_ok=True)
     return stale

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdl.runtime import placement
+from hpcdl.runtime import launcher, placement
 
 SETUP_HINT = "bash scripts/setup.sh"
 THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
@@ -129,7 +129,7 @@ def check_same_mpi(libs: dict[str, str | None]) -> None:
 
 # What a launcher says the job's size is. If MPI sees one process while the launcher started
 # several, each rank started alone: the MPI library in use is not the launcher's.
-LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+LAUNCHER_SIZE_VARS = launcher.SIZE_VARS
 
 
 def check_launcher_agrees(world_size: int, env: dict[str, str] | None = None) -> None:

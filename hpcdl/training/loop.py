@@ -1,7 +1,7 @@
 """One epoch of training and one evaluation, without waiting on the device inside a step.
 
 A step queues its work and returns: loss and accuracy sums stay on the device
-(:class:`~hpcdl.metrics.DeviceSums`), the non-finite verdict is a device flag that the fused
+(:class:`~hpcdl.run.metrics.DeviceSums`), the non-finite verdict is a device flag that the fused
 optimizer reads to skip the update by itself, and the flags of the last ``--log-every`` steps are
 read back together at the next log point. There, and only there, the host learns the metrics,
 decides about non-finite streaks and exchanges the stop flag with the other ranks.
