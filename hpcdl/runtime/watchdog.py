@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import socket
 import sys
 import threading
 import time
@@ -55,6 +56,9 @@ class StallWatchdog:
         self.comm = comm.Dup()  # collective: every rank constructs its watchdog at the same point
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # rank -> hostname, gathered while every node still answers, so that a verdict can name the
+        # node a silent rank ran on (a lost node shows as all of its ranks silent at once).
+        self.hosts: list[str] = list(self.comm.allgather(socket.gethostname()))
         self.timeout = timeout
         self.interval = interval if interval is not None else max(0.2, min(5.0, timeout / 5))
         self.silent_after = 3 * self.interval  # no heartbeat for this long: that rank is not running
@@ -135,10 +139,23 @@ class StallWatchdog:
                 self._abort(self._diagnosis(stalled, silent, reported, now, last_heard))
             elif 0 in silent:
                 self._abort(f"stall: rank {self.rank} completed no step for {stalled:.0f} s and rank 0 went silent "
-                            f"(no heartbeat for {now - last_heard[0]:.0f} s)")
+                            f"(no heartbeat for {now - last_heard[0]:.0f} s); {self._where([0])}")
             elif stalled > self.timeout + self.grace:
                 self._abort(f"stall: rank {self.rank} completed no step for {stalled:.0f} s and rank 0, still alive, "
                             "did not end the job")
+
+    def _where(self, silent: list[int]) -> str:
+        """Which nodes the silent ranks ran on; a node all of whose ranks are silent is named lost."""
+        parts = []
+        for host in dict.fromkeys(self.hosts[r] for r in silent):
+            on_host = [r for r, h in enumerate(self.hosts) if h == host]
+            mine = [r for r in silent if self.hosts[r] == host]
+            ranks = ", ".join(map(str, mine))
+            if mine == on_host and host != self.hosts[self.rank]:
+                parts.append(f"node {host} lost (all its ranks silent: {ranks})")
+            else:
+                parts.append(f"on node {host}: rank {ranks}")
+        return "; ".join(parts)
 
     def _diagnosis(self, stalled: float, silent: list[int], reported: dict[int, tuple[int, str]], now: float,
                    last_heard: dict[int, float]) -> str:
@@ -147,7 +164,8 @@ class StallWatchdog:
         if silent:
             ranks = ", ".join(map(str, silent))
             quiet = max(now - last_heard[r] for r in silent)
-            return f"{head}; rank {ranks} went silent (no heartbeat for {quiet:.0f} s: frozen, stopped or unreachable)"
+            return (f"{head}; rank {ranks} went silent (no heartbeat for {quiet:.0f} s: frozen, stopped or unreachable); "
+                    + self._where(silent))
         states = {r: state for r, state in reported.items()}
         states[0] = (self.step, self.phase)
         stuck = sorted(r for r, (_, phase) in states.items() if phase not in WAITING_PHASES)

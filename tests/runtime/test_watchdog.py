@@ -32,9 +32,14 @@ class FakeComm:
     def Get_size(self) -> int:
         return self.size
 
+    def allgather(self, value: object) -> list[object]:
+        return [value] * self.size
 
-def diagnose(phases: dict[int, tuple[int, str]], silent: list[int], size: int = 4) -> str:
+
+def diagnose(phases: dict[int, tuple[int, str]], silent: list[int], size: int = 4,
+             hosts: list[str] | None = None) -> str:
     watchdog = StallWatchdog(FakeComm(0, size), timeout=20)
+    watchdog.hosts = hosts or ["node1"] * size
     watchdog.step, watchdog.phase = phases.pop(0)
     now = 1000.0
     last_heard = {r: (now - 30 if r in silent else now - 1) for r in range(1, size)}
@@ -44,7 +49,16 @@ def diagnose(phases: dict[int, tuple[int, str]], silent: list[int], size: int = 
 def test_silent_ranks_are_named_first() -> None:
     message = diagnose({0: (4, "collective"), 2: (4, "collective")}, silent=[1, 3])
     assert message == ("stall: no training step completed for 25 s (step 4); rank 1, 3 went silent "
-                       "(no heartbeat for 30 s: frozen, stopped or unreachable)")
+                       "(no heartbeat for 30 s: frozen, stopped or unreachable); on node node1: rank 1, 3")
+
+
+def test_a_lost_node_is_named_with_its_ranks() -> None:
+    """Every rank of node2 silent: the verdict names the node as lost; a lone silent rank elsewhere
+    is named with its node but not called a lost node."""
+    hosts = ["node1", "node1", "node2", "node2", "node3", "node3"]
+    message = diagnose({0: (4, "collective")}, silent=[2, 3, 5], size=6, hosts=hosts)
+    assert message.endswith("rank 2, 3, 5 went silent (no heartbeat for 30 s: frozen, stopped or unreachable); "
+                            "node node2 lost (all its ranks silent: 2, 3); on node node3: rank 5")
 
 
 def test_a_live_rank_outside_the_collective_is_the_culprit() -> None:
