@@ -164,8 +164,8 @@ class StallWatchdog:
         if silent:
             ranks = ", ".join(map(str, silent))
             quiet = max(now - last_heard[r] for r in silent)
-            return (f"{head}; rank {ranks} went silent (no heartbeat for {quiet:.0f} s: frozen, stopped or unreachable); "
-                    + self._where(silent))
+            return (f"{head}; rank {ranks} went silent (no heartbeat for {quiet:.0f} s: frozen, stopped or "
+                    f"unreachable); {self._where(silent)}")
         states = {r: state for r, state in reported.items()}
         states[0] = (self.step, self.phase)
         stuck = sorted(r for r, (_, phase) in states.items() if phase not in WAITING_PHASES)

@@ -21,6 +21,7 @@ Needs root, iproute2 (``ip``, ``tc``) and util-linux (``nsenter``, ``unshare``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import os
@@ -163,10 +164,8 @@ def _tc(args: Sequence[str]) -> None:
 
 
 def _kill(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def missing_requirements() -> str | None:
@@ -175,7 +174,7 @@ def missing_requirements() -> str | None:
         return "a virtual cluster needs root (network namespaces)"
     absent = [tool for tool in TOOLS if shutil.which(tool) is None]
     if absent:
-        return f"missing {', '.join(absent)}: apt-get install iproute2 util-linux (bash scripts/install-cluster-tools.sh)"
+        return f"missing {', '.join(absent)}: run 'bash scripts/install-cluster-tools.sh' (iproute2, util-linux)"
     return None
 
 
@@ -186,7 +185,7 @@ def _free_subnet() -> ipaddress.IPv4Network:
                        + _ip(["-4", "addr"]).stdout)]
     rng = random.Random()
     for _ in range(200):
-        net = ipaddress.ip_network(f"10.{rng.randint(128, 254)}.{rng.randint(0, 255)}.0/24")
+        net = ipaddress.IPv4Network(f"10.{rng.randint(128, 254)}.{rng.randint(0, 255)}.0/24")
         if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
             return net
     raise VClusterError("no free 10.x.y.0/24 found")
@@ -225,7 +224,7 @@ def up(nodes: int, name: str | None = None, rate: str | None = None) -> VCluster
     if not NAME_RE.match(name):
         raise VClusterError(f"--name must be 1-6 lower-case letters or digits, got {name!r}")
     if load(name) is not None:
-        raise VClusterError(f"virtual cluster {name} exists already (python -m hpcdl.tools.vcluster down --name {name})")
+        raise VClusterError(f"virtual cluster {name} exists already (down --name {name} removes it)")
     net = _free_subnet()
     hosts = list(net.hosts())
     cluster = VCluster(name=name, subnet=str(net), bridge=f"hv{name}br", bridge_address=str(hosts[-1]),
