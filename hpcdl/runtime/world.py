@@ -82,6 +82,19 @@ def _mpi():
     return MPI
 
 
+def fix_reduction_order() -> None:
+    """Make Horovod sum every gradient element in the same order, run after run (before :func:`init`).
+
+    Horovod fuses the tensors that are ready within one cycle into one buffer, so where a tensor
+    lands in that buffer depends on timing; MPI's allreduce (ring, recursive halving) adds the ranks'
+    values in an order that depends on an element's offset in the buffer. On two ranks a + b = b + a,
+    but from three ranks on (a + b) + c != a + (b + c) in floating point, and two runs drift apart.
+    Without fusion each tensor is reduced alone at a fixed size and offset: the order is fixed.
+    """
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"
+    os.environ["HOROVOD_AUTOTUNE"] = "0"  # the autotuner would turn fusion back on
+
+
 def init(use_horovod: bool = True) -> World:
     """Initialise MPI (and Horovod) once, pin the device and thread count, and return the World.
 
@@ -112,7 +125,7 @@ def init(use_horovod: bool = True) -> World:
         device = choose_device(local_rank, cuda)
     except WorldError:
         # This rank has no GPU of its own. Raising here would end one rank with a traceback while the
-        # others wait; hpcdl.placement.verify reports it instead, the same line on every rank.
+        # others wait; hpcdl.runtime.placement.verify reports it instead, the same line on every rank.
         device = torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

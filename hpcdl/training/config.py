@@ -67,9 +67,13 @@ UNIT_INTERVAL_OPEN_TOP = Range(0, 1, high_open=True)
 
 def flag(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, choices: Sequence[str] | None = None,
          nargs: str | int | None = None, valid: Range | None = None, metavar: str | Sequence[str] | None = None,
-         group: str = "run control") -> Any:
-    """A TrainConfig field that is also a command-line flag (``--field-name``)."""
-    meta = dict(help=help, parse=parse, choices=choices, nargs=nargs, valid=valid, metavar=metavar, group=group)
+         group: str = "run control", bare: str | None = None) -> Any:
+    """A TrainConfig field that is also a command-line flag (``--field-name``).
+
+    ``bare``: the value of the flag given alone, for choice flags that read as switches (``--amp``).
+    """
+    meta = dict(help=help, parse=parse, choices=choices, nargs=nargs, valid=valid, metavar=metavar, group=group,
+                bare=bare)
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -100,7 +104,8 @@ class TrainConfig:
     test_batch_size: int = flag(256, "per rank, evaluation", parse=int, valid=AT_LEAST_1, group=MODEL)
     base_lr: float = flag(0.02, "learning rate for one rank's batch; scaled by the world size", parse=float,
                           valid=POSITIVE, group=MODEL)
-    optimizer: str = flag("sgd", "update rule", choices=("sgd", "adam", "adamw"), group=MODEL)
+    optimizer: str = flag("sgd", "update rule; lars and lamb are timm's (for large global batches)",
+                          choices=("sgd", "adam", "adamw", "lars", "lamb"), group=MODEL)
     momentum: float = flag(0.9, "SGD momentum", parse=float, valid=Range(0, 1, high_open=True), group=MODEL)
     nesterov: bool = flag(False, "Nesterov momentum (SGD)", group=MODEL)
     weight_decay: float = flag(1e-4, "L2 weight decay", parse=float, valid=Range(0, 1), group=MODEL)
@@ -108,6 +113,9 @@ class TrainConfig:
                                   valid=UNIT_INTERVAL_OPEN_TOP, group=MODEL)
     warmup_epochs: float = flag(1.0, "linear per-step warm-up from --base-lr to the scaled rate", parse=float,
                                 valid=NON_NEGATIVE, group=MODEL)
+    warmup_start_factor: float | None = flag(None, "start the warm-up at this fraction of the scaled rate instead "
+                                                   "of at --base-lr (Goyal et al.; works on one rank too)",
+                                             parse=float, valid=FRACTION, group=MODEL)
     lr_schedule: str = flag("cosine", "after warm-up: --lr-decay milestones, or cosine", choices=("step", "cosine"),
                             group=MODEL)
     lr_decay: list[int] = flag([], "epochs at which the rate is multiplied by 0.1", parse=int, nargs="*",
@@ -120,9 +128,13 @@ class TrainConfig:
                        choices=("auto", "cuda", "cpu"), group=SPEED)
     amp: str = flag("off", "mixed precision: bf16 (no loss scaling), fp16 (GradScaler, CUDA only), auto (bf16 where "
                            "supported, else fp16); a bare --amp means auto", choices=("off", "auto", "bf16", "fp16"),
-                    nargs="?", group=SPEED)
-    channels_last: str = flag("auto", "NHWC memory format for convolutional models; auto is on for CUDA",
-                              choices=("auto", "on", "off"), group=SPEED)
+                    bare="auto", group=SPEED)
+    channels_last: str = flag("auto", "NHWC memory format for convolutional models; auto is on for CUDA; a bare "
+                                      "--channels-last means on", choices=("auto", "on", "off"), bare="on", group=SPEED)
+    deterministic: str = flag("auto", "bit-identical runs: on fixes the allreduce's summation order (no tensor fusion)"
+                                      " and, on CUDA, takes deterministic kernels (cuDNN); auto is on for CPU runs; a "
+                                      "bare --deterministic means on", choices=("auto", "on", "off"), bare="on",
+                              group=SPEED)
     cudnn_benchmark: bool = flag(True, "let cuDNN pick the fastest kernels for the fixed input shape", group=SPEED)
     compile: bool = flag(False, "torch.compile the model (measured in benchmarks/train_throughput.py)", group=SPEED)
     log_every: int = flag(50, "steps between reading metrics back from the device (and checking for a stop signal)",
@@ -136,6 +148,8 @@ class TrainConfig:
     kl_clip: float = flag(0.001, "KL clip of the preconditioned step", parse=float, valid=POSITIVE, group=KFAC)
     factor_decay: float = flag(0.95, "running-average decay of the factors", parse=float,
                                valid=UNIT_INTERVAL_OPEN_TOP, group=KFAC)
+    kfac_impl: str = flag("hpcdl", "K-FAC implementation: hpcdl (kfac/), or module:function returning another "
+                                   "(a benchmark's plugin point, docs/kfac.md)", parse=str, group=KFAC)
     kfac_grad_worker_fraction: float = flag(1.0, "KAISA: share of ranks that precondition each layer", parse=float,
                                             valid=FRACTION, group=KFAC)
     # run control
@@ -183,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["type"] = meta["parse"]
         if meta["nargs"] is not None:
             kwargs["nargs"] = meta["nargs"]
-        if f.name == "amp":
-            kwargs["const"] = "auto"
+        if meta["bare"] is not None:
+            kwargs.update(nargs="?", const=meta["bare"])
         group.add_argument(option_name(f.name), **kwargs)
     return parser
 
@@ -242,6 +256,8 @@ def validate(c: TrainConfig) -> None:
         raise UsageError(f"--lr-decay takes strictly increasing epoch numbers, e.g. 35 75 90 (got {c.lr_decay})")
     if c.lr_decay and c.lr_schedule != "step":
         raise UsageError("--lr-decay milestones need --lr-schedule step (cosine has none; leave --lr-schedule out)")
+    if c.warmup_start_factor is not None and c.warmup_epochs == 0:
+        raise UsageError("--warmup-start-factor needs --warmup-epochs > 0 (there is no warm-up to start)")
     if c.nesterov and (c.optimizer != "sgd" or c.momentum == 0):
         raise UsageError("--nesterov needs --optimizer sgd and a non-zero --momentum")
     if c.dataset == "synthetic" and c.synthetic_shape[1] != c.synthetic_shape[2]:

@@ -12,7 +12,8 @@ rank is a one-line error on all of them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ from hpcdl.training import runstate
 from hpcdl.training.config import TrainConfig, check_amp_device
 from hpcdl.training.loop import LoopSettings, Trainer
 from hpcdl.training.models import build_model
-from hpcdl.training.schedule import LRSchedule, lr_scale
+from hpcdl.training.optimizers import build_preconditioner, build_update_rule
+from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
 
 
 @dataclass
@@ -90,18 +92,6 @@ def is_convolutional(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """SGD/Adam/AdamW with fused kernels: they take the GradScaler's (or our) non-finite flag on the device
-    and skip the update there, so no step has to read the flag back to the host."""
-    params = list(model.parameters())
-    if config.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay, fused=True)
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, fused=True)
-    return torch.optim.SGD(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
-                           weight_decay=config.weight_decay, fused=True)
-
-
 def zero_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
     """Zero SGD momentum buffers before the first step: the same first update as torch's (buffer = gradient, as
     dampening is 0), and a skipped first step cannot leave the fused kernel an uninitialised buffer."""
@@ -150,26 +140,6 @@ def match_state_layouts(optimizer: torch.optim.Optimizer) -> None:
                 if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
                     layout = torch.channels_last if p.dim() == 4 and not p.is_contiguous() else torch.contiguous_format
                     optimizer.state[p][key] = value.contiguous(memory_format=layout)
-
-
-def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Callable[..., float],
-                         scaler: torch.amp.GradScaler | None) -> Any:
-    if config.kfac_update_freq <= 0:
-        return None
-    from kfac import KFACPreconditioner
-
-    return KFACPreconditioner(
-        model,
-        factor_update_freq=config.kfac_cov_update_freq,
-        inv_update_freq=config.kfac_update_freq,
-        damping=config.damping,
-        factor_decay=config.factor_decay,
-        kl_clip=config.kl_clip,
-        lr=current_lr,
-        grad_worker_fraction=config.kfac_grad_worker_fraction,
-        backward_passes_per_step=config.batches_per_allreduce,  # factors accumulate like the gradients
-        grad_scaler=scaler,  # its scale is divided out of G
-    )
 
 
 def check_adasum(config: TrainConfig, world_size: int, cuda: bool) -> None:
@@ -226,6 +196,8 @@ def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, d
 
 
 def build_job(config: TrainConfig) -> Job:
+    if deterministic(config):
+        world.fix_reduction_order()
     me = world.init()
     comm = world.comm()
     cuda = me.device.type == "cuda"
@@ -244,6 +216,13 @@ def build_job(config: TrainConfig) -> Job:
         raise
 
 
+def deterministic(config: TrainConfig) -> bool:
+    """``--deterministic``: auto is on where it is cheap and promised, i.e. for CPU runs."""
+    if config.deterministic != "auto":
+        return config.deterministic == "on"
+    return config.device == "cpu" or not torch.cuda.is_available()
+
+
 def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, faults: FaultInjector,
                 amp_dtype: torch.dtype | None) -> Job:
     cuda = me.device.type == "cuda"
@@ -251,6 +230,11 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         torch.backends.cudnn.benchmark = config.cudnn_benchmark  # fixed shapes: let cuDNN time its kernels once
         torch.backends.cuda.matmul.allow_tf32 = True  # the precision torch's docs recommend for training
         torch.backends.cudnn.allow_tf32 = True
+    if cuda and deterministic(config):  # kernels whose result does not depend on thread timing (cuDNN, scatter-add)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True)
 
     torch.manual_seed(config.seed)  # identical initial weights on every rank (and broadcast to be sure)
     watchdog = StallWatchdog(comm, config.stall_timeout)
@@ -277,8 +261,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     compiled = compile_and_warm_up(model, data, spec, me.device, amp_dtype) if config.compile else model
 
     peak_lr = config.base_lr * lr_scale(me.size, config.batches_per_allreduce, config.use_adasum, me.local_size, cuda)
-    schedule = LRSchedule(config.base_lr, peak_lr, config.warmup_epochs, config.epochs, config.lr_schedule,
-                          config.lr_decay)
+    schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, config.warmup_start_factor), peak_lr,
+                          config.warmup_epochs, config.epochs, config.lr_schedule, config.lr_decay)
     optimizer = hvd.DistributedOptimizer(
         build_update_rule(config, model, schedule(0.0)),
         named_parameters=model.named_parameters(),
@@ -288,7 +272,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     )
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    preconditioner = build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"], scaler)
+    preconditioner = agree(lambda: build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"],
+                                                        scaler))
 
     criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     state = runstate.TrainState(model, optimizer, scaler, preconditioner)
