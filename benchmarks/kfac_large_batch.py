@@ -1,0 +1,577 @@
+"""Accuracy against global batch within a fixed epoch budget: SGD, LAMB/LARS, hpcdl's K-FAC and kfac-pytorch's.
+
+    python -m hpcdl.fetch_mnist                                                 # once: real MNIST
+    .venv/bin/python benchmarks/kfac_large_batch.py --install-kfac-pytorch     # once: kfac-pytorch, outside the repo
+    nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py --reduced         # batch 128 and 4096, 1 seed
+    nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py --target-cell     # batch 4096, 3 seeds, best rates
+    nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py                   # the full grid (hours on 2 cores)
+
+Every run is ``python -m hpcdl.train`` itself (same model, data, data order per seed, schedule,
+evaluation and clocks for every method): real MNIST, ``mnist_cnn``, cosine decay per step over
+``--epochs`` with a linear warm-up from 0.1x the peak rate (``--warmup-start-factor``), weight decay
+5e-4, one rank whose global batch is ``--batch-size x --batches-per-allreduce``. Methods differ
+only in their flags: ``--optimizer sgd|lamb|lars``, ``--kfac-update-freq`` for hpcdl's K-FAC, and
+``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner`` for kfac-pytorch's K-FAC, which runs
+inside the same loop through that plugin point. kfac-pytorch is not a dependency of hpcdl: it is
+installed from its public source into a directory outside the repository (``--kfac-pytorch-site``,
+by ``--install-kfac-pytorch``), put first on that run's PYTHONPATH, and the run starts in
+a scratch directory, so that its ``kfac`` package is kfac-pytorch's, not the repository's.
+Its damping and KL clip are carried over from ours by the Linear-layer rule of docs/kfac.md
+(λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one step).
+
+Test accuracy is measured after every epoch (hpcdl.train's evaluation); steps and training
+seconds (evaluation excluded) to 98.5 % and 99.0 % are those of the first epoch that reaches them.
+Results: ``<out>.json`` (every run's curve), ``<out>.csv`` (one row per run), ``<out>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+DEFAULT_MNIST_DIR = Path.home() / ".cache" / "hpcdl" / "mnist"
+DEFAULT_KFAC_PYTORCH_SITE = Path(os.environ.get("KFAC_PYTORCH_SITE", Path.home() / ".cache" / "hpcdl" / "kfac-pytorch"))
+# kfac-pytorch 0.4.2 (github.com/gpauloski/kfac-pytorch), the commit the committed results used.
+KFAC_PYTORCH_SOURCE = "git+https://github.com/gpauloski/kfac-pytorch@869cf110334e5a6e9ea054bafdc4558313a821e8"
+TARGETS = (0.985, 0.99)
+METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch")
+FULL_BATCHES = (128, 512, 2048, 4096, 8192)
+REDUCED_BATCHES = (128, 4096)
+# Peak learning rates swept per method (the rate after warm-up, for the global batch). Chosen around
+# the batch-128 study's best rates (SGD 0.05, K-FAC 0.1) and the usual ranges of LAMB and LARS.
+FULL_LRS = {"sgd": (0.0125, 0.025, 0.05, 0.1), "lamb": (0.01, 0.02, 0.04, 0.08), "lars": (2.0, 5.0, 10.0, 20.0),
+            "kfac": (0.1, 0.2, 0.4), "kfac-pytorch": (0.1, 0.2, 0.4)}
+# At batch 4096 SGD diverged at 0.1 and LAMB underfitted at 0.01 (88.7 %) in this study's first runs.
+REDUCED_LRS = {"sgd": (0.025, 0.05), "lamb": (0.02, 0.04), "lars": (5.0, 10.0), "kfac": (0.2, 0.4),
+               "kfac-pytorch": (0.2, 0.4)}
+BATCH_128_LRS = {"sgd": (0.05,), "lamb": (0.005,), "lars": (2.0,), "kfac": (0.1,), "kfac-pytorch": (0.1,)}
+KFAC_FLAGS = ("--damping", "0.1", "--kl-clip", "0.001")
+
+
+def kfac_frequencies(batch: int) -> tuple[int, int]:
+    """(factor, inverse) update frequencies: the batch-128 study's (10, 100) for small batches; at large
+    batches factors every step and decompositions every 10 (few steps per epoch make both cheap)."""
+    return (10, 100) if batch <= 512 else (1, 10)
+MICRO_BATCH = 1024  # per backward pass; larger global batches accumulate (--batches-per-allreduce)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid."""
+
+    method: str
+    batch: int
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-b{self.batch}-lr{self.lr:g}-s{self.seed}"
+
+
+@dataclass
+class Outcome:
+    cell: Cell
+    returncode: int
+    epochs: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl rows
+    wall_seconds: float = 0.0  # the whole process, start-up and evaluation included
+    command: list[str] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.epochs[-1]["test_accuracy"] if self.epochs and self.returncode == 0 else None
+
+    @property
+    def best_accuracy(self) -> float | None:
+        values = [e["test_accuracy"] for e in self.epochs if e.get("test_accuracy") is not None]
+        return max(values) if values else None
+
+    def to_target(self, target: float) -> tuple[int, float] | None:
+        """(steps, training seconds) at the first evaluation at or above ``target``."""
+        for row in self.epochs:
+            if (row.get("test_accuracy") or 0.0) >= target:
+                return int(row["global_step"]), float(row["train_seconds"])
+        return None
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        if not self.epochs:
+            return None
+        return float(self.epochs[-1]["train_seconds"]) / max(int(self.epochs[-1]["global_step"]), 1)
+
+
+# ---- kfac-pytorch inside hpcdl.train (imported by the training process through --kfac-impl) ----------
+
+
+class KfacPytorchAdapter:
+    """kfac-pytorch's KFACPreconditioner behind the interface hpcdl.train's loop calls.
+
+    It has no non-finite skip: ``found_inf`` is ignored (these fp32 runs have no non-finite steps; a
+    step that had one would feed its statistics to kfac-pytorch's factors).
+    """
+
+    def __init__(self, preconditioner: Any) -> None:
+        self.preconditioner = preconditioner
+
+    def step(self, found_inf: Any = None) -> None:
+        self.preconditioner.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.preconditioner.state_dict()  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.preconditioner.load_state_dict(state)
+
+
+def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any) -> Any:
+    """``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner``: kfac-pytorch with hpcdl's settings.
+
+    Damping and KL clip are hpcdl's divided by N² (N = examples per step on this rank): the
+    Linear-layer equivalence of docs/kfac.md. Conv layers have no single equivalent (their factor
+    ratio also depends on the output positions), which is kfac-pytorch's convention at work.
+    """
+    import torch
+
+    import kfac  # kfac-pytorch: the study puts its site directory first on PYTHONPATH
+
+    if not hasattr(kfac, "preconditioner") or Path(kfac.__file__).resolve().is_relative_to(REPO):
+        raise RuntimeError(f"kfac-pytorch is not first on PYTHONPATH (kfac is {kfac.__file__})")
+    from kfac.preconditioner import KFACPreconditioner
+
+    for module in model.modules():  # its full backward hooks cannot precede an in-place op; same function
+        if isinstance(module, torch.nn.ReLU):
+            module.inplace = False
+    n = config.batch_size * config.batches_per_allreduce
+    return KfacPytorchAdapter(KFACPreconditioner(
+        model,
+        factor_update_steps=config.kfac_cov_update_freq,
+        inv_update_steps=config.kfac_update_freq,
+        damping=config.damping / n**2,
+        factor_decay=config.factor_decay,
+        kl_clip=config.kl_clip / n**2,
+        lr=lambda _step: current_lr(),
+        accumulation_steps=config.batches_per_allreduce,
+        grad_scaler=scaler,
+    ))
+
+
+# ---- running the grid ---------------------------------------------------------------------------
+
+
+def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> list[str]:
+    micro = min(cell.batch, MICRO_BATCH)
+    if cell.batch % micro:
+        raise SystemExit(f"kfac_large_batch: error: global batch {cell.batch} is not a multiple of {micro}")
+    accumulate = cell.batch // micro
+    flags = [
+        sys.executable, "-m", "hpcdl.train", "--dataset", args.dataset, "--model", args.model,
+        "--epochs", str(args.epochs), "--batch-size", str(micro), "--batches-per-allreduce", str(accumulate),
+        "--test-batch-size", "1000",
+        # the rate is per backward pass and scaled by the accumulation: give the peak rate for the whole batch
+        "--base-lr", repr(cell.lr / accumulate), "--lr-schedule", "cosine",
+        "--warmup-epochs", str(args.warmup_epochs), "--warmup-start-factor", "0.1",
+        "--weight-decay", "5e-4", "--momentum", "0.9", "--seed", str(cell.seed),
+        "--output-dir", str(output_dir), "--no-progress", "--device", "cpu", "--log-every", "1000",
+        "--stall-timeout", "0",
+    ]
+    if args.data_dir:
+        flags += ["--data-dir", str(args.data_dir)]
+    if args.max_steps:
+        flags += ["--max-steps", str(args.max_steps)]
+    if cell.method in ("sgd", "lamb", "lars"):
+        flags += ["--optimizer", cell.method]
+    else:
+        factors, inverse = kfac_frequencies(cell.batch)
+        flags += ["--optimizer", "sgd", "--kfac-cov-update-freq", str(factors), "--kfac-update-freq", str(inverse),
+                  *KFAC_FLAGS]
+    if cell.method == "kfac-pytorch":
+        flags += ["--kfac-impl", "kfac_large_batch:kfac_pytorch_preconditioner"]
+    return flags
+
+
+def run_environment(cell: Cell, args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    paths = [str(REPO), str(REPO / "benchmarks")]
+    if cell.method == "kfac-pytorch":
+        paths.insert(0, str(args.kfac_pytorch_site))  # its `kfac` before the repository's
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def launch(cell: Cell, args: argparse.Namespace, scratch: Path) -> tuple[subprocess.Popen[str], Path, list[str], float]:
+    output_dir = scratch / cell.name
+    command = train_command(cell, args, output_dir)
+    # A scratch working directory: `python -m` puts the working directory first on sys.path.
+    proc = subprocess.Popen(command, cwd=scratch, env=run_environment(cell, args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    return proc, output_dir, command, time.perf_counter()
+
+
+def collect(cell: Cell, proc: subprocess.Popen[str], output_dir: Path, command: list[str], start: float,
+            timeout: float) -> Outcome:
+    try:
+        log, _ = proc.communicate(timeout=max(timeout - (time.perf_counter() - start), 1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        log, _ = proc.communicate()
+        log += f"\n(killed after {timeout:.0f} s)"
+    outcome = Outcome(cell, proc.returncode, wall_seconds=time.perf_counter() - start, command=command)
+    metrics = output_dir / "metrics.jsonl"
+    if metrics.exists():
+        outcome.epochs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if proc.returncode != 0:
+        outcome.error = "\n".join(log.strip().splitlines()[-3:])
+    return outcome
+
+
+def run_cells(cells: Sequence[Cell], args: argparse.Namespace,
+              after_each: Callable[[list[Outcome]], None] = lambda _: None) -> list[Outcome]:
+    """Run every cell, ``--jobs`` at a time, printing one line per finished run (``after_each`` saves)."""
+    outcomes: list[Outcome] = []
+    with tempfile.TemporaryDirectory(prefix="kfac_large_batch-") as tmp:
+        scratch = Path(tmp)
+        pending, running = list(cells), []
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                cell = pending.pop(0)
+                running.append((cell, *launch(cell, args, scratch)))
+            cell, proc, output_dir, command, start = running.pop(0)
+            outcome = collect(cell, proc, output_dir, command, start, args.run_timeout)
+            outcomes.append(outcome)
+            reached = "  ".join(
+                f"{t:.1%}: " + (f"{r[0]} steps {r[1]:.0f} s" if (r := outcome.to_target(t)) else "-") for t in TARGETS)
+            final = outcome.final_accuracy
+            print(f"[{len(outcomes)}/{len(cells)}] {cell.name}: "
+                  + (f"final {final:.2%}  {reached}  ({outcome.wall_seconds:.0f} s)" if final is not None
+                     else f"FAILED rc={outcome.returncode}: {outcome.error}"), flush=True)
+            after_each(outcomes)
+    return outcomes
+
+
+# ---- the grids ----------------------------------------------------------------------------------
+
+
+def reduced_cells(methods: Sequence[str], batches: Sequence[int] = REDUCED_BATCHES, seed: int = 0) -> list[Cell]:
+    """The smallest batch at each method's known batch-128 rate, the others with a two-rate sweep: one seed."""
+    small, *large = sorted(batches)
+    cells = [Cell(m, b, lr, seed) for b in large for lr_index in range(2) for m in methods
+             for lr in REDUCED_LRS[m][lr_index:lr_index + 1]]  # large batches first: they are the question
+    return cells + [Cell(m, small, lr, seed) for m in methods for lr in BATCH_128_LRS[m]]
+
+
+def full_cells(methods: Sequence[str], batches: Sequence[int], seeds: Sequence[int]) -> list[Cell]:
+    return [Cell(m, b, lr, s) for s in seeds for b in batches for m in methods for lr in FULL_LRS[m]]
+
+
+def best_rates(outcomes: Sequence[Outcome], batch: int) -> dict[str, float]:
+    """Per method, the rate with the best median final accuracy at ``batch`` (a failed run counts as 0)."""
+    by_rate: dict[tuple[str, float], list[float]] = {}
+    for o in outcomes:
+        if o.cell.batch == batch:
+            by_rate.setdefault((o.cell.method, o.cell.lr), []).append(o.final_accuracy or 0.0)
+    best: dict[str, tuple[float, float]] = {}
+    for (method, lr), accs in by_rate.items():
+        score = statistics.median(accs)
+        if method not in best or score > best[method][1]:
+            best[method] = (lr, score)
+    return {m: lr for m, (lr, _) in best.items()}
+
+
+# ---- summaries, files and the plot --------------------------------------------------------------
+
+
+def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
+    """One row per (method, batch, rate): medians over seeds."""
+    groups: dict[tuple[str, int, float], list[Outcome]] = {}
+    for o in outcomes:
+        groups.setdefault((o.cell.method, o.cell.batch, o.cell.lr), []).append(o)
+    rows = []
+    for (method, batch, lr), runs in sorted(groups.items()):
+        row: dict[str, Any] = dict(method=method, batch=batch, lr=lr, seeds=len(runs),
+                                   final_accuracy=[o.final_accuracy for o in runs],
+                                   median_final=_median([o.final_accuracy or 0.0 for o in runs]),
+                                   seconds_per_step=_median([o.seconds_per_step for o in runs]))
+        for target in TARGETS:
+            hits = [o.to_target(target) for o in runs]
+            reached = [h for h in hits if h]
+            key = f"{target * 100:.1f}"
+            row[f"reached_{key}"] = f"{len(reached)}/{len(runs)}"
+            # a median over seeds only when most seeds got there
+            row[f"steps_{key}"] = _median([h[0] for h in reached]) if len(reached) * 2 > len(runs) else None
+            row[f"seconds_{key}"] = _median([h[1] for h in reached]) if len(reached) * 2 > len(runs) else None
+        rows.append(row)
+    return rows
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def write_results(outcomes: Sequence[Outcome], out: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = summarise(outcomes)
+    runs = [dict(asdict(o.cell), returncode=o.returncode, epochs=o.epochs, wall_seconds=o.wall_seconds,
+                 error=o.error, command=" ".join(o.command)) for o in outcomes]
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, summary=rows, runs=runs), indent=1) + "\n")
+    with out.with_suffix(".csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["method"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({o.cell.batch for o in outcomes})
+    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False)
+    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red"), strict=True))
+    best_final: dict[str, dict[int, float]] = {}
+    for ax, batch in zip(axes[0], batches, strict=False):
+        for o in outcomes:
+            if o.cell.batch != batch or not o.epochs:
+                continue
+            xs = [float(e["train_seconds"]) for e in o.epochs]
+            ys = [100 * (e.get("test_accuracy") or 0.0) for e in o.epochs]
+            ax.plot(xs, ys, marker="o", ms=3, color=colours[o.cell.method], alpha=0.8,
+                    label=f"{o.cell.method} lr {o.cell.lr:g}" if o.cell.seed == min(
+                        x.cell.seed for x in outcomes if x.cell == Cell(o.cell.method, batch, o.cell.lr, x.cell.seed))
+                    else None)
+            final = o.final_accuracy or 0.0
+            best_final.setdefault(o.cell.method, {})
+            best_final[o.cell.method][batch] = max(best_final[o.cell.method].get(batch, 0.0), final)
+        for target in TARGETS:
+            ax.axhline(100 * target, color="grey", lw=0.6, ls=":")
+        ax.set(title=f"global batch {batch}", xlabel="training seconds (evaluation excluded)",
+               ylabel="test accuracy (%)", ylim=(96.0, 99.6))
+        ax.legend(fontsize=6)
+    ax = axes[0][-1]
+    for method, finals in best_final.items():
+        xs = sorted(finals)
+        ax.plot(xs, [100 * finals[b] for b in xs], marker="o", color=colours[method], label=method)
+    ax.set(xscale="log", title="best final accuracy by global batch", xlabel="global batch", ylabel="test accuracy (%)",
+           ylim=(90.0, 99.6))
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+
+
+def verdict(outcomes: Sequence[Outcome], batch: int = 4096) -> list[str]:
+    """The issue's targets at ``batch``, as lines of text (medians over the seeds run)."""
+    rows = [r for r in summarise(outcomes) if r["batch"] == batch]
+    if not rows:
+        return []
+    best = {}
+    for r in rows:
+        if r["method"] not in best or (r["median_final"] or 0) > (best[r["method"]]["median_final"] or 0):
+            best[r["method"]] = r
+    lines = [f"batch {batch}: best rate per method (median of {max(r['seeds'] for r in rows)} seed(s)):"]
+    for method, r in best.items():
+        lines.append(f"  {method:13s} lr {r['lr']:<6g} final {100 * (r['median_final'] or 0):.2f} %  "
+                     f"98.5 %: {r['reached_98.5']} ({_fmt(r['seconds_98.5'])} s)  "
+                     f"99.0 %: {r['reached_99.0']} ({_fmt(r['seconds_99.0'])} s)  "
+                     f"{1000 * (r['seconds_per_step'] or 0):.0f} ms/step")
+    kfac = best.get("kfac")
+    first_order = [best[m] for m in ("sgd", "lamb", "lars") if m in best]
+    if kfac and first_order:
+        fo = max(first_order, key=lambda r: (r["seconds_98.5"] is not None, -(r["seconds_98.5"] or 0),
+                                             r["median_final"] or 0))
+        lines.append(f"  K-FAC >= 99.0 % (median): {'met' if (kfac['median_final'] or 0) >= 0.99 else 'NOT met'}")
+        if fo["seconds_98.5"] is None:
+            lines.append(f"  best first-order ({fo['method']}) never reached 98.5 % (best median final "
+                         f"{100 * (fo['median_final'] or 0):.2f} %)")
+        elif kfac["seconds_98.5"] is not None:
+            ratio = kfac["seconds_98.5"] / fo["seconds_98.5"]
+            met = "met" if ratio <= 0.6 else "NOT met"
+            lines.append(f"  K-FAC time to 98.5 % / {fo['method']}'s: {ratio:.2f}x ({met} against 0.6x)")
+    theirs = best.get("kfac-pytorch")
+    if kfac and theirs:
+        lines.append(f"  vs kfac-pytorch: final {100 * (kfac['median_final'] or 0):.2f} % vs "
+                     f"{100 * (theirs['median_final'] or 0):.2f} %, {1000 * (kfac['seconds_per_step'] or 0):.0f} vs "
+                     f"{1000 * (theirs['seconds_per_step'] or 0):.0f} ms/step")
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--reduced", action="store_true", help="batch 128 (known rates) and 4096 (two rates), one seed")
+    mode.add_argument("--target-cell", action="store_true",
+                      help="batch 4096, --seeds, each method at its best rate in --rates-from (or --lrs)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=["sgd", "lamb", "kfac", "kfac-pytorch"])
+    parser.add_argument("--batches", nargs="+", type=int, default=None,
+                        help=f"global batches (default: {FULL_BATCHES}; --reduced: {REDUCED_BATCHES})")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--lrs", nargs="+", default=[], metavar="METHOD=LR",
+                        help="the target cell's rate per method, instead of --rates-from")
+    parser.add_argument("--rates-from", type=Path,
+                        help="a results .json whose best batch-4096 rates the target cell uses")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--warmup-epochs", type=float, default=0.5)
+    parser.add_argument("--dataset", default="mnist")
+    parser.add_argument("--model", default="mnist_cnn")
+    parser.add_argument("--data-dir", type=Path, default=None, help="MNIST's IDX files (default ~/.cache/hpcdl/mnist)")
+    parser.add_argument("--kfac-pytorch-site", type=Path, default=DEFAULT_KFAC_PYTORCH_SITE,
+                        help="directory holding kfac-pytorch's installed `kfac` package (outside the repository)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each gets --threads threads)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=None, help="cut every run short (wiring checks)")
+    parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds before a run is killed")
+    parser.add_argument("--out", type=Path, default=None, help="results path without suffix")
+    parser.add_argument("--dry-run", action="store_true", help="print the runs' commands and exit")
+    parser.add_argument("--report", nargs="+", type=Path, metavar="JSON",
+                        help="no runs: the markdown table, verdict and plot (--out) of these results files together")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the successful runs already in <out>.json (and add to them) instead of rerunning")
+    parser.add_argument("--install-kfac-pytorch", nargs="?", const=KFAC_PYTORCH_SOURCE, metavar="SOURCE",
+                        help="pip-install kfac-pytorch (a local checkout or a pip URL; default: its public source at "
+                             "the commit the results used) into --kfac-pytorch-site and exit")
+    args = parser.parse_args(argv)
+    if args.install_kfac_pytorch or args.report:
+        args.out = args.out or RESULTS / "kfac_large_batch"
+        return args
+    if args.dataset == "mnist" and args.data_dir is None:
+        args.data_dir = DEFAULT_MNIST_DIR
+    if args.dataset == "mnist" and not (args.dry_run or (args.data_dir / "train-images-idx3-ubyte").exists()
+                                        or (args.data_dir / "train-images-idx3-ubyte.gz").exists()):
+        parser.error(f"no MNIST in {args.data_dir}: run `python -m hpcdl.fetch_mnist` first")
+    if "kfac-pytorch" in args.methods and not args.dry_run and not (args.kfac_pytorch_site / "kfac").is_dir():
+        parser.error(f"no kfac-pytorch in {args.kfac_pytorch_site}: run with --install-kfac-pytorch first, "
+                     "or leave kfac-pytorch out of --methods")
+    if args.jobs < 1 or args.threads < 1 or args.epochs < 1:
+        parser.error("--jobs, --threads and --epochs must be >= 1")
+    suffix = "_reduced" if args.reduced else "_target" if args.target_cell else ""
+    args.out = args.out or RESULTS / f"kfac_large_batch{suffix}"
+    return args
+
+
+def target_rates(args: argparse.Namespace) -> dict[str, float]:
+    rates: dict[str, float] = {}
+    if args.rates_from:
+        rates.update(best_rates(load_outcomes(args.rates_from), 4096))
+    for item in args.lrs:
+        method, _, value = item.partition("=")
+        if method not in METHODS or not value:
+            raise SystemExit(f"kfac_large_batch: error: --lrs takes METHOD=LR with METHOD in {METHODS} (got {item})")
+        rates[method] = float(value)
+    missing = [m for m in args.methods if m not in rates]
+    if missing:
+        raise SystemExit(f"kfac_large_batch: error: no rate for {', '.join(missing)}: give --lrs or --rates-from")
+    return rates
+
+
+def install_kfac_pytorch(source: str, site: Path) -> int:
+    """kfac-pytorch into ``site``, a directory of its own outside the repository (never on hpcdl's path)."""
+    env = dict(os.environ, SETUPTOOLS_SCM_PRETEND_VERSION="0.4.2")  # a source archive carries no git tags
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--target", str(site), source]
+    print(" ".join(command), flush=True)
+    return subprocess.call(command, env=env)
+
+
+def load_outcomes(path: Path) -> list[Outcome]:
+    runs = json.loads(path.read_text())["runs"]
+    return [Outcome(Cell(r["method"], r["batch"], r["lr"], r["seed"]), r["returncode"], r["epochs"],
+                    r.get("wall_seconds", 0.0), r.get("command", "").split(), r.get("error", "")) for r in runs]
+
+
+def kept_outcomes(out: Path) -> list[Outcome]:
+    """The successful runs of an earlier (possibly interrupted) study at ``out``."""
+    path = out.with_suffix(".json")
+    return [o for o in load_outcomes(path) if o.returncode == 0] if path.exists() else []
+
+
+def markdown(outcomes: Sequence[Outcome]) -> list[str]:
+    """The summary as a markdown table (medians over seeds; times are training seconds, evaluation excluded)."""
+    lines = ["| global batch | method | peak lr | seeds | final accuracy (median; each seed) | steps / s to 98.5 % "
+             "| steps / s to 99.0 % | s per step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(summarise(outcomes), key=lambda r: (r["batch"], METHODS.index(r["method"]), r["lr"])):
+        each = ", ".join("failed" if a is None else f"{100 * a:.2f}" for a in r["final_accuracy"])
+
+        to = [f"not reached ({r[f'reached_{k}']})" if r[f"steps_{k}"] is None
+              else f"{r[f'steps_{k}']:.0f} / {r[f'seconds_{k}']:.0f} ({r[f'reached_{k}']})" for k in ("98.5", "99.0")]
+        lines.append(f"| {r['batch']} | {r['method']} | {r['lr']:g} | {r['seeds']} | "
+                     f"{100 * (r['median_final'] or 0):.2f} % ({each}) | {to[0]} | {to[1]} | "
+                     f"{r['seconds_per_step'] or 0:.2f} |")
+    return lines
+
+
+def report(paths: Sequence[Path], out: Path) -> int:
+    outcomes = [o for path in paths for o in load_outcomes(path)]
+    print("\n".join(markdown(outcomes)))
+    print("\n".join(verdict(outcomes)))
+    loads = [json.loads(p.read_text())["meta"] for p in paths]
+    low, high = min(m["load_before"] for m in loads), max(m.get("load_after", m["load_before"]) for m in loads)
+    plot(outcomes, out, f"MNIST mnist_cnn, 5 epochs, 1 rank, CPU; load average {low:.0f}-{high:.0f} (shared machine)")
+    print(f"plot: {out.with_suffix('.png')}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.install_kfac_pytorch:
+        return install_kfac_pytorch(args.install_kfac_pytorch, args.kfac_pytorch_site)
+    if args.report:
+        return report(args.report, args.out)
+    if args.reduced:
+        cells = reduced_cells(args.methods, args.batches or REDUCED_BATCHES, args.seeds[0])
+    elif args.target_cell:
+        rates = target_rates(args)
+        cells = [Cell(m, 4096, rates[m], s) for s in args.seeds for m in args.methods]
+    else:
+        cells = full_cells(args.methods, args.batches or FULL_BATCHES, args.seeds)
+    if args.dry_run:
+        scratch = Path(tempfile.gettempdir()) / "kfac_large_batch"
+        for cell in cells:
+            print(" ".join(train_command(cell, args, scratch / cell.name)))
+        return 0
+    load = os.getloadavg()[0]
+    print(f"{len(cells)} runs, {args.jobs} at a time, {args.threads} thread(s) each; load average {load:.1f}",
+          flush=True)
+    start = time.perf_counter()
+    meta: dict[str, Any] = dict(
+        epochs=args.epochs, warmup_epochs=args.warmup_epochs, dataset=args.dataset, model=args.model, jobs=args.jobs,
+        threads=args.threads, load_before=load, max_steps=args.max_steps, kfac_flags=" ".join(KFAC_FLAGS),
+        argv=sys.argv[1:] if argv is None else list(argv), planned=len(cells))
+    kept = kept_outcomes(args.out) if args.keep else []
+    done = {o.cell for o in kept}
+    todo = [c for c in cells if c not in done]
+    if args.keep:
+        print(f"{len(cells) - len(todo)} of them already in {args.out}.json", flush=True)
+    outcomes = kept + run_cells(todo, args, lambda new: write_results(kept + new, args.out, meta))  # saved as they end
+    meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - start)
+    write_results(outcomes, args.out, meta)
+    plot(outcomes, args.out, f"{args.dataset} {args.model}, {args.epochs} epochs, 1 rank, CPU, {args.jobs} runs at a "
+                             f"time; load average {meta['load_before']:.1f} -> {meta['load_after']:.1f}")
+    for line in verdict(outcomes):
+        print(line)
+    print(f"results: {args.out}.{{json,csv,png}} ({meta['seconds']:.0f} s)")
+    return 0 if all(o.returncode == 0 for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

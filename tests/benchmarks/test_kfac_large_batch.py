@@ -1,0 +1,82 @@
+"""benchmarks/kfac_large_batch.py: the reduced grid's wiring into hpcdl.train, its bookkeeping, and a
+tiny end-to-end run (digits, two steps per run), so that a renamed flag on either side fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpcdl.training.config import parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "kfac_large_batch.py"
+
+
+@pytest.fixture(scope="module")
+def study() -> Any:
+    spec = importlib.util.spec_from_file_location("kfac_large_batch", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kfac_large_batch"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_reduced_run_is_a_valid_hpcdl_train_command(study: Any, tmp_path: Path) -> None:
+    args = study.parse_args(["--reduced", "--dry-run"])
+    cells = study.reduced_cells(args.methods, study.REDUCED_BATCHES, 0)
+    assert {c.batch for c in cells} == {128, 4096} and {c.seed for c in cells} == {0}
+    assert {c.method for c in cells} == {"sgd", "lamb", "kfac", "kfac-pytorch"}
+    for cell in cells:
+        command = study.train_command(cell, args, tmp_path / cell.name)
+        assert command[1:3] == ["-m", "hpcdl.train"]
+        config = parse_config(command[3:])  # hpcdl.train's own parser: a renamed flag fails here
+        assert config.batch_size * config.batches_per_allreduce == cell.batch
+        peak = config.base_lr * config.batches_per_allreduce  # one rank: hpcdl scales by the accumulation
+        assert peak == pytest.approx(cell.lr)
+        assert config.seed == 0 and config.warmup_start_factor == 0.1 and config.lr_schedule == "cosine"
+        assert (config.kfac_update_freq > 0) == cell.method.startswith("kfac")
+        assert (config.kfac_impl != "hpcdl") == (cell.method == "kfac-pytorch")
+        if cell.method in ("sgd", "lamb"):
+            assert config.optimizer == cell.method
+
+
+def test_time_to_target_and_best_rates_from_hand_made_curves(study: Any) -> None:
+    Cell, Outcome = study.Cell, study.Outcome
+    rows = [dict(global_step=15 * (i + 1), train_seconds=10.0 * (i + 1), test_accuracy=a)
+            for i, a in enumerate([0.97, 0.986, 0.991])]
+    run = Outcome(Cell("kfac", 4096, 0.2, 0), 0, rows)
+    assert run.to_target(0.985) == (30, 20.0) and run.to_target(0.99) == (45, 30.0)
+    assert run.to_target(0.995) is None and run.final_accuracy == 0.991
+    worse = Outcome(Cell("kfac", 4096, 0.4, 0), 0, [dict(rows[0], test_accuracy=0.98)])
+    failed = Outcome(Cell("sgd", 4096, 0.4, 0), 1, rows)  # a failed run counts as 0, whatever it logged
+    ok = Outcome(Cell("sgd", 4096, 0.1, 0), 0, [dict(rows[0], test_accuracy=0.95)])
+    assert study.best_rates([run, worse, failed, ok], 4096) == {"kfac": 0.2, "sgd": 0.1}
+
+
+def test_bad_arguments_are_one_line(study: Any, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no rate for"):
+        study.target_rates(study.parse_args(["--target-cell", "--dry-run", "--lrs", "sgd=0.1"]))
+    with pytest.raises(SystemExit, match="METHOD=LR"):
+        study.target_rates(study.parse_args(["--target-cell", "--dry-run", "--lrs", "adam=0.1"]))
+
+
+@pytest.mark.processes
+def test_the_reduced_mode_runs_end_to_end_on_digits(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    methods = ["sgd", "lamb", "kfac"]
+    command = [sys.executable, str(SCRIPT), "--reduced", "--dataset", "digits", "--model", "digits_cnn",
+               "--batches", "32", "64", "--methods", *methods, "--epochs", "1", "--max-steps", "2", "--jobs", "1",
+               "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert len(data["runs"]) == 3 + 3 * 2  # one rate per method at the small batch, two at the large one
+    assert all(r["returncode"] == 0 and r["epochs"] and r["epochs"][-1]["global_step"] == 2 for r in data["runs"])
+    assert out.with_suffix(".png").exists() and out.with_suffix(".csv").exists()
