@@ -141,8 +141,7 @@ def restore(state: TrainState, saved: dict[str, Any], config: TrainConfig, rank:
             where: Path) -> None:
     """Load ``saved`` into ``state`` on every rank; apply and record what the flags changed."""
     changes = resume_changes(saved["config"], config)
-    parts = state.parts()
-    progress = parts.pop("progress")
+    parts = {name: part for name, part in state.parts().items() if name != "progress"}
 
     def load() -> None:
         try:
@@ -155,8 +154,7 @@ def restore(state: TrainState, saved: dict[str, Any], config: TrainConfig, rank:
         for name in OPTIMIZER_FIELDS:
             if name in group:
                 group[name] = getattr(config, name)
-    assert progress is not None
-    progress.load_state_dict(saved["progress"])
+    state.progress.load_state_dict(saved["progress"])
     state.progress.resumed_with_changes = state.progress.resumed_with_changes + changes
     if changes:
         print0("resuming with changed flags: " + "; ".join(changes))
