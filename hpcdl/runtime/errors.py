@@ -32,9 +32,6 @@ T = TypeVar("T")
 EXIT_USAGE = 2
 EXIT_CRASH = 1
 
-__all__ = ["EXIT_CRASH", "EXIT_USAGE", "DivergenceError", "JobError", "LockHeldError", "LostRankError",
-           "StorageError", "UsageError", "agree", "current_rank", "describe", "rank0_then_all", "run_main"]
-
 
 class JobError(Exception):
     """A failure every rank agrees on: rank 0 prints the message as one line, each rank exits with ``exit_code``."""
