@@ -1,61 +1,67 @@
 """Augmentation and normalisation, written once for the CPU and the GPU.
 
-The JPEG views (``resized_crop_params`` + ``train_view`` / ``eval_view``) are plain tensor functions
-used on whichever device holds the decoded image: CPU loader workers call them after
-libjpeg-turbo decoding, the main process calls them on CUDA after nvJPEG decoding, with the same
-per-sample parameters, so both paths have the same semantics. The CIFAR crop and flip run on a
-whole batch at once with one gather. Every random draw takes an explicit generator.
+The JPEG views (``train_params`` + ``train_view`` / ``eval_view``) are plain tensor functions used
+on whichever device holds the decoded image: CPU loader workers call them after libjpeg-turbo
+decoding, the device-decode thread calls them on CUDA after nvJPEG decoding. The crop and flip of
+a sample come from the sample's own seed through a counter-based generator (splitmix64), so a
+whole batch's parameters are drawn in a few numpy operations on the host, and a sample gets the
+same crop whether it is drawn alone (in a worker) or with its batch (on the device thread). The
+CIFAR crop and flip run on a whole batch at once with one gather, from a torch generator.
 """
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as F
 
 from hpcdl.data.spec import Normalization
 
 SCALE, RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # RandomResizedCrop's defaults
+ATTEMPTS = 10  # RandomResizedCrop's tries before it falls back to a centre crop
 EVAL_CROP_FRACTION = 0.875  # resize to 256, centre-crop 224
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
-def resized_crop_params(height: int, width: int, generator: torch.Generator) -> tuple[int, int, int, int]:
-    """(top, left, h, w) drawn exactly as torchvision's ``RandomResizedCrop.get_params`` draws them
-    (same distribution, same sequence of draws), but from ``generator`` instead of the global RNG."""
-    area = height * width
-    log_ratio = torch.log(torch.tensor(RATIO))  # float32, as torchvision computes it
-    for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(SCALE[0], SCALE[1], generator=generator).item()
-        draw = torch.empty(1).uniform_(float(log_ratio[0]), float(log_ratio[1]), generator=generator)
-        aspect_ratio = torch.exp(draw).item()
-        w = int(round(math.sqrt(target_area * aspect_ratio)))
-        h = int(round(math.sqrt(target_area / aspect_ratio)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
-            left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
-            return top, left, h, w
-    in_ratio = float(width) / float(height)  # fallback: a centre crop of the whole image
-    if in_ratio < min(RATIO):
-        w, h = width, int(round(width / min(RATIO)))
-    elif in_ratio > max(RATIO):
-        h, w = height, int(round(height * max(RATIO)))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
+def uniforms(seeds: np.ndarray, count: int) -> np.ndarray:
+    """(N, count) floats uniform in [0, 1): draw j of seed s is splitmix64(s + (j + 1) * golden), so each
+    sample's draws depend on its seed alone, never on the batch it is drawn with."""
+    with np.errstate(over="ignore"):
+        z = seeds.astype(np.uint64)[:, None] + np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def flip_draw(generator: torch.Generator) -> bool:
-    """RandomHorizontalFlip's draw (``torch.rand(1) < 0.5``) from ``generator``."""
-    return bool(torch.rand(1, generator=generator).item() < 0.5)
+def train_params(heights: np.ndarray, widths: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """RandomResizedCrop's (top, left, h, w) and RandomHorizontalFlip's flip for a batch: (N, 5) int64.
 
-
-def sample_train_params(height: int, width: int, seed: int) -> tuple[tuple[int, int, int, int], bool]:
-    """The crop and flip of one training sample, from its own seed (so they do not depend on which
-    worker, device or batch handles it)."""
-    generator = torch.Generator().manual_seed(seed)
-    crop = resized_crop_params(height, width, generator)
-    return crop, flip_draw(generator)
+    The algorithm of torchvision's ``RandomResizedCrop.get_params`` (area fraction uniform in SCALE,
+    log aspect ratio uniform in log RATIO, up to ATTEMPTS tries, then a centre crop clamped to RATIO)
+    and a fair flip, evaluated for all samples at once from their seeds."""
+    heights, widths = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+    u = uniforms(np.asarray(seeds), 2 * ATTEMPTS + 3)
+    area = (heights * widths)[:, None].astype(np.float64)
+    target_area = area * (SCALE[0] + (SCALE[1] - SCALE[0]) * u[:, :ATTEMPTS])
+    log_lo, log_hi = np.log(RATIO[0]), np.log(RATIO[1])
+    aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, ATTEMPTS:2 * ATTEMPTS])
+    w = np.rint(np.sqrt(target_area * aspect)).astype(np.int64)
+    h = np.rint(np.sqrt(target_area / aspect)).astype(np.int64)
+    fits = (w > 0) & (w <= widths[:, None]) & (h > 0) & (h <= heights[:, None])
+    first = fits.argmax(axis=1)
+    rows = np.arange(len(heights))
+    found = fits[rows, first]
+    crop_h, crop_w = h[rows, first], w[rows, first]
+    in_ratio = widths / heights  # the fallback: a centre crop of the whole image, clamped to RATIO
+    fallback_w = np.where(in_ratio < RATIO[0], widths,
+                          np.where(in_ratio > RATIO[1], np.rint(heights * RATIO[1]).astype(np.int64), widths))
+    fallback_h = np.where(in_ratio < RATIO[0], np.rint(widths / RATIO[0]).astype(np.int64), heights)
+    crop_h, crop_w = np.where(found, crop_h, fallback_h), np.where(found, crop_w, fallback_w)
+    top = np.where(found, np.floor(u[:, -3] * (heights - crop_h + 1)).astype(np.int64), (heights - crop_h) // 2)
+    left = np.where(found, np.floor(u[:, -2] * (widths - crop_w + 1)).astype(np.int64), (widths - crop_w) // 2)
+    flip = (u[:, -1] < 0.5).astype(np.int64)
+    return np.stack([top, left, crop_h, crop_w, flip], axis=1)
 
 
 def train_view(image: torch.Tensor, crop: tuple[int, int, int, int], flip: bool, size: int) -> torch.Tensor:

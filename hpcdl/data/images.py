@@ -85,6 +85,8 @@ def decode_cpu(data: torch.Tensor, name: str, mode: ImageReadMode = ImageReadMod
 
 def decode_on_device(datas: list[torch.Tensor], names: list[str], device: torch.device) -> list[torch.Tensor]:
     """A batch of JPEG byte tensors -> uint8 (3, H, W) tensors on ``device`` (one batched nvJPEG call on CUDA)."""
+    if not datas:
+        return []
     try:
         return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=device))
     except RuntimeError:

@@ -22,10 +22,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from hpcdl.data.augment import Normalizer, eval_view, pad_crop_flip, sample_train_params, train_view
+from hpcdl.data.augment import Normalizer, eval_view, pad_crop_flip, train_params, train_view
 from hpcdl.data.images import ByteSource, decode_cpu, decode_on_device, is_jpeg
 from hpcdl.data.order import check_enough, mix_seed, rank_order, steps_per_epoch, test_order
 from hpcdl.data.prefetch import in_background
@@ -121,8 +122,9 @@ class DecodedViews(Dataset):
         image = decode_cpu(self.source.read(index), self.source.name(index))
         if seed < 0:
             return eval_view(image, self.image_size), int(self.source.labels[index])
-        crop, flip = sample_train_params(image.shape[-2], image.shape[-1], seed)
-        return train_view(image, crop, flip, self.image_size), int(self.source.labels[index])
+        (top, left, h, w, flip), = train_params(np.array([image.shape[-2]]), np.array([image.shape[-1]]),
+                                                np.array([seed])).tolist()
+        return train_view(image, (top, left, h, w), bool(flip), self.image_size), int(self.source.labels[index])
 
 
 class EncodedSamples(Dataset):
@@ -193,13 +195,17 @@ class FilePipeline(InputPipeline):
         self.steps_per_epoch = steps_per_epoch(self.train_samples, size, spec.batch_size)
         self.normalize = Normalizer(norm, device, spec.channels_last)
         self.train_keys, self.test_keys = KeySampler(), KeySampler()
+        self.decode_stream = torch.cuda.Stream(device) if decode_on_gpu and device.type == "cuda" else None
         self.train_loader = self.loader(train, self.train_keys, spec.batch_size)
         self.test_loader = self.loader(test, self.test_keys, spec.test_batch_size)
 
     def loader(self, source: ByteSource, keys: KeySampler, batch_size: int) -> DataLoader:
         workers = self.spec.workers
+        # pinned only where a copy reads it asynchronously: the uint8 batches of the CPU path; nvJPEG
+        # reads the bytes of the device path from pageable memory
+        pin = self.device.type == "cuda" and not self.decode_on_gpu
         options: dict[str, Any] = dict(num_workers=workers, persistent_workers=workers > 0, batch_size=batch_size,
-                                       sampler=keys, pin_memory=self.device.type == "cuda")
+                                       sampler=keys, pin_memory=pin)
         if workers > 0:
             options["prefetch_factor"] = 4
         if self.decode_on_gpu:
@@ -236,24 +242,46 @@ class FilePipeline(InputPipeline):
     def decode_views(self, payloads: list[torch.Tensor], jpeg: list[bool], keys: list[tuple[int, int]],
                      train: bool) -> torch.Tensor:
         """nvJPEG for the JPEGs of the batch (one call), then each image's crop/flip (or evaluation
-        view) on the device with the parameters the CPU path would draw."""
+        view) on the device. The crop/flip parameters of the whole batch are drawn in one go from the
+        samples' seeds (the same parameters the CPU path draws one by one); the host does no other
+        per-image work than launching each image's resize."""
         source = self.train_source if train else self.test_source
+        images = list(payloads)  # non-JPEGs came decoded by the CPU
         encoded = [i for i, is_jpg in enumerate(jpeg) if is_jpg]
-        decoded = decode_on_device([payloads[i] for i in encoded], [source.name(keys[i][0]) for i in encoded],
-                                   self.device)
-        images = [p if is_jpg else p.to(self.device, non_blocking=True)  # non-JPEGs came decoded by the CPU
-                  for p, is_jpg in zip(payloads, jpeg, strict=True)]
-        for i, image in zip(encoded, decoded, strict=True):
-            images[i] = image
+        if encoded:  # a batch of PNGs only has nothing for nvJPEG (which refuses an empty list)
+            decoded = self.decode_jpegs([payloads[i] for i in encoded], [source.name(keys[i][0]) for i in encoded])
+            for i, image in zip(encoded, decoded, strict=True):
+                images[i] = image
+        images = [image.to(self.device, non_blocking=True) for image in images]
         size = self.spec.image_size
-        views = []
-        for image, (_, seed) in zip(images, keys, strict=True):
-            if seed < 0:
-                views.append(eval_view(image, size))
-            else:
-                crop, flip = sample_train_params(image.shape[-2], image.shape[-1], seed)
-                views.append(train_view(image, crop, flip, size))
-        return torch.stack(views)
+        if not train:
+            return torch.stack([eval_view(image, size) for image in images])
+        heights = np.array([image.shape[-2] for image in images])
+        widths = np.array([image.shape[-1] for image in images])
+        params = train_params(heights, widths, np.array([seed for _, seed in keys])).tolist()
+        return torch.stack([train_view(image, (top, left, h, w), bool(flip), size)
+                            for image, (top, left, h, w, flip) in zip(images, params, strict=True)])
+
+    def decode_jpegs(self, datas: list[torch.Tensor], names: list[str]) -> list[torch.Tensor]:
+        """nvJPEG decode whose outputs are safe to use on the calling stream and to free afterwards.
+
+        torchvision 0.28's batched ``decode_jpeg(..., device="cuda")`` allocates its outputs on the
+        caller's current stream but writes them from its own internal stream, which waits for nothing
+        the caller queued (it only makes the caller wait for the decode). Called on this thread's
+        side stream, a block freed there while the previous batch's resizes still read it could be
+        handed straight to the next decode and overwritten under them. So the decode runs with a
+        stream of its own current, used for nothing else: its outputs come from that stream's pool,
+        the using stream waits for it, and ``record_stream`` keeps each output's memory from being
+        reused until the work queued on the using stream at its release has finished."""
+        if self.decode_stream is None:
+            return decode_on_device(datas, names, self.device)
+        use = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.decode_stream):
+            decoded = decode_on_device(datas, names, self.device)
+        use.wait_stream(self.decode_stream)
+        for image in decoded:
+            image.record_stream(use)
+        return decoded
 
     def close(self) -> None:
         for loader in (self.train_loader, self.test_loader):

@@ -20,11 +20,11 @@ from hpcdl.data.augment import (
     apply_crop_flip,
     draw_crop_flip,
     eval_view,
-    sample_train_params,
+    train_params,
     train_view,
 )
 from hpcdl.data.imagenet import list_imagenet
-from hpcdl.data.pipeline import FilePipeline, ResidentPipeline
+from hpcdl.data.pipeline import FilePipeline, InputPipeline, ResidentPipeline
 from hpcdl.data.registry import REGISTRY
 from hpcdl.data.spec import Normalization
 from hpcdl.runtime.errors import UsageError
@@ -43,32 +43,49 @@ def spec(dataset: str = "synthetic", data_dir: Path | None = None, **changes: ob
 
 # ---- augmentation semantics: torchvision's transforms (global RNG) are the reference
 
-@pytest.mark.parametrize("height,width", [(375, 500), (500, 375), (40, 47), (30, 400), (400, 30), (224, 224)])
-def test_crop_and_flip_draws_are_torchvisions(height: int, width: int) -> None:
-    image = torch.zeros(3, height, width)
-    for seed in range(40):
-        torch.manual_seed(seed)
-        expected_crop = T.RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3])
-        expected_flip = bool(torch.rand(1) < 0.5)  # RandomHorizontalFlip's draw, next in the stream
-        assert sample_train_params(height, width, seed) == (expected_crop, expected_flip)
+def draws(height: int, width: int, seeds: range) -> np.ndarray:
+    return train_params(np.full(len(seeds), height), np.full(len(seeds), width), np.array(list(seeds)))
+
+
+@pytest.mark.parametrize("height,width", [(375, 500), (500, 375), (40, 47), (30, 400), (224, 224)])
+def test_crop_and_flip_draws_follow_torchvisions_distribution(height: int, width: int) -> None:
+    from scipy.stats import ks_2samp
+
+    ours = draws(height, width, range(4000))
+    image = torch.zeros(1, height, width)
+    torch.manual_seed(0)
+    theirs = np.array([T.RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(4000)])
+    for column, name in ((2, "crop height"), (3, "crop width"), (0, "top"), (1, "left")):
+        assert ks_2samp(ours[:, column], theirs[:, column]).pvalue > 1e-3, name
+    assert ((ours[:, 0] + ours[:, 2] <= height) & (ours[:, 1] + ours[:, 3] <= width)).all()
+    assert 0.46 < ours[:, 4].mean() < 0.54  # RandomHorizontalFlip(p=0.5)
+
+
+@pytest.mark.parametrize("height,width", [(1, 1000), (1000, 1), (3, 900), (900, 3)])
+def test_crop_fallback_is_torchvisions_centre_crop(height: int, width: int) -> None:
+    # no try can fit these, so torchvision's answer is deterministic: compare with it directly
+    expected = T.RandomResizedCrop.get_params(torch.zeros(1, height, width), [0.08, 1.0], [3 / 4, 4 / 3])
+    assert {tuple(row[:4]) for row in draws(height, width, range(50)).tolist()} == {expected}
+
+
+def test_a_samples_draw_depends_on_its_seed_alone() -> None:
+    heights, widths, seeds = np.array([375, 40, 500]), np.array([500, 47, 375]), np.array([11, 2**62 + 5, 7])
+    batch = train_params(heights, widths, seeds)
+    for i in range(3):
+        assert (train_params(heights[i:i + 1], widths[i:i + 1], seeds[i:i + 1])[0] == batch[i]).all()
+    assert len({tuple(row) for row in draws(375, 500, range(100)).tolist()}) == 100
 
 
 def test_train_view_is_random_resized_crop_and_flip() -> None:
     image = torch.randint(0, 256, (3, 61, 83), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    reference = v2.Compose([v2.RandomResizedCrop(32, antialias=True), v2.RandomHorizontalFlip()])
-    classic = T.Compose([T.RandomResizedCrop(32, antialias=True), T.RandomHorizontalFlip()])
     flips = set()
-    for seed in range(30):
-        torch.manual_seed(seed)
-        expected = reference(image)
-        torch.manual_seed(seed)
-        expected_classic = classic(image)
-        crop, flip = sample_train_params(61, 83, seed)
-        flips.add(flip)
-        view = train_view(image, crop, flip, 32)
-        assert torch.equal(view, expected)
-        # the classic transforms resize uint8 through float: the same view up to rounding
-        assert (view.int() - expected_classic.int()).abs().max() <= 1
+    for top, left, h, w, flip in draws(61, 83, range(30)).tolist():
+        flips.add(bool(flip))
+        view = train_view(image, (top, left, h, w), bool(flip), 32)
+        # the classic transforms on the same crop: the same view up to uint8 rounding
+        expected = TF.resized_crop(image, top, left, h, w, [32, 32], antialias=True)
+        expected = TF.hflip(expected) if flip else expected
+        assert (view.int() - expected.int()).abs().max() <= 1
     assert flips == {True, False}
 
 
@@ -297,3 +314,114 @@ def test_resident_pipelines_on_cuda_augment_there_and_resume_exactly(tmp_path: P
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[2:], resumed, strict=True))
     x, y = next(build_pipeline(spec(synthetic_shape=(3, 64, 64)), 0, 1, cuda).train_epoch(0))
     assert x.device.type == y.device.type == "cuda" and x.shape == (4, 3, 64, 64)
+
+
+# ---- the device-decode path: batches without JPEGs, unusual JPEGs, and (on CUDA) nvJPEG against libjpeg-turbo
+
+def write_odd_images(root: Path, size: int = 48) -> dict[str, Path]:
+    """One grayscale JPEG, one CMYK JPEG and one PNG in the first training class; the rest as written."""
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    folder = root / "train" / "n00000000"
+    paths = {"gray": folder / "gray.JPEG", "cmyk": folder / "cmyk.JPEG", "png": folder / "extra.png"}
+    Image.fromarray(rng.integers(0, 256, (size, size + 3), dtype=np.uint8), "L").save(paths["gray"], quality=90)
+    Image.fromarray(rng.integers(0, 256, (size + 5, size, 4), dtype=np.uint8), "CMYK").save(paths["cmyk"],
+                                                                                             quality=90)
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(paths["png"])
+    return paths
+
+
+def test_a_batch_without_jpegs_on_the_device_path(tmp_path: Path) -> None:
+    # a PNG-only split: nvJPEG gets nothing to decode (torchvision's decode_jpeg refuses an empty list)
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in range(2):
+            folder = tmp_path / split / f"n{c:08d}"
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (40 + i, 37), (60 * i, 20 * c, 90)).save(folder / f"img_{i}.png")
+    cpu, device_path = file_pipelines(tmp_path, False), file_pipelines(tmp_path, True)
+    for (x, y), (dx, dy) in zip(cpu.train_epoch(0), device_path.train_epoch(0), strict=True):
+        assert torch.equal(x, dx) and torch.equal(y, dy)
+    assert len(list(device_path.test_batches())) == 2
+
+
+def test_grayscale_and_cmyk_jpegs_give_the_cpu_paths_pixels(tmp_path: Path) -> None:
+    write_imagenet(tmp_path, classes=2, per_class=3, size=48)
+    write_odd_images(tmp_path)
+    cpu, device_path = file_pipelines(tmp_path, False), file_pipelines(tmp_path, True)
+    batches = list(zip(cpu.train_epoch(0), device_path.train_epoch(0), strict=True))
+    assert len(batches) == 2
+    for (x, y), (dx, dy) in batches:
+        assert x.shape == (4, 3, 32, 32) and torch.equal(x, dx) and torch.equal(y, dy)
+
+
+def paired_cuda_pipelines(root: Path, **changes: object) -> tuple[InputPipeline, InputPipeline]:
+    cuda = torch.device("cuda")
+    options = dict(image_size=64, batch_size=8, test_batch_size=8, **changes)
+    return (build_pipeline(spec("imagenet", root, decode="gpu", **options), 0, 1, cuda),
+            build_pipeline(spec("imagenet", root, decode="cpu", **options), 0, 1, cuda))
+
+
+def assert_close_to_libjpeg(gpu_batch: tuple[torch.Tensor, torch.Tensor],
+                            cpu_batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """nvJPEG and libjpeg-turbo differ in IDCT and chroma-upsampling rounding: a few levels on a
+    pixel, far less on average. A batch overwritten by another batch's pixels is off by about 1.1
+    normalised units on average (uniform random pixels), hundreds of times these bounds."""
+    (x, y), (cx, cy) = gpu_batch, cpu_batch
+    assert x.device.type == "cuda" and torch.equal(y, cy)
+    per_image = (x - cx).abs().flatten(1).mean(1)
+    assert per_image.max().item() < 0.05, per_image.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (nvJPEG decode)")
+def test_gpu_decode_equals_cpu_decode_over_many_batches_with_prefetch_running(tmp_path: Path) -> None:
+    # many batches, the model's stream kept busy, so a decode that overwrote a batch still being
+    # resized (the allocator race of torchvision's batched decode) would show as a wrong image
+    write_imagenet(tmp_path, classes=4, per_class=40, size=96)
+    gpu, cpu = paired_cuda_pipelines(tmp_path, workers=2)
+    busy = torch.randn(2048, 2048, device="cuda")
+    for epoch in range(3):
+        for gpu_batch, cpu_batch in zip(gpu.train_epoch(epoch), cpu.train_epoch(epoch), strict=True):
+            for _ in range(4):
+                busy = (busy @ busy).tanh_()  # keeps the consumer stream behind the producer
+            assert_close_to_libjpeg(gpu_batch, cpu_batch)
+    for gpu_batch, cpu_batch in zip(gpu.test_batches(), cpu.test_batches(), strict=True):
+        assert_close_to_libjpeg(gpu_batch, cpu_batch)
+    gpu.close()
+    cpu.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (nvJPEG decode)")
+def test_gpu_decode_of_grayscale_cmyk_and_png_equals_cpu_decode(tmp_path: Path) -> None:
+    write_imagenet(tmp_path, classes=2, per_class=5, size=64)
+    write_odd_images(tmp_path, size=64)
+    gpu, cpu = paired_cuda_pipelines(tmp_path, workers=0, batch_size=13)
+    for epoch in range(2):  # 13 training images: every one in the single batch of each epoch
+        for gpu_batch, cpu_batch in zip(gpu.train_epoch(epoch), cpu.train_epoch(epoch), strict=True):
+            assert_close_to_libjpeg(gpu_batch, cpu_batch)
+    gpu.close()
+    cpu.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (nvJPEG decode)")
+def test_truncated_jpeg_on_the_gpu_does_what_the_cpu_decoder_does(tmp_path: Path) -> None:
+    # libjpeg-turbo is the reference: if it refuses the file, the GPU path names the file too; if it
+    # decodes what is there, the GPU path gives the same pixels
+    write_imagenet(tmp_path, classes=2, per_class=4, size=64)
+    cut = tmp_path / "train" / "n00000001" / "img_2.JPEG"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    gpu, cpu = paired_cuda_pipelines(tmp_path, workers=0)
+    try:
+        cpu_batches = list(cpu.train_epoch(0))
+    except OSError as exc:
+        assert str(cut) in str(exc)
+        with pytest.raises(OSError, match=f"cannot decode image {cut}"):
+            list(gpu.train_epoch(0))
+    else:
+        for gpu_batch, cpu_batch in zip(gpu.train_epoch(0), cpu_batches, strict=True):
+            assert_close_to_libjpeg(gpu_batch, cpu_batch)
+    gpu.close()
+    cpu.close()
