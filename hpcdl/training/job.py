@@ -39,6 +39,7 @@ from hpcdl.training.loop import LoopSettings, Trainer
 from hpcdl.training.models import build_model
 from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
+from kfac.precision import train_in_tf32
 
 
 @dataclass
@@ -178,14 +179,15 @@ def try_one_batch(model: nn.Module, data: InputPipeline, config: TrainConfig, de
 
 
 def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, device: torch.device,
-                        amp_dtype: torch.dtype | None) -> nn.Module:
+                        amp_dtype: torch.dtype | None, micro_batches: int = 1) -> nn.Module:
     """torch.compile the model and compile its training graphs now, on a dummy batch, before the stall watchdog
     runs and before Horovod hooks the gradients (compiling can take minutes; a hooked backward would allreduce).
     The model's state is put back afterwards, so that the dummy step changes no BatchNorm statistics."""
     compiled = torch.compile(model, dynamic=False)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     fmt = torch.channels_last if spec.channels_last and len(data.input_shape) == 3 else torch.contiguous_format
-    batch = torch.zeros(spec.batch_size, *data.input_shape, device=device).to(memory_format=fmt)
+    # the shape the loop calls the model with: one micro-batch (static shapes: another would recompile)
+    batch = torch.zeros(spec.batch_size // micro_batches, *data.input_shape, device=device).to(memory_format=fmt)
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     with autocast:
         out = compiled(batch)
@@ -226,10 +228,9 @@ def deterministic(config: TrainConfig) -> bool:
 def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, faults: FaultInjector,
                 amp_dtype: torch.dtype | None) -> Job:
     cuda = me.device.type == "cuda"
+    train_in_tf32()  # on every run, so that CPU and GPU runs are in one state (K-FAC switches it per stage)
     if cuda:
         torch.backends.cudnn.benchmark = config.cudnn_benchmark  # fixed shapes: let cuDNN time its kernels once
-        torch.backends.cuda.matmul.allow_tf32 = True  # the precision torch's docs recommend for training
-        torch.backends.cudnn.allow_tf32 = True
     if cuda and deterministic(config):  # kernels whose result does not depend on thread timing (cuDNN, scatter-add)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
@@ -258,7 +259,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     agree(lambda: try_one_batch(model, data, config, me.device))
 
-    compiled = compile_and_warm_up(model, data, spec, me.device, amp_dtype) if config.compile else model
+    compiled = (compile_and_warm_up(model, data, spec, me.device, amp_dtype, config.batches_per_allreduce)
+                if config.compile else model)
 
     peak_lr = config.base_lr * lr_scale(me.size, config.batches_per_allreduce, config.use_adasum, me.local_size, cuda)
     schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, config.warmup_start_factor), peak_lr,
