@@ -39,6 +39,25 @@ pip_q() {
 }
 
 case "$TORCH_MODE" in auto | pip | existing) ;; *) fail "HPCDL_TORCH must be auto, pip or existing (got '$TORCH_MODE')" ;; esac
+# What was asked for is checked before anything is built or linked: PYTHON must be a Python, and
+# HPCDL_TORCH=existing needs a torch in it (whatever this venv already holds).
+PY_WHO="${PYTHON:+PYTHON=}$PY_BOOT"
+if ! command -v "$PY_BOOT" >/dev/null; then
+  fail "$PY_WHO: no such program (set PYTHON to a python3 executable, e.g. PYTHON=\$(command -v python3))"
+fi
+PY_CHECK="$("$PY_BOOT" -c 'import sys; assert sys.version_info >= (3, 9), sys.version.split()[0]' 2>&1)" ||
+  fail "$PY_WHO is not a usable Python 3.9 or newer ($(printf '%s' "$PY_CHECK" | tail -n 1))"
+if [ "$TORCH_MODE" = existing ]; then
+  if [ -x "$VENV/bin/python" ] && [ ! -f "$VENV/.hpcdl-existing-torch" ]; then
+    fail "HPCDL_TORCH=existing, but $VENV was made with its own torch; remove it or choose another HPCDL_VENV"
+  fi
+  if [ -f "$VENV/.hpcdl-existing-torch" ] &&
+    [ "$(readlink -f "$(command -v "$(cat "$VENV/.hpcdl-existing-torch")")" 2>/dev/null)" != "$(readlink -f "$(command -v "$PY_BOOT")")" ]; then
+    fail "$VENV is linked to the torch of $(cat "$VENV/.hpcdl-existing-torch"), not of $PY_BOOT; remove it or choose another HPCDL_VENV"
+  fi
+  PY_CHECK="$("$PY_BOOT" -c 'import torch, torchvision.ops as o; o.nms(torch.rand(2, 4), torch.rand(2), 0.5)' 2>&1)" ||
+    fail "HPCDL_TORCH=existing, but $PY_WHO cannot use its torch and torchvision ($(printf '%s' "$PY_CHECK" | tail -n 1)); set PYTHON to the python that has them (module load ..., conda activate ...)"
+fi
 if [ -n "$WHEELHOUSE" ]; then
   [ -d "$WHEELHOUSE" ] || fail "HPCDL_WHEELHOUSE=$WHEELHOUSE is not a folder (make one with: make wheelhouse DIR=...)"
   WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"
@@ -86,7 +105,11 @@ fi
 
 step "2/6 virtual environment at $VENV"
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PY_BOOT" -m venv "$VENV" || fail "'$PY_BOOT -m venv' failed; install python3-venv (Debian) or load a Python module"
+  if ! "$PY_BOOT" -c 'import ensurepip, venv' 2>/dev/null; then
+    fail "$PY_WHO has no venv/ensurepip module; install python3-venv (Debian) or load a Python module that has it"
+  fi
+  VENV_ERR="$("$PY_BOOT" -m venv "$VENV" 2>&1)" ||
+    fail "'$PY_BOOT -m venv $VENV' failed: $(printf '%s' "$VENV_ERR" | tail -n 1)"
   ok "created"
 else
   ok "exists ($("$VENV/bin/python" --version))"
