@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Run mpirun, pass its stderr through, and make sure the job ends when a node is lost.
+
+    python3 launch/supervise.py [--grace S] [--map HOST=RANKS;...] -- mpirun ...
+
+Open MPI 4.1 ends a job by itself when a node's daemon dies (a crash closes its TCP connection) or,
+with short ``oob_tcp_keepalive_*`` settings, when an idle connection to a daemon stops answering.
+It does not end when a rank calls MPI_Abort while a node is cut off: mpirun sends the kill order
+to every daemon, the one it cannot reach never acknowledges it, TCP keeps retransmitting for
+~15 minutes (net.ipv4.tcp_retries2) and keepalives are not sent while data is unacknowledged. So
+this supervisor watches stderr for the abort (hpcdl's stall verdict or Open MPI's MPI_ABORT
+notice) and kills mpirun's process group ``--grace`` seconds later if it is still there. It also
+turns Open MPI's "lost communication with a remote daemon" block into one line that names the node
+and its ranks (``--map``, from the host list, since Open MPI names only the daemon).
+
+Standard library only: it runs before any virtual environment is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ABORT_PATTERNS = (re.compile(r"hpcdl: .*ending the job"), re.compile(r"MPI_ABORT was invoked"),
+                  re.compile(r"ORTE has lost communication with a remote daemon"))
+LOST_DAEMON = re.compile(r"Remote daemon: \[\[\d+,\d+\],\d+\] on node (\S+)")
+EXIT_LOST = 3  # what hpcdl's watchdog exits with; used when mpirun had to be killed
+
+
+def note(message: str) -> None:
+    print(f"[hpcdl] {message}", file=sys.stderr, flush=True)
+
+
+def parse_map(text: str) -> dict[str, str]:
+    """'10.0.0.1=0,1;10.0.0.2=2,3' -> {'10.0.0.1': '0, 1', ...}"""
+    found = {}
+    for part in filter(None, text.split(";")):
+        host, _, ranks = part.partition("=")
+        found[host] = ", ".join(filter(None, ranks.split(",")))
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="launch/supervise.py")
+    parser.add_argument("--grace", type=float, default=20.0,
+                        help="seconds mpirun may take to end after an abort before it is killed")
+    parser.add_argument("--map", default="", help="HOST=RANK,RANK;... for naming a lost node's ranks")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command to run")
+    ranks_on = parse_map(args.map)
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, start_new_session=True)
+    aborted_at: list[float] = []
+    killed = threading.Event()
+    named: set[str] = set()
+
+    def forward_signal(sig: int, _frame: object) -> None:  # Ctrl-C / scancel reach mpirun as before
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward_signal)
+
+    def reaper() -> None:
+        while proc.poll() is None:
+            if aborted_at and time.monotonic() - aborted_at[0] > args.grace:
+                note(f"mpirun still running {args.grace:.0f} s after the job was aborted (it waits for a "
+                     "daemon it cannot reach): killing it")
+                killed.set()
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                time.sleep(5)  # a process outside the group may still hold stderr open: do not wait on it
+                os._exit(EXIT_LOST)
+            time.sleep(0.5)
+
+    threading.Thread(target=reaper, daemon=True).start()
+    assert proc.stderr is not None
+    for raw in proc.stderr:
+        sys.stderr.buffer.write(raw)
+        sys.stderr.buffer.flush()
+        line = raw.decode(errors="replace")
+        if not aborted_at and any(p.search(line) for p in ABORT_PATTERNS):
+            aborted_at.append(time.monotonic())
+        lost = LOST_DAEMON.search(line)
+        if lost and lost.group(1) not in named:
+            named.add(lost.group(1))
+            host = lost.group(1)
+            note(f"node {host} lost: Open MPI lost its daemon there (ranks {ranks_on.get(host, '?')}); ending the job")
+    rc = proc.wait()
+    if killed.is_set():
+        return EXIT_LOST
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
