@@ -30,6 +30,8 @@ import time
 ABORT_PATTERNS = (re.compile(r"hpcdl: .*ending the job"), re.compile(r"MPI_ABORT was invoked"),
                   re.compile(r"ORTE has lost communication with a remote daemon"))
 LOST_DAEMON = re.compile(r"Remote daemon: \[\[\d+,\d+\],\d+\] on node (\S+)")
+# A rank's TCP transport saw a peer hang up (its node crashed, or the peer process died).
+PEER_HUNG_UP = re.compile(r"^\s*Peer host:\s*(\S+)")
 EXIT_LOST = 3  # what hpcdl's watchdog exits with; used when mpirun had to be killed
 
 
@@ -98,6 +100,13 @@ def main() -> int:
             named.add(lost.group(1))
             host = lost.group(1)
             note(f"node {host} lost: Open MPI lost its daemon there (ranks {ranks_on.get(host, '?')}); ending the job")
+        hung_up = PEER_HUNG_UP.search(line)
+        if hung_up and hung_up.group(1) not in named:
+            named.add(hung_up.group(1))
+            host = hung_up.group(1)
+            note(f"node {host} lost or its ranks died: connections to it broke (ranks {ranks_on.get(host, '?')}); "
+                 "ending the job")
+            aborted_at.append(time.monotonic())
     rc = proc.wait()
     if killed.is_set():
         return EXIT_LOST

@@ -17,12 +17,14 @@ import platform
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpcdl.runtime import launcher, placement
+from hpcdl.tools import nodes
 
 SETUP_HINT = "bash scripts/setup.sh"
 THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
@@ -206,12 +208,48 @@ def print_ranks(rows: Sequence[placement.RankRow], extras: Sequence[dict[str, An
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
 
 
+def check_nodes(comm) -> tuple[list[nodes.NodeFacts], bool]:
+    """Node facts and the node-to-node reachability check, before MPI collectives or Horovod start
+    (an unreachable node would hang them). Returns (facts on rank 0, whether a node is unreachable)."""
+    if comm.Get_size() == 1:
+        return [], False
+    try:
+        facts, failures = nodes.check(comm)
+        verdict = nodes.from_root(comm, bool(failures) if comm.Get_rank() == 0 else None,
+                                  time.monotonic() + nodes.EXCHANGE_TIMEOUT)
+    except nodes.ExchangeTimeout as err:
+        print(f"doctor: rank {comm.Get_rank()} on {platform.node()}: no answer when {err} within "
+              f"{nodes.EXCHANGE_TIMEOUT:.0f} s -- fix: check that this node reaches rank 0's node on the job's "
+              "interface (--iface)", file=sys.stderr, flush=True)
+        comm.Abort(1)
+        raise
+    for line in failures:
+        print(f"doctor: {line} -- fix: open TCP between the nodes on the job's interface, or choose another "
+              "with launch/mpirun.sh --iface", file=sys.stderr, flush=True)
+    return facts, bool(verdict)
+
+
+def print_nodes(facts: Sequence[nodes.NodeFacts]) -> None:
+    if not facts:
+        return
+    header = ("node", "interface", "address", "cores", "GPUs", "ranks")
+    table = [header] + [(f.host, f.interface, f.address, str(f.cores), str(f.gpus), ",".join(map(str, f.ranks)))
+                        for f in facts]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    print("\nNodes (every node reached every other over TCP)")
+    for line in table:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
+
+
 def diagnose(expect_gpu: bool) -> int:
     """Run every check; rank 0 prints the tables. Returns the exit code."""
     MPI = import_mpi4py()
     build = horovod_build()
     libs = mpi_libraries()
     check_same_mpi(libs)
+    node_rows, unreachable = check_nodes(MPI.COMM_WORLD)
+    if unreachable:
+        return 1
 
     from hpcdl.runtime import world as world_module
 
@@ -249,6 +287,7 @@ def diagnose(expect_gpu: bool) -> int:
                 Row("world size", str(world.size)),
             ],
         )
+        print_nodes(node_rows)
         print_ranks(rows, extras)
         if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
             raise Problem("MPI was initialised below THREAD_MULTIPLE", "use an MPI built with thread support")

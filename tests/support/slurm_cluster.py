@@ -26,10 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from hpcdl.tools.vcluster import VCluster
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
 NODE_CPUS = 32  # enough for launch/slurm.sbatch as written: 4 tasks x 8 CPUs
 NODE_GPUS = 4
+VNODE_CPUS = 8  # a virtual node claims 8 CPUs (config_overrides): 2 tasks x 4 CPUs per node
 PARTITIONS = ("debug", "rtx")  # rtx: the queue name the Frontera batch script asks for
 FINISHED_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
@@ -59,7 +62,10 @@ class SlurmError(RuntimeError):
 class SlurmCluster:
     """A one-node Slurm cluster in a temporary folder. Use as a context manager."""
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, vcluster: VCluster | None = None) -> None:
+        # With a virtual cluster: slurmctld here (on its bridge address), one slurmd per node,
+        # started inside the node (nsenter: `ip netns exec` would hide /sys/fs/cgroup from slurmd).
+        self.vcluster = vcluster
         self.owns_root = root is None  # a folder we made is removed again by stop()
         self.root = Path(root or tempfile.mkdtemp(prefix="hpcdl-slurm-"))
         # munged runs as the munge user and must be able to reach its files.
@@ -89,7 +95,13 @@ class SlurmCluster:
             self._start_munge()
             self._write_config()
             self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
-            self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.host])
+            if self.vcluster is None:
+                self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.host])
+            else:
+                for node in self.vcluster.nodes:
+                    conf = self._node_config(node.hostname)
+                    self._spawn(f"slurmd-{node.hostname}",
+                                self.vcluster.wrap(node, ["slurmd", "-D", "-f", str(conf), "-N", node.hostname]))
             self._wait_for_idle(timeout)
         except BaseException:
             self.stop()
@@ -102,7 +114,8 @@ class SlurmCluster:
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and self.run(["squeue", "-h"], check=False).stdout.strip():
                 time.sleep(0.5)
-        for name in ("slurmd", "slurmctld", "munged"):
+        slurmds = [name for name in self.procs if name.startswith("slurmd")]
+        for name in (*slurmds, "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is not None:
                 _terminate(proc)
@@ -206,24 +219,53 @@ class SlurmCluster:
                 raise SlurmError(f"munged did not create its socket\n{self.logs()}")
             time.sleep(0.1)
 
+    @property
+    def node_names(self) -> list[str]:
+        return [n.hostname for n in self.vcluster.nodes] if self.vcluster else [self.host]
+
+    def _node_config(self, name: str) -> Path:
+        """A slurmd's own copy of slurm.conf: its spool, pid, log and TmpFS (PMIx needs a TmpFS of
+        its own per node: with a shared one the second node fails on 'spmix_appdir_...: File exists')."""
+        node_dir = self.root / name
+        (node_dir / "tmp").mkdir(parents=True)
+        (node_dir / "spool").mkdir()
+        text = self.conf.read_text()
+        text = re.sub(r"^SlurmdSpoolDir=.*$", f"SlurmdSpoolDir={node_dir}/spool", text, flags=re.M)
+        text = re.sub(r"^SlurmdPidFile=.*$", f"SlurmdPidFile={node_dir}/slurmd.pid", text, flags=re.M)
+        text = re.sub(r"^SlurmdLogFile=.*$", f"SlurmdLogFile={self.root}/slurmd-{name}.log", text, flags=re.M)
+        conf = node_dir / "slurm.conf"
+        conf.write_text(text + f"TmpFS={node_dir}/tmp\n")
+        return conf
+
     def _write_config(self) -> None:
         for sub in ("state", "spool", "dev"):
             (self.root / sub).mkdir()
         # Fake GPUs: gres.conf wants character devices; their numbers do not matter to Slurm.
         for index in range(NODE_GPUS):
             os.mknod(self.root / "dev" / f"nvidia{index}", 0o666 | 0o020000, os.makedev(195, index))
-        (self.root / "gres.conf").write_text(
-            f"AutoDetect=off\nNodeName={self.host} Name=gpu File={self.root}/dev/nvidia[0-{NODE_GPUS - 1}]\n"
-        )
+        (self.root / "gres.conf").write_text("AutoDetect=off\n" + "".join(
+            f"NodeName={node} Name=gpu File={self.root}/dev/nvidia[0-{NODE_GPUS - 1}]\n" for node in self.node_names))
         r = self.root
         partitions = "\n".join(
-            f"PartitionName={name} Nodes={self.host} MaxTime=INFINITE State=UP{' Default=YES' if name == 'debug' else ''}"
+            f"PartitionName={name} Nodes={','.join(self.node_names)} MaxTime=INFINITE State=UP"
+            f"{' Default=YES' if name == 'debug' else ''}"
             for name in PARTITIONS
         )
+        if self.vcluster is None:
+            ctld_address = "127.0.0.1"
+            addresses = {self.host: "127.0.0.1"}
+            cpus = NODE_CPUS
+        else:
+            ctld_address = self.vcluster.bridge_address
+            addresses = {n.hostname: n.address for n in self.vcluster.nodes}
+            cpus = VNODE_CPUS
+        node_lines = "\n".join(
+            f"NodeName={name} NodeAddr={address} CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 "
+            f"RealMemory=4000 Gres=gpu:{NODE_GPUS} State=UNKNOWN" for name, address in addresses.items())
         self.conf.write_text(
             f"""\
 ClusterName=hpcdltest
-SlurmctldHost={self.host}(127.0.0.1)
+SlurmctldHost={self.host}({ctld_address})
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
@@ -252,8 +294,7 @@ ReturnToService=2
 KillWait=5
 InactiveLimit=0
 GresTypes=gpu
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} Sockets=1 CoresPerSocket={NODE_CPUS} ThreadsPerCore=1 \
-RealMemory=4000 Gres=gpu:{NODE_GPUS} State=UNKNOWN
+{node_lines}
 {partitions}
 """
         )
@@ -267,7 +308,9 @@ RealMemory=4000 Gres=gpu:{NODE_GPUS} State=UNKNOWN
                     raise SlurmError(f"{name} exited ({proc.returncode}) while starting\n{self.logs()}")
             result = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False, timeout=10)
             state = result.stdout.strip()
-            if result.returncode == 0 and state.startswith("idle"):
+            states = state.split()
+            if result.returncode == 0 and len(states) >= len(self.node_names) and all(
+                    s.startswith("idle") for s in states):
                 return
             time.sleep(0.5)
         raise SlurmError(f"the node did not become idle in {timeout} s (state: {state!r})\n{self.logs()}")

@@ -9,6 +9,7 @@ HPCDL_REQUIRE_VCLUSTER=1 a missing requirement fails instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -83,10 +84,8 @@ class Launch:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, 9)
-            except ProcessLookupError:
-                pass
             self.proc.wait(timeout=10)
 
     @property

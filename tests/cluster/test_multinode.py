@@ -1,0 +1,46 @@
+"""Launching on several (virtual) nodes: hpcdl.doctor's per-node facts and its reachability check.
+
+Training across nodes through launch/mpirun.sh is exercised by tests/cluster/test_node_loss.py
+(4 ranks on 2 nodes until a node is lost, then 2 ranks on 1 node resuming).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.vcluster import make_vcluster, run_launch  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.processes
+
+
+def test_doctor_reports_every_node_through_a_hostfile(make_vcluster, tmp_path: Path) -> None:
+    cluster = make_vcluster(3)
+    hostfile = cluster.write_hostfile(tmp_path / "hosts", slots=1)
+    rc, text = run_launch(["--vcluster", cluster.name, "--hostfile", str(hostfile), "-np", "3",
+                           "--entry", "hpcdl.doctor"], tmp_path / "doctor.log", timeout=180)
+    assert rc == 0, text[-3000:]
+    for index, node in enumerate(cluster.nodes):
+        # node, interface, address, cores, GPUs, ranks: the interface is the one in the job's subnet
+        assert re.search(rf"^  {node.hostname} +eth0 +{re.escape(node.address)} +\d+ +0 +{index}\s*$", text, re.M), \
+            text[-3000:]
+    # local rank/size per node: one rank per node here
+    assert len(re.findall(r"^  node\d +\d +0 +1 +cpu", text, re.M)) == 3, text[-3000:]
+
+
+def test_doctor_names_a_node_that_cannot_reach_another(make_vcluster, tmp_path: Path) -> None:
+    cluster = make_vcluster(3)
+    node2, node3 = cluster.node("node2"), cluster.node("node3")
+    # node3 can no longer send to node2 (and so neither side can open a connection to the other)
+    subprocess.run(["ip", "-n", node3.namespace, "route", "add", "blackhole", f"{node2.address}/32"],
+                   check=True, timeout=30)
+    rc, text = run_launch(["--vcluster", cluster.name, "-np", "3", "--entry", "hpcdl.doctor"],
+                          tmp_path / "doctor.log", timeout=180)
+    assert rc != 0, text[-3000:]
+    lines = [line for line in text.splitlines() if line.startswith("doctor: node")]
+    assert any(re.match(rf"doctor: node {node3.hostname} \({re.escape(node3.address)}\) cannot reach node "
+                        rf"{node2.hostname} \({re.escape(node2.address)}:\d+\)", line) for line in lines), text[-3000:]
+    assert not re.search(r"^Ranks$", text, re.M), "the doctor went on past the failed check"
