@@ -36,8 +36,13 @@ while [ $# -gt 0 ]; do
     *) DIR="$1"; shift ;;
   esac
 done
-[ -n "$DIR" ] || { echo "wheelhouse: which folder? e.g. make wheelhouse DIR=/scratch/hpcdl-wheels" >&2; exit 2; }
-mkdir -p "$DIR"
+# Everything asked for is checked before the first (2.6 GB) download.
+die() { echo "wheelhouse: $1" >&2; exit 2; }
+[ -n "$DIR" ] || die "which folder? e.g. make wheelhouse DIR=/scratch/hpcdl-wheels"
+command -v "$PY" >/dev/null || die "PYTHON=$PY: no such program"
+[ -z "$TARGET_PY" ] || [[ "$TARGET_PY" =~ ^3\.[0-9]+$ ]] || die "--python-version takes 3.N, e.g. 3.12 (got '$TARGET_PY')"
+MKDIR_ERR="$(mkdir -p -- "$DIR" 2>&1)" || die "cannot make the folder $DIR (${MKDIR_ERR##*: })"
+[ -w "$DIR" ] && [ -x "$DIR" ] || die "the folder $DIR is not writable"
 DIR="$(cd "$DIR" && pwd)"
 
 pip_dl() {

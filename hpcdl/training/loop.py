@@ -210,7 +210,8 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
         images += len(images_batch) * trainer.world.size
         bar.update(1)
         watchdog.beat(step, phase="data")
-        last = progress.step_in_epoch >= data.steps_per_epoch or step == settings.max_steps
+        last = (progress.step_in_epoch >= data.steps_per_epoch
+                or (settings.max_steps is not None and step >= settings.max_steps))
         if last or health.count == settings.log_every:
             with torch.profiler.record_function(LOG_POINT):
                 watchdog.beat(phase="collective")

@@ -125,6 +125,17 @@ def resume_changes(saved: dict[str, Any], config: TrainConfig) -> list[str]:
             if k not in ignore and k in saved and saved[k] != now[k]]
 
 
+def limit_reached(config: TrainConfig, progress: Progress) -> str | None:
+    """Which of the flags' limits a resumed run has already reached (then it trains no further), or None."""
+    if config.max_steps is not None and progress.global_step >= config.max_steps:
+        return f"--max-steps {config.max_steps} already reached"
+    if progress.epochs_completed >= config.epochs:
+        return f"--epochs {config.epochs} already reached"
+    if config.target_accuracy is not None and progress.best_accuracy >= config.target_accuracy:
+        return f"--target-accuracy {config.target_accuracy:g} already reached (best {progress.best_accuracy:.4f})"
+    return None
+
+
 def stop_condition_extended(saved: dict[str, Any], config: TrainConfig, progress: Progress) -> bool:
     """True when the flags let a run that stopped for ``progress.stop_reason`` train further."""
     reason = progress.stop_reason

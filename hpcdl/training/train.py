@@ -60,6 +60,11 @@ def run(job: Job) -> TrainResult:
                    f"(stopped by {progress.stop_reason} after {progress.epochs_completed} epoch(s)); nothing to "
                    "do. Raise --epochs, --max-steps or --target-accuracy to train further.")
             return TrainResult(state.model, {"stop_reason": progress.stop_reason, "already_finished": True})
+        reached = runstate.limit_reached(config, progress)
+        if reached:
+            print0(f"hpcdl: run {job.resumed['run_id']} in {job.output_dir} is at step {progress.global_step} "
+                   f"({progress.epochs_completed} epoch(s) completed): {reached}; no further training")
+            return TrainResult(state.model, {"stop_reason": progress.stop_reason, "already_finished": True})
         progress.stop_reason = None
         if config.target_accuracy is not None and progress.best_accuracy < config.target_accuracy:
             progress.time_to_target = None
