@@ -1,0 +1,87 @@
+"""What bit-identical runs cost: hpcdl.train with ``--deterministic on`` against ``off``, side by side.
+
+    .venv/bin/python benchmarks/deterministic_cost.py                  # 3 ranks, resnet20, 3 pairs
+    .venv/bin/python benchmarks/deterministic_cost.py --ranks 2 3 4 --pairs 4 --refresh-results
+
+``on`` reduces every gradient tensor in its own allreduce (no Horovod tensor fusion, whose timing-
+dependent buffer layout changes the summation order from 3 ranks on); ``off`` is Horovod's fused
+default. For each world size the two run in alternating pairs (AB BA AB ...) on synthetic data; a
+pair's ratio is the images/s of the second epoch (warm-up excluded), on / off; the median over
+pairs is reported. The machine's load average is recorded beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "deterministic_cost.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[3], help="world sizes (default 3)")
+    parser.add_argument("--pairs", type=int, default=3, help="alternating pairs per world size (default 3)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per epoch (default 12)")
+    parser.add_argument("--model", default="resnet20")
+    parser.add_argument("--refresh-results", action="store_true", help=f"write {RESULTS.relative_to(REPO)}")
+    args = parser.parse_args(argv)
+    if min(args.ranks) < 1 or args.pairs < 1 or args.steps < 1:
+        parser.error("--ranks, --pairs and --steps must be >= 1")
+    if shutil.which("mpirun") is None:
+        parser.error("mpirun not found (bash scripts/setup.sh installs Open MPI)")
+    return args
+
+
+def images_per_second(ranks: int, mode: str, steps: int, model: str, workdir: Path) -> float:
+    out = workdir / f"np{ranks}-{mode}"
+    shutil.rmtree(out, ignore_errors=True)
+    batch = 16
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
+    command = ["timeout", "600", "mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train",
+               "--dataset", "synthetic", "--synthetic-size", str(steps * batch * ranks), "--model", model,
+               "--batch-size", str(batch), "--epochs", "2", "--warmup-epochs", "0", "--no-progress",
+               "--log-every", str(steps), "--deterministic", mode, "--output-dir", str(out)]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"deterministic_cost: {mode} on {ranks} ranks failed:\n{done.stderr[-2000:]}")
+    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return float(epochs[-1]["images_per_second"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="deterministic-cost-") as tmp:
+        for ranks in args.ranks:
+            ratios, speeds = [], {"on": [], "off": []}
+            for pair in range(args.pairs):
+                order = ("on", "off") if pair % 2 == 0 else ("off", "on")
+                got = {mode: images_per_second(ranks, mode, args.steps, args.model, Path(tmp)) for mode in order}
+                for mode in got:
+                    speeds[mode].append(got[mode])
+                ratios.append(got["on"] / got["off"])
+                print(f"{ranks} ranks, pair {pair + 1}: on {got['on']:.1f} img/s, off {got['off']:.1f} img/s, "
+                      f"ratio {ratios[-1]:.3f}", flush=True)
+            rows.append(dict(ranks=ranks, ratio_median=statistics.median(ratios), ratios=ratios, **{
+                f"images_per_second_{mode}": values for mode, values in speeds.items()}))
+            print(f"{ranks} ranks: deterministic / fused = {statistics.median(ratios):.3f} (median of {args.pairs})")
+    load = os.getloadavg()
+    print(f"load average during the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
+    if args.refresh_results:
+        RESULTS.write_text(json.dumps(dict(model=args.model, steps=args.steps, load_average=load,
+                                           cores=os.cpu_count(), rows=rows), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
