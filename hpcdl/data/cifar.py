@@ -45,6 +45,9 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise UsageError(f"CIFAR-10 file {path}: data is {data.dtype} {data.shape}, expected uint8 (N, 3072)")
     if labels.shape != (len(data),):
         raise UsageError(f"CIFAR-10 file {path}: {labels.size} labels for {len(data)} images")
+    if len(labels) and (labels.min() < 0 or labels.max() >= NUM_CLASSES):  # checked here to name the file
+        raise UsageError(f"CIFAR-10 file {path}: labels range over {labels.min()}..{labels.max()}, "
+                         f"expected 0..{NUM_CLASSES - 1}")
     return data.reshape(-1, 3, 32, 32), labels
 
 
