@@ -59,13 +59,18 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         missing = [key for key in REQUIRED if key not in row]
         if missing:
             raise UsageError(f"{path}, line {number}: missing {', '.join(missing)}")
-        wrong = [key for key in REQUIRED if isinstance(row[key], bool) or not isinstance(row[key], (int, float))]
+        # null is how a run writes a value that was not finite (hpcdl.run.metrics): drawn as a gap
+        wrong = [key for key in REQUIRED if not _number(row[key], nullable=key != "epoch")]
         if wrong:
             raise UsageError(f"{path}, line {number}: {', '.join(f'{k}={row[k]!r}' for k in wrong)} is not a number")
-        rows.append(row)
+        rows.append({**row, **{key: math.nan for key in REQUIRED if row[key] is None}})
     if not rows:
         raise UsageError(f"{path} has no epochs yet; nothing to plot")
     return rows
+
+
+def _number(value: Any, nullable: bool) -> bool:
+    return (value is None and nullable) or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 def _positive(values: list[float]) -> bool:

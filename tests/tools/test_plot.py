@@ -126,3 +126,44 @@ def test_command_line_prints_one_line_and_exits_2(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"hpcdl.plot: error: {run / 'metrics.jsonl'}, line 1: missing train_loss, test_loss, test_accuracy, "
         "elapsed_seconds"]
+
+
+def written_by_a_run(run_dir: Path) -> Path:
+    """metrics.jsonl and summary.json written by hpcdl's own writer, with values that were not finite."""
+    from hpcdl.run.metrics import RunRecord
+
+    record = RunRecord(run_dir, active=True, resume=False, run_id="20261123T110000-node-1-abcdef")
+    record.log_epoch({k: v for k, v in row(1).items() if k != "run_id"})
+    record.log_epoch({**{k: v for k, v in row(2).items() if k != "run_id"}, "train_loss": math.nan,
+                      "test_loss": math.inf, "test_accuracy": -math.inf})
+    record.log_epoch({k: v for k, v in row(3).items() if k != "run_id"})
+    record.write_summary({"best_accuracy": 0.7, "final_accuracy": math.nan, "time_to_target_seconds": None})
+    record.close()
+    return run_dir
+
+
+def strict_json(text: str) -> object:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_what_a_run_writes_with_non_finite_values_every_reader_accepts(tmp_path: Path) -> None:
+    from hpcdl.run.metrics import RunRecord
+
+    run = written_by_a_run(tmp_path / "run")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [strict_json(line)["train_loss"] for line in lines][1] is None  # type: ignore[index]
+    assert strict_json((run / "summary.json").read_text())["final_accuracy"] is None  # type: ignore[index]
+    rows = read_metrics(run)
+    assert len(rows) == 3 and math.isnan(rows[1]["train_loss"]) and rows[2]["train_loss"] == row(3)["train_loss"]
+    assert main([str(run), "-o", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == PNG
+    resumed = RunRecord(run, active=True, resume=True, run_id="20261123T110000-node-1-abcdef")  # --resume reads it
+    assert [r["epoch"] for r in resumed.history] == [1, 2, 3]
+
+
+def test_a_null_epoch_is_still_refused(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", [json.dumps({**row(1), "epoch": None})])
+    with pytest.raises(UsageError, match="line 1: epoch=None is not a number"):
+        read_metrics(run)
