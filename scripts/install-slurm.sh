@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install what the single-node Slurm tests need (tests/slurm_cluster.py): Debian's slurm-wlm and munge.
+# Install what the Slurm tests (tests/support/slurm_cluster.py) and the virtual-cluster tests
+# (tests/cluster, python -m hpcdl.tools.vcluster) need: Debian's slurm-wlm and munge, and iproute2
+# (ip, tc) and util-linux (nsenter, unshare) for the network-namespace nodes.
 #
 #   bash scripts/install-slurm.sh
 #
@@ -9,7 +11,7 @@
 # its own munged, slurmctld and slurmd in a temporary folder and stops them afterwards.
 set -euo pipefail
 
-NEEDED=(slurmctld slurmd sbatch srun squeue scontrol munged)
+NEEDED=(slurmctld slurmd sbatch srun squeue scontrol munged ip tc nsenter unshare)
 
 say() { printf '[install-slurm] %s\n' "$1"; }
 # sbatch --version needs a slurm.conf, so ask the package database instead.
@@ -51,8 +53,8 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 say "apt-get update"
 apt-get update -qq
-say "apt-get install -y slurm-wlm munge (slurmctld, slurmd, client tools, PMIx plugin)"
-apt-get install -y -qq --no-install-recommends slurm-wlm slurm-wlm-basic-plugins munge >/dev/null
+say "apt-get install -y slurm-wlm munge iproute2 util-linux (Slurm daemons and clients, PMIx plugin; ip, tc, nsenter)"
+apt-get install -y -qq --no-install-recommends slurm-wlm slurm-wlm-basic-plugins munge iproute2 util-linux >/dev/null
 
 for tool in "${NEEDED[@]}"; do
   command -v "$tool" >/dev/null 2>&1 || { say "still missing after install: $tool" >&2; exit 1; }
