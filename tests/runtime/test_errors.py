@@ -62,6 +62,7 @@ def test_a_job_error_prints_nothing_on_other_ranks(capsys, monkeypatch) -> None:
 
 def test_a_lost_rank_is_one_line_without_traceback_and_ends_the_job(capsys, monkeypatch) -> None:
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     monkeypatch.delenv("HPCDL_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as exited:
         run_main(lambda: (_ for _ in ()).throw(LostRankError("another rank of the job is gone")), program="prog")
@@ -72,11 +73,23 @@ def test_a_lost_rank_is_one_line_without_traceback_and_ends_the_job(capsys, monk
 
 def test_a_bug_keeps_its_traceback(capsys, monkeypatch) -> None:
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     with pytest.raises(SystemExit) as exited:
         run_main(lambda: (_ for _ in ()).throw(KeyError("x")), program="prog")
     err = capsys.readouterr().err
     assert exited.value.code == EXIT_CRASH
     assert "Traceback" in err and err.endswith("prog: rank 0 failed with KeyError: 'x'; aborting the whole job\n")
+
+
+def test_a_single_process_tool_names_no_rank_and_no_job(capsys, monkeypatch) -> None:
+    from hpcdl.runtime.launcher import LAUNCHED_VARS
+
+    for name in LAUNCHED_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exited:
+        run_main(lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")), program="hpcdl.pack")
+    assert exited.value.code == EXIT_CRASH
+    assert capsys.readouterr().err == "hpcdl.pack: failed with OSError: [Errno 28] No space left on device\n"
 
 
 def test_rank0_then_all_runs_on_rank_0_only_and_everyone_gets_the_outcome() -> None:
