@@ -47,18 +47,21 @@ DEFAULT_KFAC_PYTORCH_SITE = Path(os.environ.get("KFAC_PYTORCH_SITE", Path.home()
 # kfac-pytorch 0.4.2 (github.com/gpauloski/kfac-pytorch), the commit the committed results used.
 KFAC_PYTORCH_SOURCE = "git+https://github.com/gpauloski/kfac-pytorch@869cf110334e5a6e9ea054bafdc4558313a821e8"
 TARGETS = (0.985, 0.99)
-METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch")
+METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch", "kfac-pytorch-native")
 FULL_BATCHES = (128, 512, 2048, 4096, 8192)
 REDUCED_BATCHES = (128, 4096)
 # Peak learning rates swept per method (the rate after warm-up, for the global batch). Chosen around
 # the batch-128 study's best rates (SGD 0.05, K-FAC 0.1) and the usual ranges of LAMB and LARS.
 FULL_LRS = {"sgd": (0.0125, 0.025, 0.05, 0.1), "lamb": (0.01, 0.02, 0.04, 0.08), "lars": (2.0, 5.0, 10.0, 20.0),
-            "kfac": (0.1, 0.2, 0.4), "kfac-pytorch": (0.1, 0.2, 0.4)}
+            "kfac": (0.1, 0.2, 0.4), "kfac-pytorch": (0.1, 0.2, 0.4), "kfac-pytorch-native": (0.1, 0.2, 0.4)}
 # At batch 4096 SGD diverged at 0.1 and LAMB underfitted at 0.01 (88.7 %) in this study's first runs.
 REDUCED_LRS = {"sgd": (0.025, 0.05), "lamb": (0.02, 0.04), "lars": (5.0, 10.0), "kfac": (0.2, 0.4),
-               "kfac-pytorch": (0.2, 0.4)}
-BATCH_128_LRS = {"sgd": (0.05,), "lamb": (0.005,), "lars": (2.0,), "kfac": (0.1,), "kfac-pytorch": (0.1,)}
-KFAC_FLAGS = ("--damping", "0.1", "--kl-clip", "0.001")
+               "kfac-pytorch": (0.2, 0.4), "kfac-pytorch-native": (0.2, 0.4)}
+BATCH_128_LRS = {"sgd": (0.05,), "lamb": (0.005,), "lars": (2.0,), "kfac": (0.1,), "kfac-pytorch": (0.1,),
+                 "kfac-pytorch-native": (0.1,)}
+# kfac-pytorch with its own README's damping and clip, not carried over (the carried-over ones diverged).
+NATIVE_FLAGS = ("--damping", "0.003", "--kl-clip", "0.001")
+KFAC_DAMPING = 0.1  # hpcdl's convention (docs/kfac.md): the batch-128 study's best
 
 
 def kfac_frequencies(batch: int) -> tuple[int, int]:
@@ -137,7 +140,14 @@ class KfacPytorchAdapter:
         self.preconditioner.load_state_dict(state)
 
 
-def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any) -> Any:
+def kfac_pytorch_native_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any) -> Any:
+    """``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--damping`` and
+    ``--kl-clip`` taken as kfac-pytorch values, in its own convention."""
+    return kfac_pytorch_preconditioner(config, model, current_lr, scaler, carry_over=False)
+
+
+def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any,
+                                carry_over: bool = True) -> Any:
     """``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner``: kfac-pytorch with hpcdl's settings.
 
     Damping and KL clip are hpcdl's divided by N² (N = examples per step on this rank): the
@@ -155,7 +165,7 @@ def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..
     for module in model.modules():  # its full backward hooks cannot precede an in-place op; same function
         if isinstance(module, torch.nn.ReLU):
             module.inplace = False
-    n = config.batch_size * config.batches_per_allreduce
+    n = config.batch_size * config.batches_per_allreduce if carry_over else 1
     return KfacPytorchAdapter(KFACPreconditioner(
         model,
         factor_update_steps=config.kfac_cov_update_freq,
@@ -173,7 +183,7 @@ def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..
 
 
 def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> list[str]:
-    micro = min(cell.batch, MICRO_BATCH)
+    micro = min(cell.batch, args.micro_batch)
     if cell.batch % micro:
         raise SystemExit(f"kfac_large_batch: error: global batch {cell.batch} is not a multiple of {micro}")
     accumulate = cell.batch // micro
@@ -197,16 +207,19 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
     else:
         factors, inverse = kfac_frequencies(cell.batch)
         flags += ["--optimizer", "sgd", "--kfac-cov-update-freq", str(factors), "--kfac-update-freq", str(inverse),
-                  *KFAC_FLAGS]
+                  *(NATIVE_FLAGS if cell.method == "kfac-pytorch-native"
+                    else ("--damping", repr(args.damping), "--kl-clip", "0.001"))]
     if cell.method == "kfac-pytorch":
         flags += ["--kfac-impl", "kfac_large_batch:kfac_pytorch_preconditioner"]
+    if cell.method == "kfac-pytorch-native":
+        flags += ["--kfac-impl", "kfac_large_batch:kfac_pytorch_native_preconditioner"]
     return flags
 
 
 def run_environment(cell: Cell, args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
     paths = [str(REPO), str(REPO / "benchmarks")]
-    if cell.method == "kfac-pytorch":
+    if cell.method.startswith("kfac-pytorch"):
         paths.insert(0, str(args.kfac_pytorch_site))  # its `kfac` before the repository's
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
@@ -343,7 +356,8 @@ def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
 
     batches = sorted({o.cell.batch for o in outcomes})
     fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False)
-    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red"), strict=True))
+    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red", "tab:brown"),
+                       strict=True))
     best_final: dict[str, dict[int, float]] = {}
     for ax, batch in zip(axes[0], batches, strict=False):
         for o in outcomes:
@@ -440,6 +454,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="directory holding kfac-pytorch's installed `kfac` package (outside the repository)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each gets --threads threads)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--damping", type=float, default=KFAC_DAMPING, help="hpcdl's and (carried over) kfac-pytorch's")
+    parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
+                        help="examples per backward pass; larger global batches accumulate")
     parser.add_argument("--max-steps", type=int, default=None, help="cut every run short (wiring checks)")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds before a run is killed")
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix")
@@ -460,7 +477,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.dataset == "mnist" and not (args.dry_run or (args.data_dir / "train-images-idx3-ubyte").exists()
                                         or (args.data_dir / "train-images-idx3-ubyte.gz").exists()):
         parser.error(f"no MNIST in {args.data_dir}: run `python -m hpcdl.fetch_mnist` first")
-    if "kfac-pytorch" in args.methods and not args.dry_run and not (args.kfac_pytorch_site / "kfac").is_dir():
+    wants_kfac_pytorch = any(m.startswith("kfac-pytorch") for m in args.methods)
+    if wants_kfac_pytorch and not args.dry_run and not (args.kfac_pytorch_site / "kfac").is_dir():
         parser.error(f"no kfac-pytorch in {args.kfac_pytorch_site}: run with --install-kfac-pytorch first, "
                      "or leave kfac-pytorch out of --methods")
     if args.jobs < 1 or args.threads < 1 or args.epochs < 1:
@@ -555,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     meta: dict[str, Any] = dict(
         epochs=args.epochs, warmup_epochs=args.warmup_epochs, dataset=args.dataset, model=args.model, jobs=args.jobs,
-        threads=args.threads, load_before=load, max_steps=args.max_steps, kfac_flags=" ".join(KFAC_FLAGS),
+        threads=args.threads, load_before=load, max_steps=args.max_steps, damping=args.damping,
         argv=sys.argv[1:] if argv is None else list(argv), planned=len(cells))
     kept = kept_outcomes(args.out) if args.keep else []
     done = {o.cell for o in kept}

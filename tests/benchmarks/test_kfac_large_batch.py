@@ -68,15 +68,16 @@ def test_bad_arguments_are_one_line(study: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(900)  # six short hpcdl.train processes, two at a time: mostly start-up
 def test_the_reduced_mode_runs_end_to_end_on_digits(tmp_path: Path) -> None:
     out = tmp_path / "study"
-    methods = ["sgd", "lamb", "kfac"]
+    methods = ["lamb", "kfac"]
     command = [sys.executable, str(SCRIPT), "--reduced", "--dataset", "digits", "--model", "digits_cnn",
-               "--batches", "32", "64", "--methods", *methods, "--epochs", "1", "--max-steps", "2", "--jobs", "1",
+               "--batches", "32", "64", "--methods", *methods, "--epochs", "1", "--max-steps", "2", "--jobs", "2",
                "--out", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=850, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads(out.with_suffix(".json").read_text())
-    assert len(data["runs"]) == 3 + 3 * 2  # one rate per method at the small batch, two at the large one
+    assert len(data["runs"]) == 2 + 2 * 2  # one rate per method at the small batch, two at the large one
     assert all(r["returncode"] == 0 and r["epochs"] and r["epochs"][-1]["global_step"] == 2 for r in data["runs"])
     assert out.with_suffix(".png").exists() and out.with_suffix(".csv").exists()
