@@ -190,6 +190,9 @@ def measure(args: argparse.Namespace) -> None:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
     report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
                     **SHAPES[args.device], "modes": {}}
+    from hpcdl.run.checkpoint import write_text_atomically
+
+    output = outputs.output_file(stem, ".json")
     with tempfile.TemporaryDirectory() as scratch:
         for mode in args.modes:
             hpcdl_times: list[float] = []
@@ -208,13 +211,11 @@ def measure(args: argparse.Namespace) -> None:
             print(f"{mode:8s} hpcdl.train {batch / statistics.median(hpcdl_times):8.1f} img/s | bare loop "
                   f"{batch / statistics.median(bare_times):8.1f} img/s | hpcdl/bare speed "
                   f"{statistics.median(ratios):.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+            write_text_atomically(output, json.dumps(report, indent=2) + "\n")  # a run cut short keeps its modes
     if args.device == "cpu" and not args.skip_scaling:
         report.update(scaling(args))
         print(f"1 rank {report['images_per_second_1_rank']:.0f} img/s, 2 ranks {report['images_per_second_2_rank']:.0f}"
               f" img/s -> scaling efficiency {100 * report['scaling_efficiency_2_ranks']:.0f}% (1 thread per rank)")
-    from hpcdl.run.checkpoint import write_text_atomically
-
-    output = outputs.output_file(stem, ".json")
     write_text_atomically(output, json.dumps(report, indent=2) + "\n")
     plot(report, outputs.output_file(stem, ".png"))
     print(f"wrote {output} and {outputs.output_file(stem, '.png')}")
