@@ -17,6 +17,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
 JPEG_MAGIC = b"\xff\xd8\xff"
+JPEG_END = b"\xff\xd9"
 
 
 class ByteSource(Protocol):
@@ -72,6 +73,12 @@ def read_into_tensor(handle: int, length: int, offset: int, name: str) -> torch.
 
 def is_jpeg(data: torch.Tensor) -> bool:
     return bytes(data[:3].tolist()) == JPEG_MAGIC
+
+
+def is_whole_jpeg(data: torch.Tensor) -> bool:
+    """A JPEG that ends with its end-of-image marker. Anything else (a truncated file, trailing bytes) is
+    decoded by libjpeg-turbo, which refuses a truncated file by name: nvJPEG is not relied on to."""
+    return is_jpeg(data) and bytes(data[-2:].tolist()) == JPEG_END
 
 
 def decode_cpu(data: torch.Tensor, name: str, mode: ImageReadMode = ImageReadMode.RGB) -> torch.Tensor:

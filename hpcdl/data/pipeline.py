@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from hpcdl.data.augment import Normalizer, eval_view, pad_crop_flip, train_params, train_view
-from hpcdl.data.images import ByteSource, decode_cpu, decode_on_device, is_jpeg
+from hpcdl.data.images import ByteSource, decode_cpu, decode_on_device, is_whole_jpeg
 from hpcdl.data.order import check_enough, mix_seed, rank_order, steps_per_epoch, test_order
 from hpcdl.data.prefetch import in_background
 from hpcdl.data.spec import DataSpec, Normalization
@@ -128,7 +128,8 @@ class DecodedViews(Dataset):
 
 
 class EncodedSamples(Dataset):
-    """For device decode: key (index, seed) -> (JPEG bytes, or CPU-decoded pixels for other formats, key, label)."""
+    """For device decode: key (index, seed) -> (JPEG bytes, or CPU-decoded pixels for other formats and
+    for JPEGs without their end marker, key, label)."""
 
     def __init__(self, source: ByteSource) -> None:
         self.source = source
@@ -139,7 +140,7 @@ class EncodedSamples(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, bool, tuple[int, int], int]:
         index = key[0]
         data = self.source.read(index)
-        if is_jpeg(data):
+        if is_whole_jpeg(data):
             return data, True, key, int(self.source.labels[index])
         return decode_cpu(data, self.source.name(index)), False, key, int(self.source.labels[index])
 

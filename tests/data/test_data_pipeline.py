@@ -360,7 +360,7 @@ def test_grayscale_and_cmyk_jpegs_give_the_cpu_paths_pixels(tmp_path: Path) -> N
 
 def paired_cuda_pipelines(root: Path, **changes: object) -> tuple[InputPipeline, InputPipeline]:
     cuda = torch.device("cuda")
-    options = dict(image_size=64, batch_size=8, test_batch_size=8, **changes)
+    options: dict = {"image_size": 64, "batch_size": 8, "test_batch_size": 8, **changes}
     return (build_pipeline(spec("imagenet", root, decode="gpu", **options), 0, 1, cuda),
             build_pipeline(spec("imagenet", root, decode="cpu", **options), 0, 1, cuda))
 
@@ -425,3 +425,17 @@ def test_truncated_jpeg_on_the_gpu_does_what_the_cpu_decoder_does(tmp_path: Path
             assert_close_to_libjpeg(gpu_batch, cpu_batch)
     gpu.close()
     cpu.close()
+
+
+def test_a_truncated_jpeg_is_left_to_libjpeg_turbo_which_names_it(tmp_path: Path) -> None:
+    from hpcdl.data.images import is_whole_jpeg
+
+    write_imagenet(tmp_path, classes=2, per_class=4, size=48)
+    cut = tmp_path / "train" / "n00000001" / "img_2.JPEG"
+    whole = cut.read_bytes()
+    assert is_whole_jpeg(torch.frombuffer(bytearray(whole), dtype=torch.uint8))
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert not is_whole_jpeg(torch.frombuffer(bytearray(cut.read_bytes()), dtype=torch.uint8))
+    for on_device_path in (False, True):  # nvJPEG never sees it: the worker decodes it on the CPU, which refuses
+        with pytest.raises(OSError, match=f"cannot decode image {cut}"):
+            list(file_pipelines(tmp_path, on_device_path).train_epoch(0))
