@@ -23,21 +23,25 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hpcdl.runtime.console import RankZeroParser  # noqa: E402
+from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
+from hpcdl.runtime.numbers import integer  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "deterministic_cost.json"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[3], help="world sizes (default 3)")
-    parser.add_argument("--pairs", type=int, default=3, help="alternating pairs per world size (default 3)")
-    parser.add_argument("--steps", type=int, default=12, help="steps per epoch (default 12)")
+    parser = RankZeroParser(prog="benchmarks/deterministic_cost.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=integer(1, 64), nargs="+", default=[3], help="world sizes (default 3)")
+    parser.add_argument("--pairs", type=integer(1, 100), default=3, help="alternating pairs per world size (default 3)")
+    parser.add_argument("--steps", type=integer(1, 10_000), default=12, help="steps per epoch (default 12)")
     parser.add_argument("--model", default="resnet20")
     parser.add_argument("--refresh-results", action="store_true", help=f"write {RESULTS.relative_to(REPO)}")
     args = parser.parse_args(argv)
-    if min(args.ranks) < 1 or args.pairs < 1 or args.steps < 1:
-        parser.error("--ranks, --pairs and --steps must be >= 1")
     if shutil.which("mpirun") is None:
-        parser.error("mpirun not found (bash scripts/setup.sh installs Open MPI)")
+        raise UsageError("mpirun not found (bash scripts/setup.sh installs Open MPI)")
     return args
 
 
@@ -53,7 +57,9 @@ def images_per_second(ranks: int, mode: str, steps: int, model: str, workdir: Pa
                "--log-every", str(steps), "--deterministic", mode, "--output-dir", str(out)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"deterministic_cost: {mode} on {ranks} ranks failed:\n{done.stderr[-2000:]}")
+        print(done.stderr[-2000:], file=sys.stderr)
+        raise UsageError(f"hpcdl.train --deterministic {mode} on {ranks} ranks failed (exit {done.returncode}; "
+                         "its output is above)")
     epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return float(epochs[-1]["images_per_second"])
 
@@ -84,4 +90,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, program="deterministic_cost")

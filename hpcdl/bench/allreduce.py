@@ -33,6 +33,7 @@ from hpcdl.run import outputs
 from hpcdl.runtime import world
 from hpcdl.runtime.console import RankZeroParser, print0
 from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.numbers import integer, real
 
 ACCEPTANCE_FROM_BYTES = 4 << 20  # the bandwidth targets apply from 4 MiB up
 PROGRAM = "hpcdl.bench.allreduce"
@@ -60,25 +61,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="our algorithms to include (none: just MPI/Horovod/gloo)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=5, help="sweeps over all sizes; the best timed loop counts (default 5)"
+        "--rounds", type=integer(1), default=5, help="sweeps over all sizes; the best timed loop counts (default 5)"
     )
-    parser.add_argument("--seconds", type=float, default=0.05, help="time budget of one timed loop (default 0.05 s)")
+    parser.add_argument("--seconds", type=real(0, low_open=True, high=3600), default=0.05,
+                        help="time budget of one timed loop (default 0.05 s)")
     parser.add_argument("--no-horovod", action="store_true", help="leave Horovod out (and do not initialise it)")
     parser.add_argument("--no-gloo", action="store_true", help="leave torch.distributed (gloo) out")
     parser.add_argument(
         "--horovod-cycle-time-ms",
-        type=float,
+        type=real(0, low_open=True, high=60_000),
         default=None,
         help="HOROVOD_CYCLE_TIME for the Horovod rows (default: Horovod's own, or the environment's)",
     )
     parser.add_argument(
-        "--network-gbps", type=float, default=100.0, help="link rate of the network to predict for (default 100 Gb/s)"
+        "--network-gbps", type=real(0, low_open=True), default=100.0,
+        help="link rate of the network to predict for (default 100 Gb/s)",
     )
     parser.add_argument(
-        "--network-latency-us", type=float, default=2.0, help="its per-message latency, assumed (default 2 us)"
+        "--network-latency-us", type=real(0), default=2.0, help="its per-message latency, assumed (default 2 us)"
     )
     parser.add_argument(
-        "--predict-ranks", type=int, nargs="+", default=[64, 512, 4096], help="rank counts to predict for"
+        "--predict-ranks", type=integer(2), nargs="+", default=[64, 512, 4096], help="rank counts to predict for"
     )
     outputs.add_arguments(parser)
     args = parser.parse_args(argv)

@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.numbers import integer, real
 from hpcdl.runtime.signals import GracefulStop
 
 PROGRAM = "hpcdl.demos.stop"
@@ -64,9 +65,11 @@ def write_checkpoint(directory: Path, step: int, size: int) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = RankZeroParser(prog=f"python -m {PROGRAM}", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1000, help="steps before finishing normally (default 1000)")
-    parser.add_argument("--step-seconds", type=float, default=0.1, help="simulated work per step (default 0.1 s)")
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
+    parser.add_argument("--steps", type=integer(1), default=1000, help="steps before finishing normally (default 1000)")
+    parser.add_argument("--step-seconds", type=real(0, high=3600), default=0.1,
+                        help="simulated work per step (default 0.1 s)")
+    parser.add_argument("--workers", type=integer(0, 64), default=0,
+                        help="DataLoader worker processes per rank (default 0)")
     parser.add_argument("--output-dir", type=Path, default=None, help="where rank 0 writes its checkpoint on a stop")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.step_seconds < 0 or args.workers < 0:

@@ -19,24 +19,24 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.data.registry import PACKABLE
+from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.numbers import integer, real
 from hpcdl.tools.staging import refuse_own_input, staged_folder, sweep_stale, writable_parent
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m hpcdl.pack", description=__doc__.splitlines()[0])
+    parser = RankZeroParser(prog="python -m hpcdl.pack", description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", required=True, choices=PACKABLE)
     parser.add_argument("--data-dir", required=True, help="the dataset in its usual layout")
     parser.add_argument("--output", required=True, help="folder to create with index.json and the shards")
-    parser.add_argument("--shard-size-mb", type=float, default=256.0, help="target size of one shard (default 256)")
-    parser.add_argument("--seed", type=int, default=0, help="the order samples are packed in (shuffled, so that "
-                        "streaming readers of the tars see mixed classes)")
-    parser.add_argument("--threads", type=int, default=8, help="threads reading input files (default 8)")
+    parser.add_argument("--shard-size-mb", type=real(0, low_open=True, high=2**20), default=256.0,
+                        help="target size of one shard (default 256)")
+    parser.add_argument("--seed", type=integer(0, 2**63 - 1), default=0, help="the order samples are packed in "
+                        "(shuffled, so that streaming readers of the tars see mixed classes)")
+    parser.add_argument("--threads", type=integer(1, 1024), default=8, help="threads reading input files (default 8)")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
-    args = parser.parse_args(argv)
-    if args.shard_size_mb <= 0:
-        parser.error("--shard-size-mb must be positive")
-    return args
+    return parser.parse_args(argv)
 
 
 Sample = tuple[bytes, str, int]  # encoded image, file extension, label
@@ -119,7 +119,7 @@ def pack(dataset: str, data_dir: Path, output: Path, shard_bytes: int, seed: int
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     output = pack(args.dataset, Path(args.data_dir), Path(args.output), int(args.shard_size_mb * 2**20),
-                  args.seed, args.force, max(1, args.threads))
+                  args.seed, args.force, args.threads)
     print(f"hpcdl.pack: wrote {output}", file=sys.stderr)
     return 0
 
