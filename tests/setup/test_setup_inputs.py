@@ -80,3 +80,19 @@ def test_a_new_venv_from_a_python_that_does_not_exist_does_not_blame_python3_ven
 def test_a_python_that_is_not_python(tmp_path: Path) -> None:
     done = setup(tmp_path, PYTHON="/bin/false", HPCDL_VENV=str(tmp_path / "new"))
     assert done.returncode != 0 and "PYTHON=/bin/false is not a usable Python 3.9 or newer" in done.stderr
+
+
+@pytest.mark.parametrize(("args", "env", "line"), [
+    (["{tmp}/file/wheels"], {}, "wheelhouse: cannot make the folder {tmp}/file/wheels (Not a directory)"),
+    (["--python-version", "nan", "{tmp}/w"], {}, "wheelhouse: --python-version takes 3.N, e.g. 3.12 (got 'nan')"),
+    (["{tmp}/w"], {"PYTHON": "/nowhere/python3"}, "wheelhouse: PYTHON=/nowhere/python3: no such program"),
+    ([], {}, "wheelhouse: which folder? e.g. make wheelhouse DIR=/scratch/hpcdl-wheels"),
+])
+def test_wheelhouse_checks_its_arguments_before_downloading(tmp_path: Path, args: list[str], env: dict[str, str],
+                                                             line: str) -> None:
+    (tmp_path / "file").write_text("x")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "wheelhouse.sh"),
+                           *(a.format(tmp=tmp_path) for a in args)], env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [line.format(tmp=tmp_path)]
+    assert not (tmp_path / "w").exists()
