@@ -235,6 +235,7 @@ class SlurmCluster:
         text = re.sub(r"^SlurmdLogFile=.*$", f"SlurmdLogFile={self.root}/slurmd-{name}.log", text, flags=re.M)
         conf = node_dir / "slurm.conf"
         conf.write_text(text + f"TmpFS={node_dir}/tmp\n")
+        (node_dir / "gres.conf").write_text((self.root / "gres.conf").read_text())  # read beside slurm.conf
         return conf
 
     def _write_config(self) -> None:
@@ -294,6 +295,7 @@ ReturnToService=2
 KillWait=5
 InactiveLimit=0
 GresTypes=gpu
+{"DebugFlags=NO_CONF_HASH" if self.vcluster else ""}
 {node_lines}
 {partitions}
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +44,9 @@ def make_vcluster() -> Iterator[Callable[..., VCluster]]:
     skip_or_fail_without_cluster()
     vcluster.remove_stale()
     made: list[VCluster] = []
+    # An outer `timeout` sends SIGTERM, which would end pytest without running this `finally`:
+    # turn it into KeyboardInterrupt, which pytest unwinds through the fixtures.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
 
     def make(nodes: int = 2, rate: str | None = None) -> VCluster:
         cluster = vcluster.up(nodes, rate=rate)
@@ -52,10 +56,15 @@ def make_vcluster() -> Iterator[Callable[..., VCluster]]:
     try:
         yield make
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for cluster in made:
             cluster.down()
         leftovers = [c.name for c in made if Path(f"/run/netns/{c.nodes[0].namespace}").exists()] if made else []
         assert not leftovers, f"namespaces of {leftovers} survived down()"
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def launch_env(**extra: str) -> dict[str, str]:
