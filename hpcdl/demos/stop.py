@@ -25,7 +25,7 @@ from typing import Any
 from mpi4py import MPI
 
 from hpcdl.runtime.console import RankZeroParser
-from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.errors import run_main
 from hpcdl.runtime.numbers import integer, real
 from hpcdl.runtime.signals import GracefulStop
 
@@ -72,8 +72,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="DataLoader worker processes per rank (default 0)")
     parser.add_argument("--output-dir", type=Path, default=None, help="where rank 0 writes its checkpoint on a stop")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.step_seconds < 0 or args.workers < 0:
-        raise UsageError("--steps must be >= 1, --step-seconds >= 0 and --workers >= 0")
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     stop = GracefulStop(comm)

@@ -57,5 +57,5 @@ def test_stop_demo_runs_to_the_end_without_a_signal() -> None:
 def test_stop_demo_bad_value_is_one_line() -> None:
     result = run_mpi(2, ["-m", "hpcdl.demos.stop", "--steps", "0"], timeout=120)
     assert result.returncode == 2
-    assert error_lines(result.stderr) == ["hpcdl.demos.stop: error: --steps must be >= 1, --step-seconds >= 0 and "
-                                          "--workers >= 0"]
+    assert error_lines(result.stderr) == ["hpcdl.demos.stop: error: argument --steps: must be an integer >= 1 "
+                                          "(got 0) (see --help)"]
