@@ -195,7 +195,7 @@ def tbf(device: str, rate: str, namespace: str | None = None) -> None:
     """Shape a device's egress to `rate` with a token bucket.
 
     The bucket holds 10 ms of traffic (at least 64 KiB): a tbf burst smaller than what one
-    timer tick lets through caps the rate below the setting (see docs/cluster.md)."""
+    timer tick lets through caps the rate below the setting (man tc-tbf: burst >= rate / HZ)."""
     bits = _rate_bits(rate)
     burst = max(64 * 1024, int(bits / 8 * 0.010))
     prefix = ["-n", namespace] if namespace else []
