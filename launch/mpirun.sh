@@ -169,7 +169,7 @@ if "$MPIRUN" --version 2>&1 | grep -q 'Open MPI'; then
   CMD+=(-np "$NP" -bind-to none -map-by slot)
   if [ -n "$HOSTFILE" ]; then CMD+=(--hostfile "$HOSTFILE"); fi
   if [ -n "$HOSTS" ]; then CMD+=(-H "$HOSTS"); fi
-  if [ -n "$RSH_AGENT" ]; then CMD+=(--mca plm_rsh_agent "$RSH_AGENT" --mca btl tcp,self,vader); fi
+  if [ -n "$RSH_AGENT" ]; then CMD+=(--mca plm_rsh_agent "$RSH_AGENT" --mca btl "tcp,self,vader"); fi
   if [ -n "$IFACE" ]; then
     # One network for everything: ranks' TCP traffic and the daemons' control channel.
     CMD+=(--mca btl_tcp_if_include "$IFACE" --mca oob_tcp_if_include "$IFACE")

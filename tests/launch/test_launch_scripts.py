@@ -29,7 +29,7 @@ MPIRUN_SH = LAUNCH / "mpirun.sh"
 SLURM_SBATCH = LAUNCH / "slurm.sbatch"
 FRONTERA_SBATCH = LAUNCH / "frontera-rtx.sbatch"
 SCRIPTS = [MPIRUN_SH, SLURM_SBATCH, FRONTERA_SBATCH]
-SHELL_FILES = SCRIPTS + [LAUNCH / "common.sh", REPO / "scripts" / "install-slurm.sh"]
+SHELL_FILES = SCRIPTS + [LAUNCH / "common.sh", LAUNCH / "vcluster-rsh", REPO / "scripts" / "install-slurm.sh"]
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 FAKE_CONTAINER = r"""#!/bin/sh
@@ -191,6 +191,38 @@ def test_mpirun_defaults_follow_horovod() -> None:
         "python3 -m hpcdl.train --epochs 1"
     )
     assert ("--allow-run-as-root" in cmd) == IS_ROOT
+
+
+def test_mpirun_on_hosts_sets_one_interface_everywhere() -> None:
+    cmd = command_of(run(MPIRUN_SH, "--dry-run", "-H", "a:2,b:2", "--iface", "ib0"))
+    assert "-np 4 " in cmd and "-H a:2,b:2" in cmd  # -np from the slots
+    assert "--mca btl_tcp_if_include ib0 --mca oob_tcp_if_include ib0" in cmd
+    assert "-x HOROVOD_GLOO_IFACE" in cmd and "-x NCCL_SOCKET_IFNAME" in cmd
+    # A subnet suits Open MPI but not Gloo/NCCL, which want a name.
+    cmd = command_of(run(MPIRUN_SH, "--dry-run", "-H", "a:1,b:1", "--iface", "10.1.2.0/24"))
+    assert "--mca btl_tcp_if_include 10.1.2.0/24 --mca oob_tcp_if_include 10.1.2.0/24" in cmd
+    assert "HOROVOD_GLOO_IFACE" not in cmd and "NCCL_SOCKET_IFNAME" not in cmd
+
+
+def test_mpirun_sets_short_daemon_keepalives_unless_told_not_to() -> None:
+    cmd = command_of(run(MPIRUN_SH, "--dry-run", "-np", "2"))
+    assert ("--mca oob_tcp_keepalive_time 10 --mca oob_tcp_keepalive_intvl 5 --mca oob_tcp_keepalive_probes 3"
+            in cmd)
+    cmd = command_of(run(MPIRUN_SH, "--dry-run", "-np", "2", env=clean_env({"HPCDL_OOB_KEEPALIVE": ""})))
+    assert "keepalive" not in cmd
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-H", "a:2", "--hostfile", "/etc/hostname"], "give -H or --hostfile, not both"),
+    (["-H", "a:x"], "-H wants HOST:SLOTS"),
+    (["--abort-grace", "soon"], "--abort-grace must be a whole number"),
+    (["--vcluster", "nosuch"], "no virtual cluster named 'nosuch'"),
+], ids=["both-host-lists", "bad-slots", "bad-grace", "no-vcluster"])
+def test_mpirun_multi_node_flags_refuse_bad_input(args: list[str], message: str) -> None:
+    result = run(MPIRUN_SH, "--dry-run", *args, env=clean_env({"HPCDL_VCLUSTER_STATE": "/nonexistent"}))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: {result.stderr.strip()[7:]}"]
+    assert message in result.stderr
 
 
 def test_mpirun_arguments_pass_through_to_train() -> None:
