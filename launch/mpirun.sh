@@ -25,10 +25,13 @@ Options (each also read from the environment variable shown):
                      (10.1.2.0/24) (HPCDL_IFACE): Open MPI's TCP transport and its daemons'
                      out-of-band channel (btl_tcp_if_include, oob_tcp_if_include); a name also
                      goes to Horovod's Gloo (HOROVOD_GLOO_IFACE) and NCCL (NCCL_SOCKET_IFNAME)
-  --vcluster NAME    run on a virtual cluster (python -m hpcdl.tools.vcluster up): its nodes as
-                     hosts, its subnet as --iface, launch/vcluster-rsh to reach them
+  --vcluster NAME    run on a virtual cluster (python -m hpcdl.tools.vcluster up) (HPCDL_VCLUSTER):
+                     its nodes as hosts, its subnet as --iface, launch/vcluster-rsh to reach them;
+                     the clusters are listed in HPCDL_VCLUSTER_STATE (default /run/hpcdl-vcluster)
   --abort-grace S    when a rank aborts the job (a lost node, a stall) and mpirun has not ended
                      S seconds later, kill it (HPCDL_ABORT_GRACE; default 20; 0 = no supervisor)
+HPCDL_OOB_KEEPALIVE (environment only): "TIME INTVL PROBES" of Open MPI's daemon keepalives
+                     (default "10 5 3": a cut node is noticed in 10-25 s; "" = Open MPI's 8 min)
   --threads N        OpenMP threads per rank (OMP_NUM_THREADS; default: cores / ranks per host)
   --oversubscribe    allow more ranks than cores (HPCDL_OVERSUBSCRIBE=1; added by itself when
                      -np exceeds the cores of this machine and there is no hostfile)
