@@ -224,13 +224,17 @@ class SlurmCluster:
         return [n.hostname for n in self.vcluster.nodes] if self.vcluster else [self.host]
 
     def _node_config(self, name: str) -> Path:
-        """A slurmd's own copy of slurm.conf: its spool, pid, log and TmpFS (PMIx needs a TmpFS of
-        its own per node: with a shared one the second node fails on 'spmix_appdir_...: File exists')."""
+        """A slurmd's own copy of slurm.conf: its pid, log and TmpFS (PMIx needs a TmpFS of its own
+        per node: with a shared one the second node fails on 'spmix_appdir_...: File exists').
+
+        SlurmdSpoolDir stays the one %n template of the shared slurm.conf: a step's PMIx server
+        sends the other nodes' slurmds its socket path *unexpanded* (<SlurmdSpoolDir>/stepd.slurm.pmix.J.S)
+        and each slurmd fills in %n with its own node name. A literal per-node spool path would
+        point every node at the sender's own socket, and the inter-node fence would loop back."""
         node_dir = self.root / name
         (node_dir / "tmp").mkdir(parents=True)
         (node_dir / "spool").mkdir()
         text = self.conf.read_text()
-        text = re.sub(r"^SlurmdSpoolDir=.*$", f"SlurmdSpoolDir={node_dir}/spool", text, flags=re.M)
         text = re.sub(r"^SlurmdPidFile=.*$", f"SlurmdPidFile={node_dir}/slurmd.pid", text, flags=re.M)
         text = re.sub(r"^SlurmdLogFile=.*$", f"SlurmdLogFile={self.root}/slurmd-{name}.log", text, flags=re.M)
         conf = node_dir / "slurm.conf"
@@ -275,7 +279,7 @@ AuthType=auth/munge
 AuthInfo=socket={self.munge_socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
+SlurmdSpoolDir={r}/{"%n/" if self.vcluster else ""}spool
 SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd.pid
 SlurmctldLogFile={r}/slurmctld.log
