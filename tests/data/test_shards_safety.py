@@ -39,6 +39,7 @@ def test_pack_force_refuses_to_write_over_its_own_input(tmp_path: Path, where: s
     assert snapshot(tmp_path) == before  # nothing touched, nothing added
 
 
+@pytest.mark.processes  # runs hpcdl.pack in a child process
 def test_pack_force_onto_the_data_folder_from_the_command_line_is_one_line(tmp_path: Path) -> None:
     data = write_cifar10(tmp_path / "data", per_batch=3)
     before = snapshot(tmp_path)
@@ -116,6 +117,7 @@ def test_the_next_pack_removes_what_a_killed_pack_left(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out"]
 
 
+@pytest.mark.processes  # runs hpcdl.pack in a child process
 def test_an_output_set_aside_by_a_killed_replacement_is_put_back(tmp_path: Path) -> None:
     write_mnist(tmp_path / "data")
     pack("mnist", tmp_path / "data", tmp_path / "out", shard_bytes=2**20, seed=0, force=False)
