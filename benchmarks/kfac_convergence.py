@@ -149,10 +149,9 @@ class Ranks:
 
     def __init__(self) -> None:
         self.size, self.rank, self.hvd = 1, 0, None
-        launched = any(
-            int(os.environ.get(v, "1")) > 1 for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
-        )
-        if launched:
+        from hpcdl.runtime import launcher
+
+        if (launcher.first_number(launcher.SIZE_VARS) or 1) > 1:
             from hpcdl.runtime import world
 
             w = world.init()

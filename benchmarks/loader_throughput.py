@@ -370,7 +370,7 @@ def main() -> None:
         print("device-decode producer, host s/batch (decode stubbed): " + " | ".join(
             f"{name} {statistics.median(times):.4f}" for name, times in producer.items()), flush=True)
         if args.producer_only:
-            from hpcdl.run.checkpoint import write_text_atomically
+            from hpcdl.run.atomic import write_text_atomically
 
             output = outputs.output_file(stem, ".json")
             write_text_atomically(output, json.dumps(report, indent=1) + "\n")
@@ -404,7 +404,7 @@ def main() -> None:
                                                             for n in rates if n != "synthetic-device"}}
             summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
             print(f"training, {workers} workers: images/s {summary}", flush=True)
-    from hpcdl.run.checkpoint import write_text_atomically
+    from hpcdl.run.atomic import write_text_atomically
 
     output, figure = outputs.output_file(stem, ".json"), outputs.output_file(stem, ".png")
     write_text_atomically(output, json.dumps(report, indent=1) + "\n")

@@ -190,7 +190,7 @@ def measure(args: argparse.Namespace) -> None:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
     report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
                     **SHAPES[args.device], "modes": {}}
-    from hpcdl.run.checkpoint import write_text_atomically
+    from hpcdl.run.atomic import write_text_atomically
 
     output = outputs.output_file(stem, ".json")
     with tempfile.TemporaryDirectory() as scratch:

@@ -47,11 +47,7 @@ def resident(spec: DataSpec, info: DatasetEntry, rank: int, size: int, device: t
 
 def synthetic_pipeline(spec: DataSpec, info: DatasetEntry, rank: int, size: int,
                        device: torch.device) -> ResidentPipeline:
-    channels, height, width = spec.synthetic_shape
-    if height != width:
-        raise UsageError("--synthetic-shape must be square: C H H")
-    if spec.synthetic_size < 1 or spec.synthetic_classes < 1:
-        raise UsageError("--synthetic-size and --synthetic-classes must be at least 1")
+    channels, height, width = spec.synthetic_shape  # checked by hpcdl.training.config with every other flag
     check_enough(spec.synthetic_size, size, spec.batch_size)
     shape = (channels, height, width)
     train = synthetic_tensors(shape, spec.synthetic_size, spec.synthetic_classes, spec.seed, device)

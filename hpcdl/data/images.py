@@ -1,7 +1,7 @@
 """Encoded images: where their bytes come from (a folder of files, or packed shards) and how they are
 decoded (libjpeg-turbo on the CPU through torchvision.io, or nvJPEG in batches on a CUDA device).
 
-A corrupt file is an OSError naming it (the message is the whole story: hpcdl.errors prints it as
+A corrupt file is an OSError naming it (the message is the whole story: hpcdl.runtime.errors prints it as
 one line). On the device, a batch that nvJPEG rejects is decoded image by image, and an image it
 cannot handle (a PNG, a CMYK JPEG) falls back to the CPU decoder before anything is called corrupt.
 """

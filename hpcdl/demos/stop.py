@@ -4,7 +4,7 @@
     srun -n 2 python -m hpcdl.demos.stop             # scancel --signal=USR1 <job>
 
 Every rank runs steps of ``--step-seconds`` (fed by a DataLoader with ``--workers`` worker
-processes, as training is) and asks :class:`hpcdl.signals.GracefulStop` after each step whether
+processes, as training is) and asks :class:`hpcdl.runtime.signals.GracefulStop` after each step whether
 any rank received SIGINT, SIGTERM or SIGUSR1. Then rank 0 writes a checkpoint (to
 ``--output-dir``, if given), prints one line naming the signal and the ranks that received it,
 and every rank exits with the documented code (0 for SIGTERM/SIGUSR1, 130 for SIGINT). Each rank

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hpcdl.run import outputs
-from hpcdl.run.checkpoint import write_atomically
+from hpcdl.run.atomic import write_atomically
 from hpcdl.runtime.errors import UsageError, run_main
 
 PROGRAM = "hpcdl.plot"

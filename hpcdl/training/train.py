@@ -21,7 +21,7 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 from torch import nn
 
-from hpcdl.run.checkpoint import WriteError
+from hpcdl.run.atomic import WriteError
 from hpcdl.run.metrics import averages
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import DivergenceError, LostRankError, StorageError, rank0_then_all, run_main

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdl.run import checkpoint
+from hpcdl.run import atomic, checkpoint
 from hpcdl.run.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
@@ -139,7 +139,7 @@ def test_a_failed_write_is_one_line_naming_the_file_and_leaves_the_previous_chec
     good = checkpoint.save(tmp_path, state(10), keep=1, run_id=MINE)
     before = good.read_bytes()
     monkeypatch.setattr(checkpoint.torch, "save", _disk_fails(code, as_torch_does))
-    with pytest.raises(checkpoint.WriteError) as raised:
+    with pytest.raises(atomic.WriteError) as raised:
         checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
     line = str(raised.value)
     assert line.startswith(f"cannot write {tmp_path / 'ckpt-000000020.pt'}: {words}")
@@ -165,7 +165,7 @@ def test_a_folder_that_refuses_new_files(tmp_path: Path, monkeypatch, code: int,
 
     monkeypatch.setattr(os, "open", refusing_open)
     with pytest.raises(
-        checkpoint.WriteError,
+        atomic.WriteError,
         match=rf"^cannot write {re.escape(str(tmp_path))}/ckpt-000000020.pt: "
         rf"{re.escape(words)}",
     ):
@@ -176,7 +176,7 @@ def test_a_folder_that_refuses_new_files(tmp_path: Path, monkeypatch, code: int,
 def test_an_uncreatable_checkpoint_folder_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(
-        checkpoint.WriteError,
+        atomic.WriteError,
         match=r"cannot write .*file/checkpoints: Not a directory \(ENOTDIR\): a component of the path is a file",
     ):
         checkpoint.save(tmp_path / "file" / "checkpoints", state(10), keep=1)
@@ -189,7 +189,7 @@ def test_a_failed_rename_leaves_no_temporary(tmp_path: Path, monkeypatch) -> Non
         raise OSError(errno.EACCES, os.strerror(errno.EACCES))
 
     monkeypatch.setattr(os, "replace", refuse)
-    with pytest.raises(checkpoint.WriteError, match="Permission denied"):
+    with pytest.raises(atomic.WriteError, match="Permission denied"):
         checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
     assert names(tmp_path) == ["ckpt-000000010.pt"]
 
@@ -211,7 +211,7 @@ def test_pruning_that_fails_only_warns(tmp_path: Path, monkeypatch, capsys) -> N
 
 def test_text_results_are_written_atomically(tmp_path: Path, monkeypatch) -> None:
     summary = tmp_path / "summary.json"
-    checkpoint.write_text_atomically(summary, '{"epochs": 1}\n', run_id=MINE)
+    atomic.write_text_atomically(summary, '{"epochs": 1}\n', run_id=MINE)
     assert summary.read_text() == '{"epochs": 1}\n'
 
     def full_disk(fd: int) -> None:
@@ -219,9 +219,9 @@ def test_text_results_are_written_atomically(tmp_path: Path, monkeypatch) -> Non
 
     monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(
-        checkpoint.WriteError, match=rf"cannot write {re.escape(str(summary))}: No space left on device"
+        atomic.WriteError, match=rf"cannot write {re.escape(str(summary))}: No space left on device"
     ):
-        checkpoint.write_text_atomically(summary, '{"epochs": 2}\n', run_id=MINE)
+        atomic.write_text_atomically(summary, '{"epochs": 2}\n', run_id=MINE)
     assert summary.read_text() == '{"epochs": 1}\n' and names(tmp_path) == ["summary.json"]
 
 
@@ -313,7 +313,7 @@ def test_read_only_file_system(tmp_path: Path) -> None:
     mount = tmp_path / "ro"
     _tmpfs(mount, "size=64k,ro")
     try:
-        with pytest.raises(checkpoint.WriteError, match=r"cannot write .*ckpt-000000010.pt: Read-only file system"):
+        with pytest.raises(atomic.WriteError, match=r"cannot write .*ckpt-000000010.pt: Read-only file system"):
             checkpoint.save(mount, state(10), keep=3, run_id=MINE)
         assert os.listdir(mount) == []
     finally:
