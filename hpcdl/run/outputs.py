@@ -29,7 +29,8 @@ BENCH_PARENT = Path("runs") / "bench"
 
 def checkout_results() -> Path | None:
     """``benchmarks/results`` of the source checkout hpcdl runs from, or None for an installed package."""
-    results = Path(__file__).resolve().parents[2]  # hpcdl/run/outputs.py -> the checkout / "benchmarks" / "results"
+    checkout = Path(__file__).resolve().parents[2]  # hpcdl/run/outputs.py lies two folders down
+    results = checkout / "benchmarks" / "results"
     return results if results.is_dir() else None
 
 
