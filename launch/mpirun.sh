@@ -222,6 +222,7 @@ hpcdl_note "$NP ranks, $RANKS_PER_HOST per host, $THREADS threads each"
 hpcdl_show_command "${CMD[@]}"
 [ "$HPCDL_DRY_RUN" = 1 ] && exit 0
 if [ "$ABORT_GRACE" != 0 ] && "$MPIRUN" --version 2>&1 | grep -q 'Open MPI' && command -v python3 >/dev/null 2>&1; then
-  exec python3 "$hpcdl_root/launch/supervise.py" --grace "$ABORT_GRACE" --map "$RANK_MAP" -- "${CMD[@]}"
+  # The job must see this PATH, not the one a python3 shim (pyenv) sets up for the supervisor itself.
+  HPCDL_JOB_PATH="$PATH" exec python3 "$hpcdl_root/launch/supervise.py" --grace "$ABORT_GRACE" --map "$RANK_MAP" -- "${CMD[@]}"
 fi
 exec "${CMD[@]}"

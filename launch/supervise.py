@@ -59,7 +59,9 @@ def main() -> int:
     if not command:
         parser.error("no command to run")
     ranks_on = parse_map(args.map)
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, start_new_session=True)
+    env = dict(os.environ)
+    env["PATH"] = env.pop("HPCDL_JOB_PATH", env.get("PATH", ""))  # the launcher's PATH, not a shim's
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, start_new_session=True, env=env)
     aborted_at: list[float] = []
     killed = threading.Event()
     named: set[str] = set()
