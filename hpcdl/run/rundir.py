@@ -167,7 +167,8 @@ def _file_system_now(directory: Path, run_id: str) -> float:
         return time.time()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has that pid (someone else's counts: it is alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -181,7 +182,7 @@ def stale_reason(holder: Holder | None, age: float, stale_after: float) -> str |
     """Why a lock no longer protects a live run, or None when its holder may still be running."""
     if holder is not None:
         same_host = holder.host == socket.gethostname()
-        if same_host and holder.pid != os.getpid() and not _pid_alive(holder.pid):
+        if same_host and holder.pid != os.getpid() and not pid_alive(holder.pid):
             return f"its process {holder.pid} on {holder.host} is gone"
         job = os.environ.get("SLURM_JOB_ID", "")
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")

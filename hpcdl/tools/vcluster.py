@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hpcdl.run.rundir import pid_alive
+
 STATE_DIR = Path(os.environ.get("HPCDL_VCLUSTER_STATE", "/run/hpcdl-vcluster"))
 NS_PREFIX = "hpcdlvc-"
 NAME_RE = re.compile(r"^[a-z0-9]{1,6}$")  # interface names are at most 15 characters
@@ -276,7 +278,7 @@ def remove_stale() -> list[str]:
     removed = []
     claimed: set[str] = set()
     for cluster in all_clusters():
-        if _alive(cluster.owner_pid):
+        if pid_alive(cluster.owner_pid):
             claimed.update(n.namespace for n in cluster.nodes)
             claimed.update(n.host_veth for n in cluster.nodes)
             claimed.add(cluster.bridge)
@@ -298,13 +300,6 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

@@ -13,20 +13,7 @@ from torch import nn
 from hpcdl.run import checkpoint
 from hpcdl.run.checkpointer import Checkpointer, load_parts, rng_state, set_rng_state
 from hpcdl.runtime.errors import StorageError, UsageError
-
-
-class OneRank:
-    def Get_rank(self) -> int:
-        return 0
-
-    def Get_size(self) -> int:
-        return 1
-
-    def gather(self, value: Any, root: int = 0) -> list[Any]:
-        return [value]
-
-    def bcast(self, value: Any, root: int = 0) -> Any:
-        return value
+from tests.support.comm import OneRank
 
 
 def parts(seed: int) -> dict[str, Any]:

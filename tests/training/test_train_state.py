@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,24 +16,13 @@ from hpcdl.run.checkpointer import Checkpointer
 from hpcdl.training import runstate
 from hpcdl.training.config import TrainConfig
 from hpcdl.training.runstate import FORMAT, FORMAT_VERSION, Progress, TrainState
+from tests.support.comm import OneRank
 
 # The keys of the table in hpcdl/training/runstate.py's docstring (checkpoint format 2).
 DOCUMENTED = {"format", "format_version", "run_id", "global_step", "world_size", "config", "progress", "model",
               "optimizer", "scaler", "kfac", "rng"}
 
 
-class OneRank:
-    def Get_rank(self) -> int:
-        return 0
-
-    def Get_size(self) -> int:
-        return 1
-
-    def gather(self, value: Any, root: int = 0) -> list[Any]:
-        return [value]
-
-    def bcast(self, value: Any, root: int = 0) -> Any:
-        return value
 
 
 @pytest.fixture(autouse=True)
