@@ -300,9 +300,6 @@ def remove_stale() -> list[str]:
     return removed
 
 
-    return True
-
-
 # ---------------------------------------------------------------------- command line
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hpcdl.tools.vcluster", description=__doc__.split("\n\n")[0],
