@@ -91,7 +91,9 @@ def run(job: Job) -> TrainResult:
         record_epoch(job, result, train_sums, test)
         progress.stop_reason = decide_stop(job, result)
         job.save()
-        if result.stop:
+        if result.stop and progress.stop_reason in runstate.FINAL_REASONS:
+            print0(f"hpcdl: {result.stop.describe()} as the run reached its end ({progress.stop_reason}): finished")
+        elif result.stop:
             print0(f"hpcdl: {result.stop.describe()}: stopped after epoch {progress.epoch}; continue with --resume")
 
     summary = summarise(job)
@@ -167,16 +169,20 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
 
 
 def decide_stop(job: Job, result: EpochResult) -> str | None:
-    """Why the run stops after this epoch, or None to go on."""
+    """Why the run stops after this epoch, or None to go on.
+
+    A run that has reached its limit is finished even when a signal arrived in its last epoch: it
+    writes its summary now, since a resume would find the limit reached and train (and write) nothing.
+    """
     progress, config = job.state.progress, job.config
-    if result.stop:
-        return result.stop.name
     if progress.time_to_target is not None:
         return "target_accuracy"
     if config.max_steps is not None and progress.global_step >= config.max_steps:
         return "max_steps"
     if progress.epoch >= config.epochs:
         return "epochs"
+    if result.stop:
+        return result.stop.name
     return None
 
 
