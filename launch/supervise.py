@@ -10,8 +10,8 @@ to every daemon, the one it cannot reach never acknowledges it, TCP keeps retran
 ~15 minutes (net.ipv4.tcp_retries2) and keepalives are not sent while data is unacknowledged. So
 this supervisor watches stderr for the abort (hpcdl's stall verdict or Open MPI's MPI_ABORT
 notice) and kills mpirun's process group ``--grace`` seconds later if it is still there. It also
-turns Open MPI's "lost communication with a remote daemon" block into one line that names the node
-and its ranks (``--map``, from the host list, since Open MPI names only the daemon).
+turns the multi-line reports of a lost node (Open MPI's, or the remote shell's when a daemon is
+killed) into one line that names the node and its ranks (``--map``, from the host list).
 
 Standard library only: it runs before any virtual environment is known.
 """
@@ -29,9 +29,19 @@ import time
 
 ABORT_PATTERNS = (re.compile(r"hpcdl: .*ending the job"), re.compile(r"MPI_ABORT was invoked"),
                   re.compile(r"ORTE has lost communication with a remote daemon"))
-LOST_DAEMON = re.compile(r"Remote daemon: \[\[\d+,\d+\],\d+\] on node (\S+)")
-# A rank's TCP transport saw a peer hang up (its node crashed, or the peer process died).
-PEER_HUNG_UP = re.compile(r"^\s*Peer host:\s*(\S+)")
+# Lines that say a node (or everything on it) is gone, and the host each names. Open MPI names a
+# lost daemon; when a daemon is killed it says only "unable to reliably start one or more daemons",
+# so the remote shell that carried it must say where: ssh, srun (Open MPI's launcher inside a Slurm
+# allocation) and launch/vcluster-rsh each print the host.
+NODE_GONE = (
+    (re.compile(r"Remote daemon: \[\[\d+,\d+\],\d+\] on node (\S+)"), "Open MPI lost its daemon there"),
+    (re.compile(r"^\s*Peer host:\s*(\S+)"), "connections to it broke"),
+    (re.compile(r"connect\(\) to (\S+?):\d+ failed"), "its ranks stopped accepting connections"),
+    (re.compile(r"vcluster-rsh: connection to \S+ \((\S+)\) closed"), "its daemon was killed"),
+    (re.compile(r"Connection to (\S+) closed by remote host"), "its remote shell closed"),
+    (re.compile(r"Timeout, server (\S+) not responding"), "its remote shell timed out"),
+    (re.compile(r"srun: error: (\S+): tasks? [\d,-]+: (?:Killed|Exited|Terminated)"), "its Slurm tasks died"),
+)
 EXIT_LOST = 3  # what hpcdl's watchdog exits with; used when mpirun had to be killed
 
 
@@ -97,18 +107,14 @@ def main() -> int:
         line = raw.decode(errors="replace")
         if not aborted_at and any(p.search(line) for p in ABORT_PATTERNS):
             aborted_at.append(time.monotonic())
-        lost = LOST_DAEMON.search(line)
-        if lost and lost.group(1) not in named:
-            named.add(lost.group(1))
-            host = lost.group(1)
-            note(f"node {host} lost: Open MPI lost its daemon there (ranks {ranks_on.get(host, '?')}); ending the job")
-        hung_up = PEER_HUNG_UP.search(line)
-        if hung_up and hung_up.group(1) not in named:
-            named.add(hung_up.group(1))
-            host = hung_up.group(1)
-            note(f"node {host} lost or its ranks died: connections to it broke (ranks {ranks_on.get(host, '?')}); "
-                 "ending the job")
-            aborted_at.append(time.monotonic())
+        for pattern, why in NODE_GONE:
+            found = pattern.search(line)
+            if found and found.group(1) not in named:
+                host = found.group(1)
+                named.add(host)
+                note(f"node {host} lost or its ranks died: {why} (ranks {ranks_on.get(host, '?')}); ending the job")
+                if not aborted_at:
+                    aborted_at.append(time.monotonic())
     rc = proc.wait()
     if killed.is_set():
         return EXIT_LOST
