@@ -14,6 +14,8 @@ directory this run's own:
   :data:`STALE_AFTER_SECONDS` -- measured against the file server's clock, not ours, since hosts'
   clocks differ and NFS stamps files with the server's time. A stale lock is taken over with one
   printed line; a live one refuses the new run with one line naming its holder.
+* **Every node sees it.** Every rank looks for rank 0's lock (:func:`check_shared`): a directory
+  on node-local storage would keep the run on one node only, and is refused with one line.
 * **Run ids in temporary names.** Every temporary a run writes is named
   ``.<final name>.tmp-<run id>`` (:func:`temporary_path`), so clean-up touches only this run's
   files, and the leftovers of a run proved dead when its lock is taken over.
@@ -48,6 +50,9 @@ LOCK_NAME = ".hpcdl.lock"
 HEARTBEAT_SECONDS = 20.0
 # NFS clients cache file attributes for up to 60 s (actimeo): a live lock may look that old elsewhere.
 STALE_AFTER_SECONDS = 180.0
+# How long a rank looks for rank 0's lock before calling the directory not shared (NFS caches
+# a name's absence for a few seconds; this is paid only when the directory is refused).
+SHARED_WITHIN_SECONDS = 10.0
 DEFAULT_PARENT = Path("runs")
 _TEMPORARY = re.compile(r"^\..+\.tmp-(?P<run_id>[A-Za-z0-9_-]+)$")
 
@@ -344,29 +349,81 @@ def acquire(path: Path, run_id: str, program: str, resume: bool,
 
 
 def claim(output_dir: str | os.PathLike[str] | None, comm: Any, resume: bool, program: str = "hpcdl.train",
-          heartbeat_seconds: float = HEARTBEAT_SECONDS, stale_after: float = STALE_AFTER_SECONDS) -> RunDir:
+          heartbeat_seconds: float = HEARTBEAT_SECONDS, stale_after: float = STALE_AFTER_SECONDS,
+          visible_within: float = SHARED_WITHIN_SECONDS) -> RunDir:
     """Make a run directory this run's own (collective: every rank calls it).
 
     Rank 0 creates the directory (a new default one when ``output_dir`` is None), takes the lock
     and broadcasts the outcome, so every rank gets the same RunDir or the same error (UsageError,
-    LockHeldError). ``comm`` may be None for a single process.
+    LockHeldError). Then every rank checks that it sees the directory (:func:`check_shared`).
+    ``comm`` may be None for a single process.
     """
 
-    def on_root() -> tuple[str, str]:
+    def on_root() -> tuple[str, str, bool]:
         run_id = new_run_id()
         if output_dir is None:
-            path = default_directory()
+            path, created = default_directory(), True
         else:
             path = Path(output_dir)
             if path.exists() and not path.is_dir():
                 raise UsageError(f"output directory {path} is a file, not a directory")
+            created = not path.exists()
             try:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise UsageError(f"output directory {path} is not writable ({exc.strerror or exc})") from None
         acquire(path, run_id, program, resume, stale_after)
-        return str(path), run_id
+        return str(path), run_id, created
 
-    where, run_id = rank0_then_all(on_root, comm)
+    where, run_id, created = rank0_then_all(on_root, comm)
     is_root = comm is None or comm.Get_rank() == 0
-    return RunDir(Path(where), run_id, owner=is_root, heartbeat_seconds=heartbeat_seconds)
+    run = RunDir(Path(where), run_id, owner=is_root, heartbeat_seconds=heartbeat_seconds)
+    if comm is not None and comm.Get_size() > 1:
+        try:
+            check_shared(run, comm, visible_within)
+        except UsageError:
+            run.release()
+            if is_root and created:
+                with contextlib.suppress(OSError):
+                    run.path.rmdir()  # only if still empty: nothing of the user's is removed
+            raise
+    return run
+
+
+def sees_lock(run: RunDir, within: float) -> bool:
+    """Whether this process sees ``run``'s lock file, polling ``within`` seconds.
+
+    Polling covers a network file system's caches: a client that looked the name up before it
+    existed may keep that negative answer for a few seconds.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            holder, _ = _read_lock(run.lock)
+            if holder is not None and holder.run_id == run.run_id:
+                return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+
+
+def check_shared(run: RunDir, comm: Any, within: float = SHARED_WITHIN_SECONDS) -> None:
+    """Refuse a run directory that some ranks cannot see (collective: every rank calls it).
+
+    Only rank 0 writes, but every rank must be able to read what it wrote (a resumed run's
+    checkpoint, the lock) and a resume elsewhere must find it: a directory on node-local storage
+    (/tmp, a node's local disk) would leave the run's files on one node only. Every rank looks for
+    rank 0's lock, and all raise the same UsageError, naming the nodes that could not see it.
+    """
+    seen = comm.allgather((socket.gethostname(), sees_lock(run, within)))
+    blind: dict[str, list[int]] = {}
+    for rank, (host, ok) in enumerate(seen):
+        if not ok:
+            blind.setdefault(host, []).append(rank)
+    if blind:
+        where = "; ".join(f"{host} (ranks {', '.join(map(str, ranks))})" for host, ranks in blind.items())
+        raise UsageError(f"output directory {run.path} is not shared by every node: {where} cannot see the files "
+                         f"rank 0 wrote there (node-local storage?); put --output-dir on a file system every "
+                         f"node mounts, e.g. $SCRATCH or $WORK")

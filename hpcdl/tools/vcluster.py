@@ -11,6 +11,9 @@ address on a private 10.x.y.0/24 (the launcher's side, the bridge, is .254) and,
 started in it, its own UTS namespace with the node's hostname -- two "nodes" with one hostname would
 let Open MPI's shared-memory transport cross between them. Open MPI reaches the nodes through
 ``launch/vcluster-rsh`` (``--mca plm_rsh_agent``), which looks the host up in this tool's state file.
+The nodes share the machine's file system, as cluster nodes share /home and /scratch, except for
+one directory, ``/run/hpcdl-vcluster/<name>.local``, which is each node's own (a bind mount in a
+mount namespace per command): node-local storage, like a compute node's /tmp.
 
 Everything this tool creates carries its prefix (namespaces ``hpcdlvc-<name>-nK``, interfaces
 ``hv<name>...``) and is listed in /run/hpcdl-vcluster/<name>.json, so ``down`` (and
@@ -85,6 +88,15 @@ class VCluster:
     def agent_table(self) -> Path:
         return STATE_DIR / f"{self.name}.hosts"
 
+    @property
+    def local_mount(self) -> Path:
+        """Node-local storage: one path, and inside each node its own directory (like a node's /tmp)."""
+        return STATE_DIR / f"{self.name}.local"
+
+    def local_source(self, node: Node) -> Path:
+        """What ``node`` sees at :attr:`local_mount`."""
+        return STATE_DIR / f"{self.name}.{node.hostname}.local"
+
     def node(self, key: str) -> Node:
         """A node by hostname, address or 1-based index."""
         for index, node in enumerate(self.nodes, 1):
@@ -103,9 +115,11 @@ class VCluster:
 
     # ------------------------------------------------------------------ commands in a node
     def wrap(self, node: Node, argv: Sequence[str]) -> list[str]:
-        """argv, run inside the node: its network namespace, a UTS namespace with its hostname."""
-        return ["nsenter", f"--net={node.netns_path}", "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', node.hostname, *argv]
+        """argv, run inside the node: its network namespace, a UTS namespace with its hostname, and
+        a mount namespace in which :attr:`local_mount` is the node's own directory."""
+        return ["nsenter", f"--net={node.netns_path}", "unshare", "--uts", "--mount", "sh", "-c",
+                'hostname "$0" && mount --bind "$1" "$2" && shift 2 && exec "$@"', node.hostname,
+                str(self.local_source(node)), str(self.local_mount), *argv]
 
     def popen(self, node: Node, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.wrap(node, argv), **kwargs)
@@ -135,8 +149,12 @@ class VCluster:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         self.state_file.write_text(json.dumps(asdict(self), indent=1))
         self.write_hostfile(self.hostfile, slots=2)
-        # What launch/vcluster-rsh reads: ADDRESS HOSTNAME NETNS_PATH per node.
-        self.agent_table.write_text("".join(f"{n.address} {n.hostname} {n.netns_path}\n" for n in self.nodes))
+        self.local_mount.mkdir(exist_ok=True)
+        for node in self.nodes:
+            self.local_source(node).mkdir(exist_ok=True)
+        # What launch/vcluster-rsh reads: ADDRESS HOSTNAME NETNS_PATH LOCAL_SOURCE LOCAL_MOUNT per node.
+        self.agent_table.write_text("".join(
+            f"{n.address} {n.hostname} {n.netns_path} {self.local_source(n)} {self.local_mount}\n" for n in self.nodes))
 
     def down(self) -> None:
         """Kill every process in the nodes, delete namespaces, veths, bridge and state files."""
@@ -148,6 +166,10 @@ class VCluster:
             _ip(["netns", "delete", node.namespace], check=False)
             _ip(["link", "delete", node.host_veth], check=False)
         _ip(["link", "delete", self.bridge], check=False)
+        for node in self.nodes:  # bound only inside the nodes' own mount namespaces, gone with them
+            shutil.rmtree(self.local_source(node), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.local_mount.rmdir()
         for path in (self.state_file, self.hostfile, self.agent_table):
             path.unlink(missing_ok=True)
 

@@ -44,3 +44,22 @@ def test_doctor_names_a_node_that_cannot_reach_another(make_vcluster, tmp_path: 
     assert any(re.match(rf"doctor: node {node3.hostname} \({re.escape(node3.address)}\) cannot reach node "
                         rf"{node2.hostname} \({re.escape(node2.address)}:\d+\)", line) for line in lines), text[-3000:]
     assert not re.search(r"^Ranks$", text, re.M), "the doctor went on past the failed check"
+
+
+def test_a_run_directory_on_node_local_storage_is_refused_before_training(make_vcluster, tmp_path: Path) -> None:
+    """The cluster's local directory is each node's own (like a compute node's /tmp): rank 0's run
+    files there would exist on node1 only. The run must stop before training, naming node2 and its
+    ranks, and leave nothing behind on node1."""
+    cluster = make_vcluster(2)
+    out = cluster.local_mount / "run"
+    rc, text = run_launch(["--vcluster", cluster.name, "-np", "4", "--output-dir", str(out), "--epochs", "1",
+                           "--no-progress"], tmp_path / "train.log", timeout=240)
+    assert rc != 0, text[-3000:]
+    refusals = [line for line in text.splitlines() if "is not shared by every node" in line]
+    assert refusals, text[-3000:]
+    assert re.search(rf"output directory {re.escape(str(out))} is not shared by every node: node2 \(ranks 2, 3\) "
+                     r"cannot see", refusals[0]), refusals[0]
+    assert "Traceback" not in text and not re.search(r"^epoch ", text, re.M), text[-3000:]
+    node1 = cluster.node("node1")
+    left = cluster.run(node1, ["sh", "-c", f'ls -A "{cluster.local_mount}"'])
+    assert left.returncode == 0 and left.stdout == "", left.stdout  # rank 0's empty run directory is gone

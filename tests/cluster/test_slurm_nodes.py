@@ -90,9 +90,12 @@ def test_frontera_script_multi_node_path(slurm2: SlurmCluster, tmp_path: Path) -
     assert re.search(r"^  node2 +eth0 +\S+ +\d+ +0 +2,3\s*$", text, re.M), text[-3000:]
 
 
-def test_node_cut_under_srun_ends_the_job_names_the_node_and_resumes(slurm2: SlurmCluster, tmp_path: Path) -> None:
-    """Node loss under srun: non-zero within --stall-timeout + 60 s of the cut, one line naming the
-    node and its ranks, the checkpoint intact, and --resume on the remaining node (2 ranks) goes on."""
+@pytest.mark.parametrize("how", ["cut", "crash"])
+def test_node_loss_under_srun_ends_the_job_names_the_node_and_resumes(
+        slurm2: SlurmCluster, tmp_path: Path, how: str) -> None:
+    """Node loss under srun (link down, or every process of the node killed, slurmd included):
+    non-zero within --stall-timeout + 60 s, one line naming the node and its ranks, the checkpoint
+    intact, and --resume on the remaining node (2 ranks) goes on."""
     stall = 20
     out = tmp_path / "run"
     log = tmp_path / "job.log"
@@ -110,18 +113,22 @@ def test_node_cut_under_srun_ends_the_job_names_the_node_and_resumes(slurm2: Slu
             time.sleep(0.5)
         time.sleep(1)
         assert slurm2.vcluster is not None
-        slurm2.vcluster.cut(slurm2.vcluster.node("node2"))
-        cut_at = time.monotonic()
+        node2 = slurm2.vcluster.node("node2")
+        if how == "cut":
+            slurm2.vcluster.cut(node2)
+        else:
+            assert slurm2.vcluster.crash(node2), "node2 had no processes to kill"
+        lost_at = time.monotonic()
         rc = job.wait(timeout=stall + 90)
-        ended_after = time.monotonic() - cut_at
-        print(f"node2 cut under srun: the job ended {ended_after:.0f} s later, exit {rc}")
+        ended_after = time.monotonic() - lost_at
+        print(f"node2 {how} under srun: the job ended {ended_after:.0f} s later, exit {rc}")
     finally:
         if job.poll() is None:
             os.killpg(job.pid, 9)
             job.wait(timeout=10)
     text = log.read_text(errors="replace")
     assert rc != 0, text[-3000:]
-    assert ended_after <= stall + 60, f"ended {ended_after:.0f} s after the cut\n{text[-3000:]}"
+    assert ended_after <= stall + 60, f"ended {ended_after:.0f} s after the {how}\n{text[-3000:]}"
     assert [line for line in text.splitlines() if re.search(r"node node2 lost.*\b2, 3\b", line)], text[-3000:]
     assert sorted((out / "checkpoints").glob("ckpt-*.pt")), "the checkpoint is gone"
     resumed = slurm2.run(["timeout", "-s", "KILL", "230", "srun", "-N", "1", "-w", "node1", "-n", "2", "--mpi=pmix",

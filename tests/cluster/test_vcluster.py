@@ -1,5 +1,6 @@
 """The virtual cluster itself: nodes with their own hostname and address that reach each other,
-a cut that isolates a node, and removal that leaves nothing -- also of a cluster whose creator died."""
+a cut that isolates a node, node-local storage, and removal that leaves nothing -- also of a
+cluster whose creator died."""
 
 from __future__ import annotations
 
@@ -41,6 +42,24 @@ def test_nodes_have_own_hostnames_and_reach_each_other_until_cut(make_vcluster) 
         server.wait(timeout=10)
 
 
+def test_each_node_has_its_own_local_directory_and_shares_the_rest(make_vcluster, tmp_path: Path) -> None:
+    cluster = make_vcluster(2)
+    node1, node2 = cluster.nodes
+    local = cluster.local_mount / "mine"
+    shared = tmp_path / "shared"
+    for node in (node1, node2):
+        result = cluster.run(node, ["sh", "-c", f'hostname > "{local}" && hostname >> "{shared}"'])
+        assert result.returncode == 0, result.stderr
+    assert cluster.run(node1, ["cat", str(local)]).stdout == "node1\n"
+    assert cluster.run(node2, ["cat", str(local)]).stdout == "node2\n"
+    assert not local.exists()  # the machine itself sees neither node's
+    assert shared.read_text() == "node1\nnode2\n"
+    # launch/vcluster-rsh (Open MPI's way in) gives the same view
+    rsh = Path(__file__).resolve().parents[2] / "launch" / "vcluster-rsh"
+    result = subprocess.run([str(rsh), node2.address, "cat", str(local)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout == "node2\n", result.stderr
+
+
 def test_down_and_stale_removal_leave_nothing() -> None:
     from tests.support.vcluster import skip_or_fail_without_cluster
 
@@ -56,3 +75,4 @@ def test_down_and_stale_removal_leave_nothing() -> None:
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True, timeout=30).stdout
     assert f"hv{cluster.name}" not in links
     assert not cluster.state_file.exists()
+    assert not cluster.local_mount.exists() and not cluster.local_source(cluster.nodes[0]).exists()

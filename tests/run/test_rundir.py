@@ -248,6 +248,56 @@ def test_default_name_retries_when_the_name_is_taken(tmp_path: Path, monkeypatch
     assert first.name == "20261123-100000-j777-aaaaaa" and second.name == "20261123-100000-j777-bbbbbb"
 
 
+class ThreeRanks:
+    """Rank 0 of a small world: the others report what they saw (the real collective is tested on
+    virtual nodes in tests/cluster/test_multinode.py)."""
+
+    def __init__(self, others: list[tuple[str, bool]]) -> None:
+        self.others = others
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1 + len(self.others)
+
+    def bcast(self, value, root: int = 0):
+        return value
+
+    def allgather(self, value):
+        return [value, *self.others]
+
+
+def test_a_directory_some_node_cannot_see_is_refused_naming_it_and_removed(tmp_path: Path) -> None:
+    comm = ThreeRanks([("node1", True), ("node2", False), ("node2", False)])
+    with pytest.raises(UsageError, match=r"^output directory .*/run is not shared by every node: node2 \(ranks 2, 3\) "
+                                         r"cannot see .*file system every node mounts") as caught:
+        rundir.claim(tmp_path / "run", comm, resume=False, visible_within=0.1)
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "run").exists()  # rank 0 made it empty, and it goes
+
+
+def test_a_refused_directory_that_existed_keeps_everything_in_it(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    comm = ThreeRanks([("node2", False), ("node3", True)])
+    with pytest.raises(UsageError, match=r"node2 \(ranks 1\) cannot see"):
+        rundir.claim(tmp_path, comm, resume=True, visible_within=0.1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no lock left, nothing removed
+
+
+def test_a_directory_every_rank_sees_is_claimed(tmp_path: Path) -> None:
+    with rundir.claim(tmp_path, ThreeRanks([("node1", True), ("node2", True)]), resume=False) as run:
+        assert (tmp_path / rundir.LOCK_NAME).exists() and rundir.sees_lock(run, within=0)
+
+
+def test_a_rank_that_does_not_see_the_lock_says_so_after_its_wait(tmp_path: Path) -> None:
+    with rundir.claim(tmp_path, None, resume=False) as run:
+        elsewhere = rundir.RunDir(tmp_path / "other", run.run_id, owner=False, heartbeat_seconds=60)
+        start = time.monotonic()
+        assert not rundir.sees_lock(elsewhere, within=0.6)
+        assert time.monotonic() - start >= 0.6
+
+
 def test_temporary_names_carry_the_run_id() -> None:
     path = rundir.temporary_path(Path("/x/checkpoints/ckpt-000000001.pt"), "20260101T000000-h-1-abcdef")
     assert path == Path("/x/checkpoints/.ckpt-000000001.pt.tmp-20260101T000000-h-1-abcdef")
