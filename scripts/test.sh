@@ -25,7 +25,10 @@ echo "[test] 0/3 ruff and mypy on hpcdl/ and kfac/ (configured in pyproject.toml
 "$ROOT/.venv/bin/mypy"
 
 echo "[test] 1/3 plain tests"
-"$PY" -m pytest -q -ra "$@" tests
+status=0
+"$PY" -m pytest -q -ra --junitxml="$ROOT/.pytest-times.xml" "$@" tests || status=$?
+"$PY" scripts/test_times.py "$ROOT/.pytest-times.xml" || true  # time per directory (tests/cluster: the virtual nodes)
+if [ "$status" != 0 ]; then exit "$status"; fi
 
 echo "[test] 2/3 collective tests on 4 ranks"
 timeout 1500 mpiexec -n 4 --bind-to none "$PY" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider tests
