@@ -41,7 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # after PYTHONPATH, so PYTHONPATH=DIR can point at another copy of kfac/
 
+from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import EXIT_USAGE, UsageError  # noqa: E402
+from hpcdl.runtime.numbers import integer, real  # noqa: E402
 from hpcdl.training.models import build_model  # noqa: E402
 
 DEFAULT_MNIST_DIR = Path.home() / ".cache" / "hpcdl" / "mnist"
@@ -685,17 +687,21 @@ def write(report: dict[str, Any], out: Path) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = RankZeroParser(prog="benchmarks/kfac_convergence.py", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--dataset", choices=sorted(RECIPES), default="digits")
     parser.add_argument("--data-dir", type=Path, default=None, help=f"MNIST IDX folder (default {DEFAULT_MNIST_DIR})")
-    parser.add_argument("--epochs", type=int, default=None, help="budget (default: the recipe's)")
+    parser.add_argument("--epochs", type=integer(1), default=None, help="budget (default: the recipe's)")
     parser.add_argument(
-        "--target", type=float, default=None, help="test accuracy to reach, a fraction (default: the recipe's)"
+        "--target", type=real(0, low_open=True, high=1), default=None,
+        help="test accuracy to reach, a fraction (default: the recipe's)"
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--batch-size", type=int, default=None, help="global batch (default: the recipe's)")
-    parser.add_argument("--evals-per-epoch", type=int, default=None)
-    parser.add_argument("--sgd-lrs", type=float, nargs="*", default=None, help="SGD learning rates of the sweep")
+    parser.add_argument("--seeds", type=integer(0), nargs="+", default=[0, 1, 2])
+    parser.add_argument("--batch-size", type=integer(1), default=None, help="global batch (default: the recipe's)")
+    parser.add_argument("--evals-per-epoch", type=integer(1), default=None)
+    parser.add_argument(
+        "--sgd-lrs", type=real(0, low_open=True), nargs="*", default=None,
+        help="SGD learning rates of the sweep",
+    )
     parser.add_argument(
         "--kfac",
         nargs="*",
@@ -704,25 +710,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="K-FAC settings of the sweep",
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads per rank (default 1, or the rank's share of cores)"
+        "--threads", type=integer(1), default=None,
+        help="torch threads per rank (default 1, or the rank's share of cores)"
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument(
         "--profile-rounds",
-        type=int,
+        type=integer(0),
         default=0,
         help="instead of the study: time each setting's steps by phase for this many alternating rounds",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.profile_rounds < 0:
-        raise UsageError("--profile-rounds must be at least 0")
-    for flag in ("epochs", "batch_size", "evals_per_epoch", "threads"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.target is not None and not 0 < args.target <= 1:
-        raise UsageError("--target is a fraction of the test set, e.g. 0.99")
     return args
 
 

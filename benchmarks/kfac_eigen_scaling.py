@@ -30,6 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcdl.runtime.console import RankZeroParser  # noqa: E402
+from hpcdl.runtime.errors import run_main  # noqa: E402
+from hpcdl.runtime.numbers import integer, real  # noqa: E402
+
 
 def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
@@ -139,12 +143,12 @@ def launch(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = RankZeroParser(prog="benchmarks/kfac_eigen_scaling.py", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help="measure (run under mpirun)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--fraction", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--threads", type=integer(1, 256), default=1)
+    parser.add_argument("--fraction", type=real(0, low_open=True, high=1), default=1.0)
+    parser.add_argument("--steps", type=integer(1), default=8)
+    parser.add_argument("--batch-size", type=integer(1), default=64)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kfac_eigen_scaling")
     args = parser.parse_args(argv)
     if args.worker:
@@ -206,4 +210,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, program="kfac_eigen_scaling.py")

@@ -50,6 +50,10 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcdl.runtime.console import RankZeroParser  # noqa: E402
+from hpcdl.runtime.errors import run_main  # noqa: E402
+from hpcdl.runtime.numbers import integer  # noqa: E402
+
 TARGETS = {
     "cpu": {(1, 10): 3.5, (10, 10): 1.33},
     "cuda": {(1, 10): 3.0, (10, 100): 1.15},
@@ -371,12 +375,12 @@ def plot(report: dict, path: Path) -> None:
 
 # ------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = RankZeroParser(prog="benchmarks/kfac_overhead.py", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precisions", default=None, help="cuda: 'fp32 amp' (default); cpu: 'fp32'")
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads (cpu only)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=integer(1, 256), default=2, help="CPU threads (cpu only)")
+    parser.add_argument("--batch-size", type=integer(1), default=64)
+    parser.add_argument("--rounds", type=integer(1), default=5)
     parser.add_argument("--configs", default=None, help="(factor,inverse) pairs, e.g. '1,10 10,100'")
     parser.add_argument("--quick", action="store_true", help="one round of (1,10) only")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
@@ -445,4 +449,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, program="kfac_overhead.py")

@@ -37,6 +37,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcdl.runtime.console import RankZeroParser  # noqa: E402
+from hpcdl.runtime.errors import run_main  # noqa: E402
+from hpcdl.runtime.numbers import integer  # noqa: E402
+
 
 def write_jpegs(root: Path, images: int, classes: int, seed: int = 0) -> Path:
     """ImageNet-like class folders (train and a small val): smooth colour fields plus luminance noise,
@@ -308,15 +312,17 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = RankZeroParser(prog="benchmarks/loader_throughput.py", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--images", type=int, default=288, help="training JPEGs to write (default 288)")
-    parser.add_argument("--classes", type=int, default=8)
-    parser.add_argument("--workers", type=int, nargs="+", help="worker counts (default 0 1 2 on CPU, 2 4 8 on CUDA)")
-    parser.add_argument("--batch-size", type=int, help="default 32 on CPU, 128 on CUDA")
-    parser.add_argument("--batches", type=int, default=6, help="timed batches per measurement (after one warm-up)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender")
+    parser.add_argument("--images", type=integer(1), default=288, help="training JPEGs to write (default 288)")
+    parser.add_argument("--classes", type=integer(1), default=8)
+    parser.add_argument("--workers", type=integer(0, 256), nargs="+",
+                        help="worker counts (default 0 1 2 on CPU, 2 4 8 on CUDA)")
+    parser.add_argument("--batch-size", type=integer(1), help="default 32 on CPU, 128 on CUDA")
+    parser.add_argument("--batches", type=integer(1), default=6,
+                        help="timed batches per measurement (after one warm-up)")
+    parser.add_argument("--rounds", type=integer(1), default=3, help="alternating rounds per contender")
     parser.add_argument("--data", type=Path, help="reuse (or create) the generated data here instead of a temp dir")
     parser.add_argument("--contenders", nargs="+", help="a subset of pil-folder folder-cpu shards-cpu folder-gpu "
                         "shards-gpu (default: all that the device allows)")
@@ -328,10 +334,10 @@ def main() -> None:
     from hpcdl.run import outputs
 
     outputs.add_arguments(parser)
-    args = parser.parse_args()
-    stem = run_main_value(lambda: outputs.results_stem(
+    args = parser.parse_args(argv)
+    stem = outputs.results_stem(
         args.output.with_suffix("") if args.output else None, f"loader_throughput_{args.device}", (".json", ".png"),
-        refresh_results=args.refresh_results, force=args.force))
+        refresh_results=args.refresh_results, force=args.force)
 
     import torch
 
@@ -412,15 +418,5 @@ def main() -> None:
     print(f"wrote {output} and {figure}")
 
 
-def run_main_value(decide):
-    """The value of ``decide()``, or the one-line usage error and exit 2 (hpcdl.errors' convention)."""
-    from hpcdl.runtime.errors import UsageError
-
-    try:
-        return decide()
-    except UsageError as exc:
-        sys.exit(f"loader_throughput.py: error: {exc}")
-
-
 if __name__ == "__main__":
-    main()
+    run_main(main, program="loader_throughput.py")

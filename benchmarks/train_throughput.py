@@ -33,7 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
+from hpcdl.runtime.numbers import integer  # noqa: E402
 
 MODES = ("fp32", "amp", "amp+cl", "compile")
 SHAPES = {"cpu": dict(model="resnet32", batch=64, size=32), "cuda": dict(model="resnet50", batch=128, size=224)}
@@ -157,20 +159,19 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = RankZeroParser(prog="benchmarks/train_throughput.py", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--steps", type=int, default=12, help="measured steps per round")
-    parser.add_argument("--rounds", type=int, default=4, help="pairs per mode, in alternating order")
+    parser.add_argument("--steps", type=integer(1), default=12, help="measured steps per round")
+    parser.add_argument("--rounds", type=integer(1), default=4, help="pairs per mode, in alternating order")
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
     from hpcdl.run import outputs
 
     outputs.add_arguments(parser)
-    args = parser.parse_args()
-    run_main(lambda: measure(args), program="train_throughput.py")
+    measure(parser.parse_args(argv))
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -222,4 +223,4 @@ def measure(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, program="train_throughput.py")

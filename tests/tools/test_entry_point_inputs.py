@@ -10,6 +10,7 @@ before MPI, a download or a file is touched.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,18 +29,22 @@ from hpcdl.runtime.errors import UsageError
 REPO = Path(__file__).resolve().parents[2]
 
 
-def benchmark(name: str) -> Callable[[list[str]], object]:
+def benchmark(name: str, function: str = "parse_args") -> Callable[[list[str]], object]:
+    """A benchmark script's argument reader (``main`` where reading is its first step)."""
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.parse_args  # type: ignore[no-any-return]
+    return getattr(module, function)  # type: ignore[no-any-return]
 
 
 ENTRIES: dict[str, Callable[[list[str]], object]] = {
     "pack": hpcdl.tools.pack.parse_args, "bench.allreduce": hpcdl.bench.allreduce.parse_args,
     "demos.stop": hpcdl.demos.stop.main, "fetch_mnist": hpcdl.tools.fetch_mnist.main, "plot": hpcdl.tools.plot.main,
-    "deterministic_cost": benchmark("deterministic_cost"),
+    "deterministic_cost": benchmark("deterministic_cost"), "kfac_convergence": benchmark("kfac_convergence"),
+    "kfac_eigen_scaling": benchmark("kfac_eigen_scaling", "main"), "kfac_overhead": benchmark("kfac_overhead", "main"),
+    "loader_throughput": benchmark("loader_throughput", "main"), "train_throughput": benchmark("train_throughput", "main"),
 }
 
 
@@ -62,6 +67,16 @@ CASES = [
     ("demos.stop", ["--steps", "-1"], "--steps"),
     ("demos.stop", ["--workers", "-1"], "--workers"),
     *[("deterministic_cost", [flag, "-1"], flag) for flag in ("--ranks", "--pairs", "--steps")],
+    *[("kfac_convergence", [flag, "-1"], flag) for flag in ("--epochs", "--seeds", "--batch-size", "--evals-per-epoch",
+                                                           "--threads", "--profile-rounds")],
+    *[("kfac_convergence", [flag, v], flag) for flag in ("--target", "--sgd-lrs") for v in ("nan", "inf", "-1", "0")],
+    ("kfac_convergence", ["--target", "1.5"], "--target"),
+    *[("kfac_eigen_scaling", [flag, "0"], flag) for flag in ("--threads", "--steps", "--batch-size")],
+    *[("kfac_eigen_scaling", ["--fraction", v], "--fraction") for v in ("nan", "0", "2")],
+    *[("kfac_overhead", [flag, "0"], flag) for flag in ("--threads", "--batch-size", "--rounds")],
+    *[("loader_throughput", [flag, "-1"], flag) for flag in ("--images", "--classes", "--workers", "--batch-size",
+                                                            "--batches", "--rounds")],
+    *[("train_throughput", [flag, "0"], flag) for flag in ("--steps", "--rounds")],
 ]
 
 
