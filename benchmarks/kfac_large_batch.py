@@ -8,16 +8,20 @@
 
 Every run is ``python -m hpcdl.train`` itself (same model, data, data order per seed, schedule,
 evaluation and clocks for every method): real MNIST, ``mnist_cnn``, cosine decay per step over
-``--epochs`` with a linear warm-up from 0.1x the peak rate (``--warmup-start-factor``), weight decay
-5e-4, one rank whose global batch is ``--batch-size x --batches-per-allreduce``. Methods differ
-only in their flags: ``--optimizer sgd|lamb|lars``, ``--kfac-update-freq`` for hpcdl's K-FAC, and
-``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner`` for kfac-pytorch's K-FAC, which runs
-inside the same loop through that plugin point. kfac-pytorch is not a dependency of hpcdl: it is
-installed from its public source into a directory outside the repository (``--kfac-pytorch-site``,
-by ``--install-kfac-pytorch``), put first on that run's PYTHONPATH, and the run starts in
-a scratch directory, so that its ``kfac`` package is kfac-pytorch's, not the repository's.
-Its damping and KL clip are carried over from ours by the Linear-layer rule of docs/kfac.md
-(λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one step).
+``--epochs`` after a warm-up of ``--warmup-epochs``, weight decay 5e-4, momentum 0.9, one rank whose global
+batch is ``--batch-size x --batches-per-allreduce``. The first-order methods ramp the rate up from 0.1x the
+peak (``--warmup-start-factor 0.1``, Goyal et al.); the K-FAC methods hold the peak rate during the warm-up
+(``--warmup-start-factor 1``): with momentum a ramp applies steps clipped under a small rate at a larger
+one, which defeats the KL clip (docs/kfac.md). Methods differ only in their flags: ``--optimizer
+sgd|lamb|lars``; hpcdl's K-FAC with ``--kfac-preset large-batch`` above batch 512 (the batch-128 study's
+settings below); kfac-pytorch's K-FAC through ``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner``,
+which runs inside the same loop through that plugin point, at the same update frequencies as ours.
+kfac-pytorch is not a dependency of hpcdl: it is installed from its public source into a directory
+outside the repository (``--kfac-pytorch-site``, by ``--install-kfac-pytorch``), put first on that run's
+PYTHONPATH, and the run starts in a scratch directory, so that its ``kfac`` package is kfac-pytorch's,
+not the repository's. ``kfac-pytorch`` carries our damping and KL clip over by the Linear-layer rule of
+docs/kfac.md (λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one step);
+``kfac-pytorch-native`` takes its README's values instead.
 
 Test accuracy is measured after every epoch (hpcdl.train's evaluation); steps and training
 seconds (evaluation excluded) to 98.5 % and 99.0 % are those of the first epoch that reaches them.
@@ -50,24 +54,28 @@ TARGETS = (0.985, 0.99)
 METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch", "kfac-pytorch-native")
 FULL_BATCHES = (128, 512, 2048, 4096, 8192)
 REDUCED_BATCHES = (128, 4096)
-# Peak learning rates swept per method (the rate after warm-up, for the global batch). Chosen around
-# the batch-128 study's best rates (SGD 0.05, K-FAC 0.1) and the usual ranges of LAMB and LARS.
-FULL_LRS = {"sgd": (0.0125, 0.025, 0.05, 0.1), "lamb": (0.01, 0.02, 0.04, 0.08), "lars": (2.0, 5.0, 10.0, 20.0),
-            "kfac": (0.1, 0.2, 0.4), "kfac-pytorch": (0.1, 0.2, 0.4), "kfac-pytorch-native": (0.1, 0.2, 0.4)}
-# At batch 4096 SGD diverged at 0.1 and LAMB underfitted at 0.01 (88.7 %) in this study's first runs.
-REDUCED_LRS = {"sgd": (0.025, 0.05), "lamb": (0.02, 0.04), "lars": (5.0, 10.0), "kfac": (0.2, 0.4),
-               "kfac-pytorch": (0.2, 0.4), "kfac-pytorch-native": (0.2, 0.4)}
-BATCH_128_LRS = {"sgd": (0.05,), "lamb": (0.005,), "lars": (2.0,), "kfac": (0.1,), "kfac-pytorch": (0.1,),
+# Peak learning rates swept per method (the rate after warm-up, for the global batch), around the best
+# rates of the batch-4096 sweeps in docs/kfac.md (SGD diverged at 0.1, LAMB at 0.16, LARS fell to 95.7 % at 80).
+FULL_LRS = {"sgd": (0.0125, 0.025, 0.05), "lamb": (0.02, 0.04, 0.08, 0.11), "lars": (10.0, 20.0, 40.0),
+            "kfac": (0.1, 0.2, 0.4), "kfac-pytorch": (0.2,), "kfac-pytorch-native": (0.1, 0.2, 0.4)}
+# The reduced grid checks each method at its best batch-4096 rate of those sweeps (one seed, no sweep).
+REDUCED_LRS = {"sgd": (0.05,), "lamb": (0.08,), "lars": (40.0,), "kfac": (0.2,), "kfac-pytorch": (0.2,),
+               "kfac-pytorch-native": (0.2,)}
+# The batch-128 study's rates (docs/kfac.md); LARS has none measured there, so it is left out at 128.
+BATCH_128_LRS = {"sgd": (0.05,), "lamb": (0.005,), "kfac": (0.1,), "kfac-pytorch": (0.1,),
                  "kfac-pytorch-native": (0.1,)}
+DEFAULT_METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch-native")
 # kfac-pytorch with its own README's damping and clip, not carried over (the carried-over ones diverged).
 NATIVE_FLAGS = ("--damping", "0.003", "--kl-clip", "0.001")
-KFAC_DAMPING = 0.1  # hpcdl's convention (docs/kfac.md): the batch-128 study's best
+KFAC_DAMPING = 0.1  # hpcdl's convention (docs/kfac.md): the batch-128 study's best, and the large-batch preset's
+SMALL_KFAC = dict(factors=10, inverse=100, damping=KFAC_DAMPING, kl_clip=0.001)  # the batch-128 study's
+LARGE_KFAC = dict(factors=1, inverse=1, damping=KFAC_DAMPING, kl_clip=0.01)  # --kfac-preset large-batch
 
 
-def kfac_frequencies(batch: int) -> tuple[int, int]:
-    """(factor, inverse) update frequencies: the batch-128 study's (10, 100) for small batches; at large
-    batches factors every step and decompositions every 10 (few steps per epoch make both cheap)."""
-    return (10, 100) if batch <= 512 else (1, 10)
+def kfac_settings(batch: int) -> dict[str, float]:
+    """hpcdl K-FAC's (factor, inverse) frequencies, damping and KL clip at ``batch``: the batch-128 study's
+    up to 512, the large-batch preset above (few steps per epoch make every-step decompositions cheap)."""
+    return SMALL_KFAC if batch <= 512 else LARGE_KFAC
 MICRO_BATCH = 1024  # per backward pass; larger global batches accumulate (--batches-per-allreduce)
 
 
@@ -193,7 +201,8 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
         "--test-batch-size", "1000",
         # the rate is per backward pass and scaled by the accumulation: give the peak rate for the whole batch
         "--base-lr", repr(cell.lr / accumulate), "--lr-schedule", "cosine",
-        "--warmup-epochs", str(args.warmup_epochs), "--warmup-start-factor", "0.1",
+        "--warmup-epochs", str(args.warmup_epochs),
+        "--warmup-start-factor", "1.0" if cell.method.startswith("kfac") else "0.1",  # docstring: why
         "--weight-decay", "5e-4", "--momentum", "0.9", "--seed", str(cell.seed),
         "--output-dir", str(output_dir), "--no-progress", "--device", "cpu", "--log-every", "1000",
         "--stall-timeout", "0",
@@ -205,10 +214,19 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
     if cell.method in ("sgd", "lamb", "lars"):
         flags += ["--optimizer", cell.method]
     else:
-        factors, inverse = kfac_frequencies(cell.batch)
-        flags += ["--optimizer", "sgd", "--kfac-cov-update-freq", str(factors), "--kfac-update-freq", str(inverse),
-                  *(NATIVE_FLAGS if cell.method == "kfac-pytorch-native"
-                    else ("--damping", repr(args.damping), "--kl-clip", repr(args.kl_clip)))]
+        settings = kfac_settings(cell.batch)
+        preset = cell.method == "kfac" and settings is LARGE_KFAC
+        flags += ["--optimizer", "sgd"]
+        if preset:  # the documented preset itself, not a copy of its values
+            flags += ["--kfac-preset", "large-batch"]
+        else:
+            flags += ["--kfac-cov-update-freq", str(settings["factors"]),
+                      "--kfac-update-freq", str(settings["inverse"])]
+        if cell.method == "kfac-pytorch-native":
+            flags += NATIVE_FLAGS
+        elif not preset or args.damping is not None or args.kl_clip is not None:
+            flags += ["--damping", repr(settings["damping"] if args.damping is None else args.damping),
+                      "--kl-clip", repr(settings["kl_clip"] if args.kl_clip is None else args.kl_clip)]
     if cell.method == "kfac-pytorch":
         flags += ["--kfac-impl", "kfac_large_batch:kfac_pytorch_preconditioner"]
     if cell.method == "kfac-pytorch-native":
@@ -279,11 +297,10 @@ def run_cells(cells: Sequence[Cell], args: argparse.Namespace,
 
 
 def reduced_cells(methods: Sequence[str], batches: Sequence[int] = REDUCED_BATCHES, seed: int = 0) -> list[Cell]:
-    """The smallest batch at each method's known batch-128 rate, the others with a two-rate sweep: one seed."""
+    """The larger batches at each method's REDUCED_LRS, the smallest at its batch-128 rate (where it has one)."""
     small, *large = sorted(batches)
-    cells = [Cell(m, b, lr, seed) for b in large for lr_index in range(2) for m in methods
-             for lr in REDUCED_LRS[m][lr_index:lr_index + 1]]  # large batches first: they are the question
-    return cells + [Cell(m, small, lr, seed) for m in methods for lr in BATCH_128_LRS[m]]
+    cells = [Cell(m, b, lr, seed) for b in large for m in methods for lr in REDUCED_LRS[m]]  # the question first
+    return cells + [Cell(m, small, lr, seed) for m in methods for lr in BATCH_128_LRS.get(m, ())]
 
 
 def full_cells(methods: Sequence[str], batches: Sequence[int], seeds: Sequence[int]) -> list[Cell]:
@@ -440,7 +457,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--reduced", action="store_true", help="batch 128 (known rates) and 4096 (two rates), one seed")
     mode.add_argument("--target-cell", action="store_true",
                       help="batch 4096, --seeds, each method at its best rate in --rates-from (or --lrs)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=["sgd", "lamb", "kfac", "kfac-pytorch"])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
+                        help="kfac-pytorch: its K-FAC with our damping carried over (did not learn at 4096); "
+                             "kfac-pytorch-native: with its README's damping and clip")
     parser.add_argument("--batches", nargs="+", type=int, default=None,
                         help=f"global batches (default: {FULL_BATCHES}; --reduced: {REDUCED_BATCHES})")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -457,8 +476,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="directory holding kfac-pytorch's installed `kfac` package (outside the repository)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each gets --threads threads)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--damping", type=float, default=KFAC_DAMPING, help="hpcdl's and (carried over) kfac-pytorch's")
-    parser.add_argument("--kl-clip", type=float, default=0.001, help="hpcdl's and (carried over) kfac-pytorch's")
+    parser.add_argument("--damping", type=float, default=None,
+                        help="hpcdl's and (carried over) kfac-pytorch's (default: the preset's; 0.1 up to 512)")
+    parser.add_argument("--kl-clip", type=float, default=None,
+                        help="hpcdl's and (carried over) kfac-pytorch's (default: the preset's, or 0.001 up to 512)")
     parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
                         help="examples per backward pass; larger global batches accumulate")
     parser.add_argument("--max-steps", type=int, default=None, help="cut every run short (wiring checks)")
@@ -516,16 +537,32 @@ def install_kfac_pytorch(source: str, site: Path) -> int:
 
 
 def load_outcomes(path: Path) -> list[Outcome]:
-    """The runs of a results file; hpcdl K-FAC runs at another damping than the default are named by it."""
+    """The runs of a results file; hpcdl K-FAC runs at other settings than :func:`kfac_settings`'s are
+    named by them (damping, KL clip, decompositions every N steps, a warm-up ramp)."""
     outcomes = []
     for r in json.loads(path.read_text())["runs"]:
         command, method = r.get("command", "").split(), r["method"]
-        if method == "kfac" and "--damping" in command:
-            damping = float(command[command.index("--damping") + 1])
-            method = method if damping == KFAC_DAMPING else f"kfac d={damping:g}"
+        if method == "kfac" and "--kfac-preset" not in command:
+            method = kfac_label(command, r["batch"])
         outcomes.append(Outcome(Cell(method, r["batch"], r["lr"], r["seed"]), r["returncode"], r["epochs"],
                                 r.get("wall_seconds", 0.0), command, r.get("error", "")))
     return outcomes
+
+
+def kfac_label(command: Sequence[str], batch: int) -> str:
+    """"kfac", plus what an hpcdl K-FAC run's flags set apart from :func:`kfac_settings` at ``batch``."""
+    def value(flag: str) -> float | None:
+        return float(command[command.index(flag) + 1]) if flag in command else None
+
+    settings, parts = kfac_settings(batch), ["kfac"]
+    for flag, key, name in (("--damping", "damping", "d"), ("--kl-clip", "kl_clip", "clip"),
+                            ("--kfac-update-freq", "inverse", "inv every")):
+        given = value(flag)
+        if given is not None and given != settings[key]:
+            parts.append(f"{name} {given:g}")
+    if value("--warmup-start-factor") not in (None, 1.0):
+        parts.append(f"ramp from {value('--warmup-start-factor'):g}x")
+    return " ".join(parts)
 
 
 def method_order(method: str) -> int:

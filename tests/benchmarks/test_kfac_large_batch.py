@@ -32,7 +32,9 @@ def test_every_reduced_run_is_a_valid_hpcdl_train_command(study: Any, tmp_path: 
     args = study.parse_args(["--reduced", "--dry-run"])
     cells = study.reduced_cells(args.methods, study.REDUCED_BATCHES, 0)
     assert {c.batch for c in cells} == {128, 4096} and {c.seed for c in cells} == {0}
-    assert {c.method for c in cells} == {"sgd", "lamb", "kfac", "kfac-pytorch"}
+    assert {c.method for c in cells} == set(study.DEFAULT_METHODS) == {"sgd", "lamb", "lars", "kfac",
+                                                                        "kfac-pytorch-native"}
+    inverse_every = {}
     for cell in cells:
         command = study.train_command(cell, args, tmp_path / cell.name)
         assert command[1:3] == ["-m", "hpcdl.train"]
@@ -40,11 +42,20 @@ def test_every_reduced_run_is_a_valid_hpcdl_train_command(study: Any, tmp_path: 
         assert config.batch_size * config.batches_per_allreduce == cell.batch
         peak = config.base_lr * config.batches_per_allreduce  # one rank: hpcdl scales by the accumulation
         assert peak == pytest.approx(cell.lr)
-        assert config.seed == 0 and config.warmup_start_factor == 0.1 and config.lr_schedule == "cosine"
-        assert (config.kfac_update_freq > 0) == cell.method.startswith("kfac")
-        assert (config.kfac_impl != "hpcdl") == (cell.method == "kfac-pytorch")
-        if cell.method in ("sgd", "lamb"):
+        assert config.seed == 0 and config.lr_schedule == "cosine"
+        kfac = cell.method.startswith("kfac")
+        # first-order methods ramp up from 0.1x; K-FAC holds the peak (a ramp defeats its KL clip)
+        assert config.warmup_start_factor == (1.0 if kfac else 0.1)
+        assert (config.kfac_update_freq > 0) == kfac
+        assert (config.kfac_impl != "hpcdl") == cell.method.startswith("kfac-pytorch")
+        if cell.method == "kfac" and cell.batch == 4096:  # the documented preset, not a copy of its values
+            assert config.kfac_preset == "large-batch" and "--damping" not in command and "--kl-clip" not in command
+            assert (config.kfac_update_freq, config.damping, config.kl_clip) == (1, 0.1, 0.01)
+        if kfac:
+            inverse_every.setdefault(cell.batch, set()).add((config.kfac_update_freq, config.kfac_cov_update_freq))
+        if cell.method in ("sgd", "lamb", "lars"):
             assert config.optimizer == cell.method
+    assert inverse_every == {4096: {(1, 1)}, 128: {(100, 10)}}  # both K-FACs at the same frequencies
 
 
 def test_time_to_target_and_best_rates_from_hand_made_curves(study: Any) -> None:
@@ -78,6 +89,6 @@ def test_the_reduced_mode_runs_end_to_end_on_digits(tmp_path: Path) -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=850, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads(out.with_suffix(".json").read_text())
-    assert len(data["runs"]) == 2 + 2 * 2  # one rate per method at the small batch, two at the large one
+    assert len(data["runs"]) == 2 + 2  # one rate per method at each batch
     assert all(r["returncode"] == 0 and r["epochs"] and r["epochs"][-1]["global_step"] == 2 for r in data["runs"])
     assert out.with_suffix(".png").exists() and out.with_suffix(".csv").exists()

@@ -1,0 +1,61 @@
+"""--kfac-preset large-batch: what it sets is what README and docs/kfac.md say, given flags win, and the
+preconditioner hpcdl.train builds from it carries those values."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcdl.runtime.errors import UsageError
+from hpcdl.training.config import KFAC_PRESETS, TrainConfig, parse_config
+from hpcdl.training.optimizers import build_preconditioner
+
+REPO = Path(__file__).resolve().parents[2]
+# How both documents state the preset: "`--kfac-preset large-batch` sets `<flags>`".
+STATED = re.compile(r"`--kfac-preset large-batch` sets `([^`]+)`")
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/kfac.md"])
+def test_the_preset_is_what_the_documents_say(document: str) -> None:
+    stated = STATED.findall((REPO / document).read_text())
+    assert stated, f"{document} does not state what --kfac-preset large-batch sets"
+    preset = parse_config(["--kfac-preset", "large-batch"])
+    for flags in stated:
+        spelled_out = parse_config(flags.split())  # the stated flags alone, without the preset
+        assert dataclasses.replace(spelled_out, kfac_preset="large-batch") == preset, flags
+
+
+def test_the_preset_turns_kfac_on_and_changes_only_kfac_settings() -> None:
+    plain, preset = parse_config([]), parse_config(["--kfac-preset", "large-batch"])
+    assert plain.kfac_update_freq == 0 and preset.kfac_update_freq == 1  # on, decompositions every step
+    assert (preset.damping, preset.kl_clip) == (0.1, 0.01)
+    defaults = dataclasses.asdict(TrainConfig())
+    for name, value in KFAC_PRESETS["large-batch"].items():
+        assert defaults[name] != value, f"the preset repeats the default of {name}"
+    changed = {k for k, v in dataclasses.asdict(preset).items() if dataclasses.asdict(plain)[k] != v}
+    assert changed == {"kfac_preset", *KFAC_PRESETS["large-batch"]}
+
+
+def test_given_flags_win_over_the_preset_and_the_dataset_preset_stays() -> None:
+    config = parse_config(["--dataset", "mnist", "--kfac-preset", "large-batch", "--damping", "0.3",
+                           "--kfac-update-freq", "5"])
+    assert (config.damping, config.kfac_update_freq, config.kl_clip) == (0.3, 5, 0.01)
+    assert config.model == "mnist_cnn" and config.weight_decay == 5e-4  # mnist's preset under it
+    assert parse_config(["--kfac-preset", "large-batch", "--kfac-update-freq", "0"]).kfac_update_freq == 0
+
+
+def test_an_unknown_preset_is_one_line() -> None:
+    with pytest.raises(UsageError, match="--kfac-preset") as error:
+        parse_config(["--kfac-preset", "huge"])
+    assert "\n" not in str(error.value)
+
+
+def test_the_preconditioner_built_from_the_preset_carries_its_values() -> None:
+    config = parse_config(["--dataset", "mnist", "--kfac-preset", "large-batch"])
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    pre = build_preconditioner(config, model, lambda *_: 0.2, None)
+    assert (pre.inv_update_freq, pre.factor_update_freq, pre.damping, pre.kl_clip) == (1, 1, 0.1, 0.01)
