@@ -56,10 +56,10 @@ FULL_BATCHES = (128, 512, 2048, 4096, 8192)
 REDUCED_BATCHES = (128, 4096)
 # Peak learning rates swept per method (the rate after warm-up, for the global batch), around the best
 # rates of the batch-4096 sweeps in docs/kfac.md (SGD diverged at 0.1, LAMB at 0.16, LARS fell to 95.7 % at 80).
-FULL_LRS = {"sgd": (0.0125, 0.025, 0.05), "lamb": (0.02, 0.04, 0.08, 0.11), "lars": (10.0, 20.0, 40.0),
+FULL_LRS = {"sgd": (0.0125, 0.025, 0.05), "lamb": (0.02, 0.04, 0.06, 0.08, 0.11), "lars": (10.0, 20.0, 40.0),
             "kfac": (0.1, 0.2, 0.4), "kfac-pytorch": (0.2,), "kfac-pytorch-native": (0.1, 0.2, 0.4)}
 # The reduced grid checks each method at its best batch-4096 rate of those sweeps (one seed, no sweep).
-REDUCED_LRS = {"sgd": (0.05,), "lamb": (0.08,), "lars": (40.0,), "kfac": (0.2,), "kfac-pytorch": (0.2,),
+REDUCED_LRS = {"sgd": (0.05,), "lamb": (0.06,), "lars": (40.0,), "kfac": (0.2,), "kfac-pytorch": (0.2,),
                "kfac-pytorch-native": (0.2,)}
 # The batch-128 study's rates (docs/kfac.md); LARS has none measured there, so it is left out at 128.
 BATCH_128_LRS = {"sgd": (0.05,), "lamb": (0.005,), "kfac": (0.1,), "kfac-pytorch": (0.1,),
@@ -69,14 +69,14 @@ DEFAULT_METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch-native")
 NATIVE_FLAGS = ("--damping", "0.003", "--kl-clip", "0.001")
 KFAC_DAMPING = 0.1  # hpcdl's convention (docs/kfac.md): the batch-128 study's best, and the large-batch preset's
 SMALL_KFAC = dict(factors=10, inverse=100, damping=KFAC_DAMPING, kl_clip=0.001)  # the batch-128 study's
-LARGE_KFAC = dict(factors=1, inverse=1, damping=KFAC_DAMPING, kl_clip=0.01)  # --kfac-preset large-batch
+LARGE_KFAC = dict(factors=5, inverse=5, damping=KFAC_DAMPING, kl_clip=0.01)  # --kfac-preset large-batch
 
 
 def kfac_settings(batch: int) -> dict[str, float]:
     """hpcdl K-FAC's (factor, inverse) frequencies, damping and KL clip at ``batch``: the batch-128 study's
-    up to 512, the large-batch preset above (few steps per epoch make every-step decompositions cheap)."""
+    up to 512, the large-batch preset's above."""
     return SMALL_KFAC if batch <= 512 else LARGE_KFAC
-MICRO_BATCH = 1024  # per backward pass; larger global batches accumulate (--batches-per-allreduce)
+MICRO_BATCH = 4096  # per backward pass; larger global batches accumulate (--batches-per-allreduce)
 
 
 @dataclass(frozen=True)
@@ -542,7 +542,7 @@ def load_outcomes(path: Path) -> list[Outcome]:
     outcomes = []
     for r in json.loads(path.read_text())["runs"]:
         command, method = r.get("command", "").split(), r["method"]
-        if method == "kfac" and "--kfac-preset" not in command:
+        if method == "kfac" and "hpcdl.train" in command:
             method = kfac_label(command, r["batch"])
         outcomes.append(Outcome(Cell(method, r["batch"], r["lr"], r["seed"]), r["returncode"], r["epochs"],
                                 r.get("wall_seconds", 0.0), command, r.get("error", "")))
@@ -550,18 +550,23 @@ def load_outcomes(path: Path) -> list[Outcome]:
 
 
 def kfac_label(command: Sequence[str], batch: int) -> str:
-    """"kfac", plus what an hpcdl K-FAC run's flags set apart from :func:`kfac_settings` at ``batch``."""
-    def value(flag: str) -> float | None:
-        return float(command[command.index(flag) + 1]) if flag in command else None
+    """"kfac", plus what an hpcdl K-FAC run's settings (its command, parsed by hpcdl.train's own parser)
+    have apart from :func:`kfac_settings` at ``batch``: damping, KL clip, update frequencies, a ramp."""
+    from hpcdl.training.config import parse_config
 
+    config = parse_config(list(command[command.index("hpcdl.train") + 1:]))
     settings, parts = kfac_settings(batch), ["kfac"]
-    for flag, key, name in (("--damping", "damping", "d"), ("--kl-clip", "kl_clip", "clip"),
-                            ("--kfac-update-freq", "inverse", "inv every")):
-        given = value(flag)
-        if given is not None and given != settings[key]:
-            parts.append(f"{name} {given:g}")
-    if value("--warmup-start-factor") not in (None, 1.0):
-        parts.append(f"ramp from {value('--warmup-start-factor'):g}x")
+    for value, key, name in ((config.damping, "damping", "d"), (config.kl_clip, "kl_clip", "clip"),
+                             (config.kfac_update_freq, "inverse", "inv every"),
+                             (config.kfac_cov_update_freq, "factors", "factors every")):
+        if value != settings[key]:
+            parts.append(f"{name} {value:g}")
+    if config.factor_decay != 0.95:
+        parts.append(f"decay {config.factor_decay:g}")
+    if config.weight_decay != 5e-4:
+        parts.append(f"wd {config.weight_decay:g}")
+    if config.warmup_start_factor not in (None, 1.0):
+        parts.append(f"ramp from {config.warmup_start_factor:g}x")
     return " ".join(parts)
 
 
