@@ -60,3 +60,36 @@ def fit_ring(nbytes: Sequence[float], seconds: Sequence[float], ranks: int) -> A
     alpha = max(intercept, 0.0) / steps
     bandwidth = steps / ranks / slope if slope > 0 else float("inf")
     return AlphaBeta(alpha, bandwidth)
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A size left out of the fit, and what the model fitted to the others predicts for it."""
+
+    nbytes: float
+    measured: float  # seconds
+    predicted: float  # seconds
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction: +0.10 means 10 % slower predicted than measured."""
+        return (self.predicted - self.measured) / self.measured
+
+
+def fit_and_hold_out(
+    nbytes: Sequence[float], seconds: Sequence[float], ranks: int, held_out: float
+) -> tuple[AlphaBeta, HeldOut]:
+    """Fit the ring model to every size but ``held_out``, then predict ``held_out``.
+
+    A model is only worth extrapolating with if it predicts a size it never saw; the fit itself
+    says nothing about that (two parameters fit any two points).
+    """
+    pairs = list(zip(nbytes, seconds, strict=True))
+    kept = [(n, t) for n, t in pairs if n != held_out]
+    left_out = [t for n, t in pairs if n == held_out]
+    if len(left_out) != 1:
+        raise ValueError(f"the held-out size {held_out:g} B must be measured exactly once")
+    if len(kept) < 2:
+        raise ValueError("need at least two other sizes to fit")
+    model = fit_ring([n for n, _ in kept], [t for _, t in kept], ranks)
+    return model, HeldOut(held_out, left_out[0], model.ring_seconds(held_out, ranks))

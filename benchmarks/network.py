@@ -1,0 +1,470 @@
+"""The network, measured: allreduce on virtual nodes behind shaped links, against the link itself.
+
+    .venv/bin/python benchmarks/network.py                          # everything; results under runs/bench/
+    .venv/bin/python benchmarks/network.py --refresh-results        # into benchmarks/results/net_*
+    .venv/bin/python benchmarks/network.py --phases report --output-dir benchmarks/results
+
+Needs root (network namespaces, tc) and iperf3. Each phase brings up its own virtual cluster
+(``hpcdl.tools.vcluster``, one rank per node) and takes it down again, even when a run fails:
+
+* ``links``: iperf3 between two nodes, one way and both ways: what TCP gets through the link
+  (the ceiling no MPI can beat), for every rate;
+* ``probe``: ``hpcdl.bench.probe`` on two nodes, call by call, with the bytes each node put on the
+  wire: a one-way message, a two-way exchange, MPI_Allreduce with Open MPI's choice and with each
+  of its algorithms forced, and with the TCP transport's emulated RDMA (``put``) switched off;
+* ``volume``: the same MPI_Allreduce probe on 3 and more nodes at the first rate, Open MPI's choice
+  and each large-message algorithm forced: time per call and bytes per node on the wire;
+* ``allreduce``: ``hpcdl.bench.allreduce`` (MPI, Horovod, our ring) for every rate and node count;
+* ``fp16``: ``hpcdl.train`` with and without ``--fp16-allreduce`` on two nodes, alternating
+  (A B B A) on each slow rate, images/s of every epoch after the first;
+* ``report``: bus bandwidth / link rate per size, the alpha-beta model fitted to all sizes but one
+  and checked on that one, a markdown table and a plot (``net_summary.{json,md,png}``).
+
+The machine's 1-minute load average is recorded beside every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hpcdl.bench import alphabeta  # noqa: E402
+from hpcdl.bench.cli import format_size, parse_size  # noqa: E402
+from hpcdl.run import outputs, rundir  # noqa: E402
+from hpcdl.run.atomic import write_text_atomically  # noqa: E402
+from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
+from hpcdl.tools import vcluster  # noqa: E402
+
+PHASES = ("links", "probe", "volume", "allreduce", "fp16", "report")
+MPI_NO_PUT = "MPI, put off"
+IMPLEMENTATIONS = ("MPI.Allreduce", "horovod", "ring", MPI_NO_PUT)
+NO_PUT = "--mca btl_tcp_flags send,inplace,need-ack,need-csum"  # Open MPI 4.1's default minus put
+ALGORITHMS = {1: "basic_linear", 2: "nonoverlapping", 3: "recursive_doubling", 4: "ring", 5: "segmented_ring",
+              6: "rabenseifner"}
+ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1",
+       "PYTHONUNBUFFERED": "1"}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="benchmarks/network.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="link rates (tc syntax)")
+    parser.add_argument("--nodes", nargs="+", type=int, default=[2, 3, 4], help="node counts (one rank each)")
+    parser.add_argument("--min-size", type=parse_size, default=1 << 20)
+    parser.add_argument("--max-size", type=parse_size, default=32 << 20)
+    parser.add_argument("--held-out", type=parse_size, default=32 << 20,
+                        help="size left out of the alpha-beta fit and predicted (default 32M: extrapolation)")
+    parser.add_argument("--probe-size", type=parse_size, default=16 << 20)
+    parser.add_argument("--probe-calls", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of hpcdl.bench.allreduce (default 2)")
+    parser.add_argument("--fp16-rates", nargs="+", default=["1gbit", "100mbit"])
+    parser.add_argument("--fp16-pairs", type=int, default=1, help="A B B A blocks per rate (default 1)")
+    parser.add_argument("--train-args", default="--dataset synthetic --synthetic-shape 1 8 8 --synthetic-size 16384 "
+                                                "--model digits_cnn --epochs 3 --batch-size 32",
+                        help="hpcdl.train arguments for the fp16 phase")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="where the results go (default: a new folder under runs/bench/network/)")
+    outputs.add_arguments(parser)
+    args = parser.parse_args(argv)
+    for rate in {*args.rates, *args.fp16_rates}:
+        if not vcluster.RATE_RE.match(rate):
+            parser.error(f"a rate looks like 1gbit, 100mbit or 10gbit, got {rate!r}")
+    if any(n < 2 or n > 8 for n in args.nodes):
+        parser.error("--nodes must be 2..8")
+    if not args.min_size <= args.held_out <= args.max_size:
+        parser.error("--held-out must be one of the measured sizes (between --min-size and --max-size)")
+    if args.probe_calls < 1 or args.rounds < 1 or args.fp16_pairs < 1:
+        parser.error("--probe-calls, --rounds and --fp16-pairs must be >= 1")
+    return args
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    if args.output_dir is not None:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        return args.output_dir
+    if args.refresh_results:
+        committed = outputs.checkout_results()
+        if committed is None:
+            raise UsageError("--refresh-results needs a source checkout; name the folder with --output-dir")
+        return committed
+    return rundir.default_directory(outputs.BENCH_PARENT / "network")
+
+
+# ---------------------------------------------------------------------------- helpers
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def rate_gbps(rate: str) -> float:
+    return vcluster._rate_bits(rate) / 1e9  # noqa: SLF001 - the one parser of tc rates
+
+
+def link_GBps(rate: str) -> float:  # noqa: N802 - GB/s, as the bench reports
+    return rate_gbps(rate) / 8
+
+
+@contextlib.contextmanager
+def cluster(nodes: int, rate: str | None) -> Iterator[vcluster.VCluster]:
+    """A virtual cluster that is removed whatever happens, SIGTERM (an outer timeout) included."""
+    reason = vcluster.missing_requirements()
+    if reason:
+        raise UsageError(reason)
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    made = vcluster.up(nodes, name=f"nb{os.getpid() % 10000}", rate=rate)
+    try:
+        yield made
+    finally:
+        made.down()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def launch(made: vcluster.VCluster, ranks: int, entry: str, words: Sequence[str], timeout: float,
+           mpi_args: str = "") -> subprocess.CompletedProcess[str]:
+    """launch/mpirun.sh on the cluster; the whole process group is killed after ``timeout`` s."""
+    argv = [str(REPO / "launch" / "mpirun.sh"), "--vcluster", made.name, "-np", str(ranks), "--abort-grace", "10",
+            "--entry", entry]
+    if mpi_args:
+        argv[1:1] = ["--mpi-args", mpi_args]
+    env = {**os.environ, **ENV, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
+    child = subprocess.Popen([*argv, "--", *words], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        out, err = child.communicate()
+        return subprocess.CompletedProcess(argv, 124, out, err + f"\n(killed after {timeout:.0f} s)")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(argv, child.returncode, out, err)
+
+
+def tx_bytes(made: vcluster.VCluster) -> list[int]:
+    """Bytes each node's eth0 has sent so far."""
+    counts = []
+    for node in made.nodes:
+        raw = subprocess.run(["ip", "-n", node.namespace, "-s", "-j", "link", "show", "eth0"], text=True,
+                             capture_output=True, check=True, timeout=10).stdout
+        counts.append(int(json.loads(raw)[0]["stats64"]["tx"]["bytes"]))
+    return counts
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def save(path: Path, document: Any) -> None:
+    write_text_atomically(path, json.dumps(document, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------- phases
+def iperf(made: vcluster.VCluster, both_ways: bool, seconds: int = 4) -> dict[str, Any]:
+    server_node, client_node = made.nodes[1], made.nodes[0]
+    server = made.popen(server_node, ["iperf3", "-s", "-1", "-B", server_node.address], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        argv = ["iperf3", "-c", server_node.address, "-t", str(seconds), "-J", *(["--bidir"] if both_ways else [])]
+        before = load()
+        done = made.run(client_node, argv, timeout=seconds + 30)
+        result = json.loads(done.stdout)
+        if "error" in result:
+            raise UsageError(f"iperf3: {result['error']}")
+        end = result["end"]
+        if both_ways:
+            gbps = [end["sum_received"]["bits_per_second"] / 1e9, end["sum_received_bidir_reverse"]["bits_per_second"]
+                    / 1e9]
+        else:
+            gbps = [end["sum_received"]["bits_per_second"] / 1e9]
+        retransmits = end.get("sum_sent", {}).get("retransmits")
+        return {"both_ways": both_ways, "gbps": gbps, "retransmits": retransmits, "load": [before, load()]}
+    finally:
+        server.kill()
+        server.wait()
+
+
+def phase_links(args: argparse.Namespace, out: Path) -> None:
+    if shutil.which("iperf3") is None:
+        raise UsageError("iperf3 is missing (apt-get install -y iperf3)")
+    results = []
+    for rate in args.rates:
+        with cluster(2, rate) as made:
+            for both in (False, True):
+                result = {"rate": rate, **iperf(made, both)}
+                say(f"links {rate} {'both ways' if both else 'one way'}: "
+                    f"{' + '.join(f'{g:.3f}' for g in result['gbps'])} Gbit/s (load {result['load']})")
+                results.append(result)
+    save(out / "net_links.json", {"what": "iperf3 TCP goodput between two virtual nodes", "runs": results})
+
+
+def probe_variants(all_algorithms: bool) -> list[tuple[str, str, str]]:
+    """(label, pattern, Open MPI arguments) of the probe phase; each forced algorithm only if asked."""
+    dynamic = "--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm"
+    variants = [("one way", "oneway", ""), ("both ways (Sendrecv)", "sendrecv", ""),
+                ("both ways, put off", "sendrecv", NO_PUT), ("allreduce, Open MPI's choice", "allreduce", ""),
+                ("allreduce, put off", "allreduce", NO_PUT)]
+    if all_algorithms:
+        variants += [(f"allreduce, {n} {name}", "allreduce", f"{dynamic} {n}") for n, name in ALGORITHMS.items()]
+        variants += [("allreduce, 4 ring + put off", "allreduce", f"{dynamic} 4 {NO_PUT}")]
+    return variants
+
+
+def probe_row(made: vcluster.VCluster, args: argparse.Namespace, rate: str | None, label: str, pattern: str,
+              mpi_args: str) -> dict[str, Any] | None:
+    """One probe run, with the bytes each node sent per call (eth0 counters around the run)."""
+    before = tx_bytes(made)
+    words = ["--size", str(args.probe_size), "--calls", str(args.probe_calls), "--pattern", pattern]
+    done = launch(made, len(made.nodes), "hpcdl.bench.probe", words, 180, mpi_args)
+    sent = [b - a for a, b in zip(before, tx_bytes(made), strict=True)]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        say(f"probe {rate} {label}: FAILED (exit {done.returncode}): {done.stderr.strip()[-300:]}")
+        return None
+    row = {"rate": rate or "unshaped", "nodes": len(made.nodes), "label": label, "mpi_args": mpi_args,
+           **json.loads(lines[-1]), "bytes_sent_per_node_per_call": [s / (args.probe_calls + 1) for s in sent]}
+    share = f" = {row['median_busbw_GBps'] / link_GBps(rate):.2f}x link" if rate else ""
+    say(f"probe {row['rate']} {len(made.nodes)} nodes {label}: median {row['median_seconds'] * 1e3:.0f} ms, "
+        f"{row['median_busbw_GBps']:.4f} GB/s{share}, cpu {row['median_cpu_seconds'] * 1e3:.0f} ms/call, "
+        f"sent/node/call {' '.join(f'{b / 2**20:.1f}' for b in row['bytes_sent_per_node_per_call'])} MiB "
+        f"(calls ms: {' '.join(f'{t * 1e3:.0f}' for t in row['seconds'])}; load {row['load_1min']})")
+    return row
+
+
+def phase_probe(args: argparse.Namespace, out: Path) -> None:
+    results = []
+    for rate in [*args.rates, None]:  # None: unshaped, where the CPU alone sets the pace
+        with cluster(2, rate) as made:
+            for label, pattern, mpi_args in probe_variants(all_algorithms=rate == args.rates[0]):
+                row = probe_row(made, args, rate, label, pattern, mpi_args)
+                if row:
+                    results.append(row)
+    save(out / "net_probe.json", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
+
+
+def phase_volume(args: argparse.Namespace, out: Path) -> None:
+    dynamic = "--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm"
+    variants = [("allreduce, Open MPI's choice", ""), ("allreduce, put off", NO_PUT)]
+    variants += [(f"allreduce, {n} {ALGORITHMS[n]}", f"{dynamic} {n}") for n in (3, 4, 6)]
+    results = []
+    for nodes in (n for n in args.nodes if n > 2):
+        with cluster(nodes, args.rates[0]) as made:
+            for label, mpi_args in variants:
+                row = probe_row(made, args, args.rates[0], label, "allreduce", mpi_args)
+                if row:
+                    results.append(row)
+    save(out / "net_volume.json", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
+
+
+def phase_allreduce(args: argparse.Namespace, out: Path) -> None:
+    """The benchmark for every rate and node count, and on the first rate MPI alone with TCP's put off."""
+    runs = [(rate, nodes, "") for rate in args.rates for nodes in args.nodes]
+    runs += [(args.rates[0], nodes, NO_PUT) for nodes in args.nodes]
+    for rate, nodes, mpi_args in runs:
+        name = f"net_{rate}_n{nodes}{'_noput' if mpi_args else ''}"
+        words = ["--min-size", str(args.min_size), "--max-size", str(args.max_size), "--rounds", str(args.rounds),
+                 "--seconds", "0.3", "--no-gloo", "--output-dir", str(out), "--name", name, "--force",
+                 "--network-gbps", f"{rate_gbps(rate):g}", "--algorithms", *([] if mpi_args else ["ring"]),
+                 *(["--no-horovod"] if mpi_args else [])]
+        if outputs.is_committed(out / name):
+            words.append("--refresh-results")
+        with cluster(nodes, rate) as made:
+            before = load()
+            started = time.monotonic()
+            done = launch(made, nodes, "hpcdl.bench.allreduce", words, 900, mpi_args)
+        tail = "\n".join(line for line in done.stdout.splitlines()[-40:] if not line.startswith("  ") or "MiB" in line)
+        say(f"allreduce {name}: exit {done.returncode} in {time.monotonic() - started:.0f} s, "
+            f"load {before} -> {load()}\n{tail}")
+        if done.returncode != 0:
+            say(done.stderr.strip()[-800:])
+
+
+def images_per_second(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [row["images_per_second"] for row in rows[1:]]  # the first epoch pays start-up costs
+
+
+def phase_fp16(args: argparse.Namespace, out: Path) -> None:
+    results = []
+    with cluster(2, args.fp16_rates[0]) as made, tempfile.TemporaryDirectory(prefix="hpcdl-net-fp16-") as scratch:
+        for rate in args.fp16_rates:
+            for node in made.nodes:  # re-shape both ends of every link, as vcluster up does
+                vcluster.tbf(node.host_veth, rate)
+                vcluster.tbf("eth0", rate, namespace=node.namespace)
+            for index, fp16 in enumerate([False, True, True, False] * args.fp16_pairs):
+                run_dir = Path(scratch) / f"{rate}-{index}"
+                words = [*args.train_args.split(), "--output-dir", str(run_dir), "--no-progress",
+                         *(["--fp16-allreduce"] if fp16 else [])]
+                before = load()
+                done = launch(made, 2, "hpcdl.train", words, 600)
+                if done.returncode != 0:
+                    say(f"fp16 {rate} fp16={fp16}: FAILED (exit {done.returncode}): {done.stderr.strip()[-400:]}")
+                    continue
+                speeds = images_per_second(run_dir)
+                results.append({"rate": rate, "fp16_allreduce": fp16, "images_per_second": speeds,
+                                "load": [before, load()]})
+                say(f"fp16 {rate} fp16_allreduce={fp16}: {statistics.median(speeds):.0f} img/s "
+                    f"(epochs after the first: {', '.join(f'{s:.0f}' for s in speeds)}; load {before} -> {load()})")
+    save(out / "net_fp16.json", {"train_args": args.train_args, "ranks": "2 (one per node)", "runs": results})
+
+
+# ---------------------------------------------------------------------------- report
+def summarise(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Ratios to the link, the held-out alpha-beta check and the fp16 comparison, from the files in ``out``."""
+    configs = []
+    for rate in args.rates:
+        for nodes in args.nodes:
+            path = out / f"net_{rate}_n{nodes}.json"
+            if not path.exists():
+                continue
+            document = json.loads(path.read_text())
+            no_put = out / f"net_{rate}_n{nodes}_noput.json"
+            if no_put.exists():  # MPI alone with TCP's emulated RDMA off: its own row
+                document["rows"] += [{**row, "implementation": MPI_NO_PUT}
+                                     for row in json.loads(no_put.read_text())["rows"]]
+            link = link_GBps(rate)
+            entry: dict[str, Any] = {"rate": rate, "nodes": nodes, "link_GBps": link,
+                                     "load": document["meta"].get("load_average_1min"), "implementations": {}}
+            for name in IMPLEMENTATIONS:
+                rows = sorted((r for r in document["rows"] if r["implementation"] == name), key=lambda r: r["bytes"])
+                if not rows:
+                    continue
+                sizes = [r["bytes"] for r in rows]
+                seconds = [r["latency_us"] * 1e-6 for r in rows]
+                impl: dict[str, Any] = {
+                    "busbw_GBps": {str(r["bytes"]): r["busbw_GBps"] for r in rows},
+                    "of_link": {str(r["bytes"]): r["busbw_GBps"] / link for r in rows},
+                }
+                if args.held_out in sizes and len(sizes) >= 3:
+                    model, held = alphabeta.fit_and_hold_out(sizes, seconds, nodes, args.held_out)
+                    impl["alpha_beta"] = {"alpha_us": model.alpha * 1e6, "bandwidth_GBps": model.bandwidth / 1e9,
+                                          "held_out_bytes": held.nbytes, "measured_ms": held.measured * 1e3,
+                                          "predicted_ms": held.predicted * 1e3, "error": held.error}
+                entry["implementations"][name] = impl
+            configs.append(entry)
+    summary: dict[str, Any] = {"configs": configs}
+    for extra in ("links", "probe", "volume", "fp16"):
+        path = out / f"net_{extra}.json"
+        if path.exists():
+            summary[extra] = json.loads(path.read_text())
+    return summary
+
+
+def markdown(summary: dict[str, Any], sizes: Sequence[int]) -> str:
+    shorts = ("MPI", "Horovod", "ring", "MPI put off")
+    head = ["link", "nodes"] + [f"{short} {format_size(s)}" for short in shorts for s in sizes]
+    lines = ["| " + " | ".join([*head, "load"]) + " |", "|" + " --- |" * (len(head) + 1)]
+    for entry in summary["configs"]:
+        cells = [entry["rate"], str(entry["nodes"])]
+        for name in IMPLEMENTATIONS:
+            ratios = entry["implementations"].get(name, {}).get("of_link", {})
+            cells += [f"{ratios[str(s)]:.2f}x" if str(s) in ratios else "-" for s in sizes]
+        load_ = entry.get("load") or {}
+        cells.append(f"{load_.get('before', '?')}-{load_.get('after', '?')}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| link | nodes | implementation | alpha (us) | B (GB/s) | held-out size | measured (ms) | "
+              "predicted (ms) | error |", "|" + " --- |" * 9]
+    for entry in summary["configs"]:
+        for name, impl in entry["implementations"].items():
+            fit = impl.get("alpha_beta")
+            if fit:
+                lines.append(f"| {entry['rate']} | {entry['nodes']} | {name} | {fit['alpha_us']:.0f} | "
+                             f"{fit['bandwidth_GBps']:.3f} | {format_size(int(fit['held_out_bytes']))} | "
+                             f"{fit['measured_ms']:.0f} | {fit['predicted_ms']:.0f} | {fit['error']:+.0%} |")
+    fp16 = summary.get("fp16", {}).get("runs", [])
+    if fp16:
+        lines += ["", "| link | fp32 allreduce (img/s) | fp16 allreduce (img/s) | fp16 / fp32 | load |",
+                  "| --- | --- | --- | --- | --- |"]
+        for rate in dict.fromkeys(r["rate"] for r in fp16):
+            speed = {flag: statistics.median(s for r in fp16 if r["rate"] == rate and r["fp16_allreduce"] == flag
+                                             for s in r["images_per_second"]) for flag in (False, True)}
+            loads = [x for r in fp16 if r["rate"] == rate for x in r["load"]]
+            lines.append(f"| {rate} | {speed[False]:.0f} | {speed[True]:.0f} | {speed[True] / speed[False]:.2f} | "
+                         f"{min(loads)}-{max(loads)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(dict.fromkeys(e["rate"] for e in summary["configs"]))
+    fp16 = summary.get("fp16", {}).get("runs", [])
+    figure, axes = plt.subplots(1, len(rates) + bool(fp16), figsize=(6 * (len(rates) + bool(fp16)), 4.8),
+                                squeeze=False)
+    colours = {"MPI.Allreduce": "tab:blue", "horovod": "tab:orange", "ring": "tab:green", MPI_NO_PUT: "tab:purple"}
+    styles = {2: "-", 3: "--", 4: ":"}
+    for ax, rate in zip(axes[0], rates, strict=False):
+        for entry in (e for e in summary["configs"] if e["rate"] == rate):
+            for name, impl in entry["implementations"].items():
+                points = sorted((int(s), v) for s, v in impl["of_link"].items())
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
+                        color=colours.get(name), linestyle=styles.get(entry["nodes"], "-."),
+                        label=f"{name}, {entry['nodes']} nodes")
+        links = [r for r in summary.get("links", {}).get("runs", []) if r["rate"] == rate and not r["both_ways"]]
+        if links:
+            ax.axhline(links[0]["gbps"][0] / rate_gbps(rate), color="grey", linewidth=1,
+                       label="iperf3 TCP, one way")
+        ax.axhline(0.9, color="red", linewidth=0.8, linestyle="--", label="target 0.9x")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.1)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("bus bandwidth / link rate")
+        ax.set_title(f"link {rate}, one rank per node")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="x-small", ncol=2)
+    if fp16:
+        ax = axes[0][-1]
+        fp16_rates = list(dict.fromkeys(r["rate"] for r in fp16))
+        for offset, flag in ((-0.2, False), (0.2, True)):
+            speeds = [statistics.median(s for r in fp16 if r["rate"] == rate and r["fp16_allreduce"] == flag
+                                        for s in r["images_per_second"]) for rate in fp16_rates]
+            ax.bar([i + offset for i in range(len(fp16_rates))], speeds, width=0.4,
+                   label="--fp16-allreduce" if flag else "fp32 allreduce")
+        ax.set_xticks(range(len(fp16_rates)), fp16_rates)
+        ax.set_ylabel("hpcdl.train images/s (2 nodes)")
+        ax.set_title("gradient compression on a slow link")
+        ax.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def phase_report(args: argparse.Namespace, out: Path) -> None:
+    summary = summarise(args, out)
+    sizes = [s for s in (16 << 20, 32 << 20) if args.min_size <= s <= args.max_size]
+    table = markdown(summary, sizes)
+    save(out / "net_summary.json", summary)
+    write_text_atomically(out / "net_summary.md", table)
+    plot(summary, out / "net_summary.png")
+    say(table + f"wrote {out}/net_summary.json, .md and .png")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = output_dir(args)
+    say(f"# results in {out}; load {load()}")
+    for phase in PHASES:
+        if phase in args.phases:
+            globals()[f"phase_{phase}"](args, out)
+
+
+if __name__ == "__main__":
+    run_main(main, "benchmarks/network.py")
