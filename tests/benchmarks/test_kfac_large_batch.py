@@ -44,18 +44,19 @@ def test_every_reduced_run_is_a_valid_hpcdl_train_command(study: Any, tmp_path: 
         assert peak == pytest.approx(cell.lr)
         assert config.seed == 0 and config.lr_schedule == "cosine"
         kfac = cell.method.startswith("kfac")
-        # first-order methods ramp up from 0.1x; K-FAC holds the peak (a ramp defeats its KL clip)
-        assert config.warmup_start_factor == (1.0 if kfac else 0.1)
+        # hpcdl's K-FAC holds the peak (a ramp defeats its KL clip); the others ramp up from 0.1x
+        assert config.warmup_start_factor == (1.0 if cell.method == "kfac" else 0.1)
         assert (config.kfac_update_freq > 0) == kfac
         assert (config.kfac_impl != "hpcdl") == cell.method.startswith("kfac-pytorch")
         if cell.method == "kfac" and cell.batch == 4096:  # the documented preset, not a copy of its values
             assert config.kfac_preset == "large-batch" and "--damping" not in command and "--kl-clip" not in command
             assert (config.kfac_update_freq, config.damping, config.kl_clip) == (5, 0.1, 0.01)
         if kfac:
-            inverse_every.setdefault(cell.batch, set()).add((config.kfac_update_freq, config.kfac_cov_update_freq))
+            inverse_every[cell.method, cell.batch] = (config.kfac_update_freq, config.kfac_cov_update_freq)
         if cell.method in ("sgd", "lamb", "lars"):
             assert config.optimizer == cell.method
-    assert inverse_every == {4096: {(5, 5)}, 128: {(100, 10)}}  # both K-FACs at the same frequencies
+    assert inverse_every == {("kfac", 4096): (5, 5), ("kfac", 128): (100, 10),  # (inverse, factors)
+                             ("kfac-pytorch-native", 4096): (10, 1), ("kfac-pytorch-native", 128): (100, 10)}
 
 
 def test_time_to_target_and_best_rates_from_hand_made_curves(study: Any) -> None:
