@@ -236,8 +236,8 @@ def probe_row(made: vcluster.VCluster, args: argparse.Namespace, rate: str | Non
     if done.returncode != 0 or not lines:
         say(f"probe {rate} {label}: FAILED (exit {done.returncode}): {done.stderr.strip()[-300:]}")
         return None
-    row = {"rate": rate or "unshaped", "nodes": len(made.nodes), "label": label, "mpi_args": mpi_args,
-           **json.loads(lines[-1]), "bytes_sent_per_node_per_call": [s / (args.probe_calls + 1) for s in sent]}
+    row = {**json.loads(lines[-1]), "rate": rate or "unshaped", "nodes": len(made.nodes), "label": label,
+           "mpi_args": mpi_args, "bytes_sent_per_node_per_call": [s / (args.probe_calls + 1) for s in sent]}
     share = f" = {row['median_busbw_GBps'] / link_GBps(rate):.2f}x link" if rate else ""
     say(f"probe {row['rate']} {len(made.nodes)} nodes {label}: median {row['median_seconds'] * 1e3:.0f} ms, "
         f"{row['median_busbw_GBps']:.4f} GB/s{share}, cpu {row['median_cpu_seconds'] * 1e3:.0f} ms/call, "
