@@ -252,20 +252,24 @@ def run_environment(cell: Cell, args: argparse.Namespace) -> dict[str, str]:
 def launch(cell: Cell, args: argparse.Namespace, scratch: Path) -> tuple[subprocess.Popen[str], Path, list[str], float]:
     output_dir = scratch / cell.name
     command = train_command(cell, args, output_dir)
-    # A scratch working directory: `python -m` puts the working directory first on sys.path.
-    proc = subprocess.Popen(command, cwd=scratch, env=run_environment(cell, args), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # A scratch working directory: `python -m` puts the working directory first on sys.path. The log goes
+    # to a file, so that a run nobody is reading yet never blocks on a full pipe.
+    with (scratch / f"{cell.name}.log").open("w") as log:
+        proc = subprocess.Popen(command, cwd=scratch, env=run_environment(cell, args), stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
     return proc, output_dir, command, time.perf_counter()
 
 
 def collect(cell: Cell, proc: subprocess.Popen[str], output_dir: Path, command: list[str], start: float,
             timeout: float) -> Outcome:
+    killed = ""
     try:
-        log, _ = proc.communicate(timeout=max(timeout - (time.perf_counter() - start), 1))
+        proc.wait(timeout=max(timeout - (time.perf_counter() - start), 1))
     except subprocess.TimeoutExpired:
         proc.kill()
-        log, _ = proc.communicate()
-        log += f"\n(killed after {timeout:.0f} s)"
+        proc.wait()
+        killed = f"\n(killed after {timeout:.0f} s)"
+    log = (output_dir.parent / f"{cell.name}.log").read_text() + killed
     outcome = Outcome(cell, proc.returncode, wall_seconds=time.perf_counter() - start, command=command)
     metrics = output_dir / "metrics.jsonl"
     if metrics.exists():
@@ -273,6 +277,15 @@ def collect(cell: Cell, proc: subprocess.Popen[str], output_dir: Path, command: 
     if proc.returncode != 0:
         outcome.error = "\n".join(log.strip().splitlines()[-3:])
     return outcome
+
+
+def first_to_end(running: Sequence[tuple[Any, subprocess.Popen[str], Any, Any, float]], timeout: float) -> int:
+    """Index of the first run to end (or to pass ``timeout``): a slow run does not hold up the free slot."""
+    while True:
+        for index, (_, proc, _, _, start) in enumerate(running):
+            if proc.poll() is not None or time.perf_counter() - start > timeout:
+                return index
+        time.sleep(0.5)
 
 
 def run_cells(cells: Sequence[Cell], args: argparse.Namespace,
@@ -286,7 +299,7 @@ def run_cells(cells: Sequence[Cell], args: argparse.Namespace,
             while pending and len(running) < args.jobs:
                 cell = pending.pop(0)
                 running.append((cell, *launch(cell, args, scratch)))
-            cell, proc, output_dir, command, start = running.pop(0)
+            cell, proc, output_dir, command, start = running.pop(first_to_end(running, args.run_timeout))
             outcome = collect(cell, proc, output_dir, command, start, args.run_timeout)
             outcomes.append(outcome)
             reached = "  ".join(
