@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcdl.training.config import KFAC_PRESETS
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_MNIST_DIR = Path.home() / ".cache" / "hpcdl" / "mnist"
@@ -70,7 +72,9 @@ DEFAULT_METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch-native")
 NATIVE_FLAGS = ("--damping", "0.003", "--kl-clip", "0.001")
 KFAC_DAMPING = 0.1  # hpcdl's convention (docs/kfac.md): the batch-128 study's best, and the large-batch preset's
 SMALL_KFAC = dict(factors=10, inverse=100, damping=KFAC_DAMPING, kl_clip=0.001)  # the batch-128 study's
-LARGE_KFAC = dict(factors=5, inverse=5, damping=KFAC_DAMPING, kl_clip=0.01)  # --kfac-preset large-batch
+_PRESET = KFAC_PRESETS["large-batch"]  # --kfac-preset large-batch, the values it sets
+LARGE_KFAC = dict(factors=_PRESET["kfac_cov_update_freq"], inverse=_PRESET["kfac_update_freq"],
+                  damping=_PRESET["damping"], kl_clip=_PRESET["kl_clip"])
 # kfac-pytorch at large batches: its best measured frequencies (98.33 / 98.57 % at 4096 with the ramp; at
 # 5/5 without the ramp it ended at 97.26 %, and at batch 128 without the ramp at 88.24 %).
 KFAC_PYTORCH_LARGE_FREQUENCIES = dict(factors=1, inverse=10)
@@ -80,6 +84,8 @@ def kfac_settings(batch: int) -> dict[str, float]:
     """hpcdl K-FAC's (factor, inverse) frequencies, damping and KL clip at ``batch``: the batch-128 study's
     up to 512, the large-batch preset's above."""
     return SMALL_KFAC if batch <= 512 else LARGE_KFAC
+
+
 MICRO_BATCH = 4096  # per backward pass; larger global batches accumulate (--batches-per-allreduce)
 
 
