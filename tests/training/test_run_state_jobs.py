@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,7 +97,10 @@ def test_ctrl_c_to_one_rank_checkpoints_names_it_and_exits_130(tmp_path: Path) -
         if proc.poll() is None:
             kill_tree(proc.pid)
     assert proc.returncode == 130, err[-3000:]
-    assert "SIGINT received by rank 1: checkpoint written at step" in out, out[-2000:]
+    # mid-epoch, or (when the signal lands in the epoch's last steps, as on a quiet machine) at its end,
+    # after the epoch's own checkpoint
+    assert re.search(r"SIGINT received by rank 1: (checkpoint written at step \d+|stopped after epoch \d+)", out), \
+        out[-2000:]
     newest = torch.load(sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
     assert newest["progress"]["stop_reason"] == "SIGINT"
     assert "Traceback" not in err
