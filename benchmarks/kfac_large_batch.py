@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcdl.training.config import KFAC_PRESETS
+from hpcdl.training.config import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -60,9 +60,9 @@ REDUCED_BATCHES = (128, 4096)
 # Peak learning rates swept per method (the rate after warm-up, for the global batch), around the best
 # rates of the batch-4096 sweeps in docs/kfac.md (SGD diverged at 0.1, LAMB at 0.16, LARS fell to 95.7 % at 80).
 FULL_LRS = {"sgd": (0.0125, 0.025, 0.05), "lamb": (0.02, 0.04, 0.06, 0.08, 0.11), "lars": (10.0, 20.0, 40.0),
-            "kfac": (0.1, 0.2, 0.4), "kfac-pytorch": (0.2,), "kfac-pytorch-native": (0.1, 0.2, 0.4)}
+            "kfac": (0.2, 0.4, 0.8), "kfac-pytorch": (0.2,), "kfac-pytorch-native": (0.1, 0.2, 0.4)}
 # The reduced grid checks each method at its best batch-4096 rate of those sweeps (one seed, no sweep).
-REDUCED_LRS = {"sgd": (0.05,), "lamb": (0.06,), "lars": (40.0,), "kfac": (0.2,), "kfac-pytorch": (0.2,),
+REDUCED_LRS = {"sgd": (0.05,), "lamb": (0.06,), "lars": (40.0,), "kfac": (0.4,), "kfac-pytorch": (0.2,),
                "kfac-pytorch-native": (0.2,)}
 # The batch-128 study's rates (docs/kfac.md); LARS has none measured there, so it is left out at 128.
 BATCH_128_LRS = {"sgd": (0.05,), "lamb": (0.005,), "kfac": (0.1,), "kfac-pytorch": (0.1,),
@@ -72,9 +72,15 @@ DEFAULT_METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch-native")
 NATIVE_FLAGS = ("--damping", "0.003", "--kl-clip", "0.001")
 KFAC_DAMPING = 0.1  # hpcdl's convention (docs/kfac.md): the batch-128 study's best, and the large-batch preset's
 SMALL_KFAC = dict(factors=10, inverse=100, damping=KFAC_DAMPING, kl_clip=0.001)  # the batch-128 study's
-_PRESET = KFAC_PRESETS["large-batch"]  # --kfac-preset large-batch, the values it sets
-LARGE_KFAC = dict(factors=_PRESET["kfac_cov_update_freq"], inverse=_PRESET["kfac_update_freq"],
-                  damping=_PRESET["damping"], kl_clip=_PRESET["kl_clip"])
+_PRESET = parse_config(["--kfac-preset", "large-batch"])  # what --kfac-preset large-batch sets
+LARGE_KFAC = dict(factors=_PRESET.kfac_cov_update_freq, inverse=_PRESET.kfac_update_freq,
+                  damping=_PRESET.damping, kl_clip=_PRESET.kl_clip)
+# What --kfac-preset large-batch set before it took every step's factors from 512 examples (results files
+# without meta["kfac_preset"] were run with it).
+EARLIER_PRESET_FLAGS = ["--kfac-update-freq", "5", "--kfac-cov-update-freq", "5", "--damping", "0.1",
+                        "--kl-clip", "0.01"]
+EARLIER_PRESET_LABEL = "kfac stats of all examples momentum 0.9 d 0.1 inv every 5 factors every 5"
+MNIST_TRAIN_EXAMPLES = 60_000
 # kfac-pytorch at large batches: its best measured frequencies (98.33 / 98.57 % at 4096 with the ramp; at
 # 5/5 without the ramp it ended at 97.26 %, and at batch 128 without the ramp at 88.24 %).
 KFAC_PYTORCH_LARGE_FREQUENCIES = dict(factors=1, inverse=10)
@@ -213,26 +219,28 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
         "--base-lr", repr(cell.lr / accumulate), "--lr-schedule", "cosine",
         "--warmup-epochs", str(args.warmup_epochs),
         "--warmup-start-factor", "1.0" if cell.method == "kfac" else "0.1",  # docstring: why
-        "--weight-decay", "5e-4", "--momentum", "0.9", "--seed", str(cell.seed),
+        "--weight-decay", "5e-4", "--seed", str(cell.seed),
         "--output-dir", str(output_dir), "--no-progress", "--device", "cpu", "--log-every", "1000",
         "--stall-timeout", "0",
     ]
+    if args.dataset == "mnist" and args.evals_per_epoch > 1:  # time to target at a finer grain than an epoch
+        flags += ["--eval-every", str(max(1, round(MNIST_TRAIN_EXAMPLES // cell.batch / args.evals_per_epoch)))]
     if args.data_dir:
         flags += ["--data-dir", str(args.data_dir)]
     if args.max_steps:
         flags += ["--max-steps", str(args.max_steps)]
     if cell.method in ("sgd", "lamb", "lars"):
-        flags += ["--optimizer", cell.method]
+        flags += ["--optimizer", cell.method, "--momentum", "0.9"]
     else:
         settings = kfac_settings(cell.batch)
         preset = cell.method == "kfac" and settings is LARGE_KFAC
         if cell.method != "kfac" and settings is LARGE_KFAC:
             settings = {**settings, **KFAC_PYTORCH_LARGE_FREQUENCIES}
         flags += ["--optimizer", "sgd"]
-        if preset:  # the documented preset itself, not a copy of its values
+        if preset:  # the documented preset itself (its momentum too), not a copy of its values
             flags += ["--kfac-preset", "large-batch"]
         else:
-            flags += ["--kfac-cov-update-freq", str(settings["factors"]),
+            flags += ["--momentum", "0.9", "--kfac-cov-update-freq", str(settings["factors"]),
                       "--kfac-update-freq", str(settings["inverse"])]
         if cell.method == "kfac-pytorch-native":
             flags += NATIVE_FLAGS
@@ -495,6 +503,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="a results .json whose best batch-4096 rates the target cell uses")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--warmup-epochs", type=float, default=0.5)
+    parser.add_argument("--evals-per-epoch", type=int, default=4,
+                        help="test-set evaluations per epoch (MNIST; hpcdl.train --eval-every), for the time to target")
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--model", default="mnist_cnn")
     parser.add_argument("--data-dir", type=Path, default=None, help="MNIST's IDX files (default ~/.cache/hpcdl/mnist)")
@@ -532,8 +542,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if wants_kfac_pytorch and not args.dry_run and not (args.kfac_pytorch_site / "kfac").is_dir():
         parser.error(f"no kfac-pytorch in {args.kfac_pytorch_site}: run with --install-kfac-pytorch first, "
                      "or leave kfac-pytorch out of --methods")
-    if args.jobs < 1 or args.threads < 1 or args.epochs < 1:
-        parser.error("--jobs, --threads and --epochs must be >= 1")
+    if args.jobs < 1 or args.threads < 1 or args.epochs < 1 or args.evals_per_epoch < 1:
+        parser.error("--jobs, --threads, --epochs and --evals-per-epoch must be >= 1")
     suffix = "_reduced" if args.reduced else "_target" if args.target_cell else ""
     args.out = args.out or RESULTS / f"kfac_large_batch{suffix}"
     return args
@@ -566,10 +576,17 @@ def load_outcomes(path: Path) -> list[Outcome]:
     """The runs of a results file; hpcdl K-FAC runs at other settings than :func:`kfac_settings`'s are
     named by them (damping, KL clip, decompositions every N steps, a warm-up ramp)."""
     outcomes = []
-    for r in json.loads(path.read_text())["runs"]:
+    results = json.loads(path.read_text())
+    for r in results["runs"]:
         command, method = r.get("command", "").split(), r["method"]
         if method == "kfac" and "hpcdl.train" in command:
-            method = kfac_label(command, r["batch"])
+            flags = command
+            if "kfac_preset" not in results.get("meta", {}) and "large-batch" in command:  # the earlier preset
+                at = command.index("large-batch")
+                flags = command[:at - 1] + EARLIER_PRESET_FLAGS + command[at + 1:]
+            method = kfac_label(flags, r["batch"])
+            if flags is not command and method == EARLIER_PRESET_LABEL:
+                method = "kfac, earlier preset"
         outcomes.append(Outcome(Cell(method, r["batch"], r["lr"], r["seed"]), r["returncode"], r["epochs"],
                                 r.get("wall_seconds", 0.0), command, r.get("error", "")))
     return outcomes
@@ -582,6 +599,11 @@ def kfac_label(command: Sequence[str], batch: int) -> str:
 
     config = parse_config(list(command[command.index("hpcdl.train") + 1:]))
     settings, parts = kfac_settings(batch), ["kfac"]
+    preset = batch > 512
+    if config.kfac_factor_examples != (_PRESET.kfac_factor_examples if preset else None):
+        parts.append(f"stats of {config.kfac_factor_examples or 'all'} examples")
+    if config.momentum != (_PRESET.momentum if preset else 0.9):
+        parts.append(f"momentum {config.momentum:g}")
     for value, key, name in ((config.damping, "damping", "d"), (config.kl_clip, "kl_clip", "clip"),
                              (config.kfac_update_freq, "inverse", "inv every"),
                              (config.kfac_cov_update_freq, "factors", "factors every")):
@@ -657,6 +679,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta: dict[str, Any] = dict(
         epochs=args.epochs, warmup_epochs=args.warmup_epochs, dataset=args.dataset, model=args.model, jobs=args.jobs,
         threads=args.threads, load_before=load, max_steps=args.max_steps, damping=args.damping, kl_clip=args.kl_clip,
+        evals_per_epoch=args.evals_per_epoch, kfac_preset=dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples,
+                                                               momentum=_PRESET.momentum),
         argv=sys.argv[1:] if argv is None else list(argv), planned=len(cells))
     kept = kept_outcomes(args.out) if args.keep else []
     done = {o.cell for o in kept}

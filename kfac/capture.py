@@ -3,7 +3,10 @@
 A forward hook adds the input's Σ a aᵀ and registers a hook on the output tensor; that hook
 adds Σ g gᵀ of the gradient reaching the output, scaled to per-example gradients when the loss
 is a mean (``per_example_factor`` = backward passes per step, for a loss divided by them; 0 for
-a summed loss). When every forward call of the step has seen
+a summed loss). With ``factor_examples`` only the first that many examples of each pass feed the
+sums: a factor is an average, and a few hundred examples (times their positions, for a
+convolution) estimate it about as well as thousands, at a fraction of the cost. The per-example
+scale still uses the whole pass. When every forward call of the step has seen
 its gradient the layer is complete and ``on_complete`` is called, still inside backward, so
 that its allreduce can overlap the rest of backward. A layer whose output never receives a
 gradient (an unused branch) simply never completes.
@@ -31,8 +34,10 @@ class LayerCapture:
         is_capturing: Callable[[], bool],
         per_example_factor: float,
         on_complete: Callable[[LayerCapture], None],
+        factor_examples: int | None = None,
     ) -> None:
         self.layer = layer
+        self._factor_examples = factor_examples
         self._is_capturing = is_capturing
         self._per_example_factor = per_example_factor
         self._on_complete = on_complete
@@ -67,7 +72,7 @@ class LayerCapture:
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        x = inputs[0].detach()
+        x = self._first(inputs[0].detach())
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False), ieee_fp32():  # float32, no TF32
             moment, count = self.layer.a_moment(x)
         self.a_sum = moment if self.a_sum is None else self.a_sum.add_(moment)
@@ -75,9 +80,13 @@ class LayerCapture:
         self.forwards += 1
         output.register_hook(self._gradient_hook)
 
+    def _first(self, tensor: Tensor) -> Tensor:
+        limit = self._factor_examples
+        return tensor if limit is None else self.layer.first_examples(tensor, limit)
+
     def _gradient_hook(self, grad_output: Tensor) -> None:
         with torch.no_grad(), torch.autocast(grad_output.device.type, enabled=False), ieee_fp32():
-            moment, count = self.layer.g_moment(grad_output)
+            moment, count = self.layer.g_moment(self._first(grad_output))
             if self._per_example_factor:  # the per-example gradient of a mean-reduced loss: N x grad_output
                 moment.mul_((self._per_example_factor * self.layer.examples(grad_output)) ** 2)
         self.g_sum = moment if self.g_sum is None else self.g_sum.add_(moment)

@@ -71,6 +71,10 @@ class KFACLayer(ABC):
     def examples(self, grad_output: Tensor) -> int:
         """How many examples a mean-reduced loss averaged over: the per-example gradient scale."""
 
+    @abstractmethod
+    def first_examples(self, tensor: Tensor, limit: int) -> Tensor:
+        """The first ``limit`` examples of a batched input or output gradient (an unbatched one whole)."""
+
     def parameters(self) -> list[Tensor]:
         return [self.weight] + ([self.bias] if self.bias is not None else [])
 
@@ -126,6 +130,9 @@ class LinearLayer(KFACLayer):
     def examples(self, grad_output: Tensor) -> int:
         return grad_output.numel() // grad_output.shape[-1]
 
+    def first_examples(self, tensor: Tensor, limit: int) -> Tensor:
+        return tensor[:limit] if tensor.dim() > 1 else tensor
+
 
 class Conv2dLayer(KFACLayer):
     """nn.Conv2d after KFC: A sums over output positions, G averages over them (docs/kfac.md)."""
@@ -171,6 +178,9 @@ class Conv2dLayer(KFACLayer):
 
     def examples(self, grad_output: Tensor) -> int:
         return 1 if grad_output.dim() == 3 else grad_output.shape[0]
+
+    def first_examples(self, tensor: Tensor, limit: int) -> Tensor:
+        return tensor if tensor.dim() == 3 else tensor[:limit]
 
 
 def _matches(name: str, module: nn.Module, skip: Iterable[SkipSpec]) -> bool:

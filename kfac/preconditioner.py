@@ -78,6 +78,11 @@ class KFACPreconditioner:
         late_decompositions: compute each inverse update's decompositions in the background and
             use them from the next inverse update on (one period late), so that a GPU's training
             steps overlap them. Off by default: with it a run no longer equals the synchronous one.
+        factor_examples: only the first this many examples of each backward pass (per rank) feed
+            the factor statistics; None takes them all. The factors are averages, and a convolution's
+            A averages over every output position of every example, so a few hundred examples
+            estimate it nearly as well as thousands at a fraction of the cost, which is what makes
+            updating the factors every step affordable at large batches (docs/kfac.md).
         cpu_eigen_limit: on a GPU, factors with at most this many rows are decomposed on the host's
             worker threads (faster there for small matrices), overlapping the GPU's large ones; 0
             keeps them all on the GPU.
@@ -105,6 +110,7 @@ class KFACPreconditioner:
         grad_scaler: Any = None,
         communicator: Communicator | None = None,
         late_decompositions: bool = False,
+        factor_examples: int | None = None,
         cpu_eigen_limit: int = 512,
     ) -> None:
         for name, freq in (
@@ -124,6 +130,8 @@ class KFACPreconditioner:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if eigen_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"eigen_dtype must be torch.float32 or torch.float64, got {eigen_dtype}")
+        if factor_examples is not None and (not isinstance(factor_examples, int) or factor_examples < 1):
+            raise ValueError(f"factor_examples must be a positive integer or None, got {factor_examples!r}")
         if not isinstance(cpu_eigen_limit, int) or cpu_eigen_limit < 0:
             raise ValueError(f"cpu_eigen_limit must be a non-negative integer, got {cpu_eigen_limit!r}")
 
@@ -140,6 +148,7 @@ class KFACPreconditioner:
         self.grad_scaler = grad_scaler
         self.backward_passes_per_step = backward_passes_per_step
         self.late_decompositions = late_decompositions
+        self.factor_examples = factor_examples
         self.cpu_eigen_limit = cpu_eigen_limit
         self.steps = 0
         # Host seconds per phase, for benchmarks (on a GPU: the time to launch the work, not to finish it).
@@ -181,7 +190,7 @@ class KFACPreconditioner:
         self._late: dict[int, BatchStatistics] = {}
         per_example = float(backward_passes_per_step) if loss_reduction == "mean" else 0.0
         self._captures = [
-            LayerCapture(layer, self._capturing, per_example, self._collector(index))
+            LayerCapture(layer, self._capturing, per_example, self._collector(index), factor_examples)
             for index, layer in enumerate(self.layers)
         ]
 

@@ -113,9 +113,9 @@ class RunRecord:
         # A resumed run may repeat an epoch that was interrupted: the newer row replaces it.
         self.history = [r for r in self.history if r["epoch"] != row["epoch"]] + [row]
         write_text_atomically(self.path, "".join(to_json(r) + "\n" for r in self.history), self.run_id or None)
-        for key, value in row.items():
-            if key != "epoch" and isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(key, value, row["epoch"])
+        for key, value in row.items():  # against the optimizer step: an --eval-every row's epoch is fractional
+            if key != "global_step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key, value, row.get("global_step", row["epoch"]))
         self.writer.flush()
 
     def write_summary(self, summary: dict[str, Any]) -> None:

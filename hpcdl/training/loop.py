@@ -49,11 +49,12 @@ class LoopSettings:
     max_steps: int | None
     use_adasum: bool
     progress_bar: bool
+    eval_every: int | None = None  # an epoch also ends its part at every multiple of this step, for an evaluation
 
     @classmethod
     def of(cls, config: TrainConfig) -> LoopSettings:
         return cls(config.batches_per_allreduce, config.log_every, config.max_nonfinite_steps, config.epochs,
-                   config.max_steps, config.use_adasum, config.progress)
+                   config.max_steps, config.use_adasum, config.progress, config.eval_every)
 
 
 @dataclass
@@ -174,7 +175,8 @@ class HealthLog:
 
 
 def train_one_epoch(trainer: Trainer) -> EpochResult:
-    """Train from where ``trainer.state.progress`` stands to the end of its epoch (or a stop request or --max-steps)."""
+    """Train from where ``trainer.state.progress`` stands to the end of its epoch (or a stop request, --max-steps
+    or an evaluation point of --eval-every, which leave the epoch incomplete)."""
     settings, state, data = trainer.settings, trainer.state, trainer.data
     progress, optimizer, scaler = state.progress, state.optimizer, state.scaler
     watchdog, faults = trainer.watchdog, trainer.faults
@@ -211,7 +213,8 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
         bar.update(1)
         watchdog.beat(step, phase="data")
         last = (progress.step_in_epoch >= data.steps_per_epoch
-                or (settings.max_steps is not None and step >= settings.max_steps))
+                or (settings.max_steps is not None and step >= settings.max_steps)
+                or (settings.eval_every is not None and step % settings.eval_every == 0))
         if last or health.count == settings.log_every:
             with torch.profiler.record_function(LOG_POINT):
                 watchdog.beat(phase="collective")

@@ -106,5 +106,6 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
         lr=current_lr,
         grad_worker_fraction=config.kfac_grad_worker_fraction,
         backward_passes_per_step=config.batches_per_allreduce,  # factors accumulate like the gradients
+        factor_examples=config.kfac_factor_examples,
         grad_scaler=scaler,  # its scale is divided out of G
     )

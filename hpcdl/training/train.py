@@ -90,7 +90,8 @@ def run(job: Job) -> TrainResult:
         check_finite_metrics(progress.epoch, train_sums, test)
         record_epoch(job, result, train_sums, test)
         progress.stop_reason = decide_stop(job, result)
-        job.save()
+        if result.complete or progress.stop_reason is not None:  # not at --eval-every's points inside an epoch
+            job.save()
         if result.stop and progress.stop_reason in runstate.FINAL_REASONS:
             print0(f"hpcdl: {result.stop.describe()} as the run reached its end ({progress.stop_reason}): finished")
         elif result.stop:
@@ -145,10 +146,15 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
     """Epoch bookkeeping: progress, the metrics row, TensorBoard and the rank-0 line."""
     progress, config = job.state.progress, job.config
     epoch = progress.epoch
+    # With --eval-every, a row inside an epoch is labelled with the fractional epoch it was taken at.
+    label: float = epoch + 1
+    if not result.complete and config.eval_every is not None:
+        label = round(epoch + progress.step_in_epoch / job.trainer.data.steps_per_epoch, 4)
     if result.complete:
         progress.epoch, progress.step_in_epoch = epoch + 1, 0
         progress.epochs_completed = progress.epoch
-    progress.epoch_sums = {}
+    # An evaluation inside an epoch keeps the epoch's sums going, so that its last row covers all of it.
+    progress.epoch_sums = {} if result.complete or config.eval_every is None else train_sums
     progress.last_test = test
     progress.best_accuracy = max(progress.best_accuracy, test["test_accuracy"])
     if (config.target_accuracy is not None and progress.time_to_target is None
@@ -156,14 +162,15 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
         progress.time_to_target = progress.train_seconds
     train_loss, train_accuracy = averages(train_sums)
     row = {
-        "epoch": epoch + 1, "global_step": progress.global_step, "train_loss": train_loss,
+        "epoch": label, "global_step": progress.global_step, "train_loss": train_loss,
         "train_accuracy": train_accuracy, **test, "lr": job.state.optimizer.param_groups[0]["lr"],
         "images_per_second": result.images / max(result.seconds, 1e-9), "epoch_seconds": result.seconds,
         "train_seconds": progress.train_seconds, "elapsed_seconds": progress.elapsed_seconds,
     }
     write_results(lambda: job.record.log_epoch(row), job.comm, job.output_dir)
+    where = f"epoch {label:3d}" if isinstance(label, int) else f"step {progress.global_step} (epoch {label:.2f})"
     print0(
-        f"epoch {epoch + 1:3d}/{config.epochs} | train loss {train_loss:.4f} acc {train_accuracy:.4f}"
+        f"{where}/{config.epochs} | train loss {train_loss:.4f} acc {train_accuracy:.4f}"
         f" | test loss {test['test_loss']:.4f} acc {test['test_accuracy']:.4f} | lr {row['lr']:.4g}"
         f" | {row['images_per_second']:.0f} img/s | {result.seconds:.1f} s")
 

@@ -50,12 +50,18 @@ def test_every_reduced_run_is_a_valid_hpcdl_train_command(study: Any, tmp_path: 
         assert (config.kfac_impl != "hpcdl") == cell.method.startswith("kfac-pytorch")
         if cell.method == "kfac" and cell.batch == 4096:  # the documented preset, not a copy of its values
             assert config.kfac_preset == "large-batch" and "--damping" not in command and "--kl-clip" not in command
-            assert (config.kfac_update_freq, config.damping, config.kl_clip) == (5, 0.1, 0.01)
+            assert "--momentum" not in command  # the preset's own 0.5
+            assert (config.kfac_update_freq, config.kfac_factor_examples, config.damping, config.kl_clip,
+                    config.momentum) == (1, 512, 0.003, 0.01, 0.5)
+        else:
+            assert config.momentum == 0.9
+        # test accuracy 4 times an epoch: every 4 steps of 14 at 4096, every 117 of 468 at 128
+        assert config.eval_every == {4096: 4, 128: 117}[cell.batch]
         if kfac:
             inverse_every[cell.method, cell.batch] = (config.kfac_update_freq, config.kfac_cov_update_freq)
         if cell.method in ("sgd", "lamb", "lars"):
             assert config.optimizer == cell.method
-    assert inverse_every == {("kfac", 4096): (5, 5), ("kfac", 128): (100, 10),  # (inverse, factors)
+    assert inverse_every == {("kfac", 4096): (1, 1), ("kfac", 128): (100, 10),  # (inverse, factors)
                              ("kfac-pytorch-native", 4096): (10, 1), ("kfac-pytorch-native", 128): (100, 10)}
 
 

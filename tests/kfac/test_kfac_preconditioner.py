@@ -195,6 +195,8 @@ def test_works_with_any_optimizer() -> None:
         (dict(loss_reduction="none"), "loss_reduction"),
         (dict(eigen_dtype=torch.float16), "eigen_dtype"),
         (dict(backward_passes_per_step=0), "backward_passes_per_step"),
+        (dict(factor_examples=0), "factor_examples"),
+        (dict(factor_examples=2.5), "factor_examples"),
     ],
 )
 def test_bad_arguments_say_what_is_wrong(kwargs, message) -> None:

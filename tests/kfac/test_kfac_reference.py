@@ -186,6 +186,44 @@ def test_conv_without_bias_matches_dense_solve() -> None:
     assert rel_err(grad_matrix(conv.module), want) < TOL
 
 
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+def test_factor_examples_take_the_factors_from_the_first_examples_and_precondition_the_whole_gradient(
+    kind: str,
+) -> None:
+    """factor_examples=4 of 7: A and G are the reference's on x[:4] (per-example gradients of the loss over
+    all 7), and the direction is the dense solve of the whole batch's gradient with those factors."""
+    damping = 0.05
+    model = _model(kind)
+    x, y = _data(kind, 7, seed=6)
+    factors = reference_factors(model, x[:4], y[:4])
+    raw, pre = _precondition_once(model, x, y, damping=damping, factor_examples=4)
+    for i, layer in enumerate(pre.layers):
+        big_a, big_g = factors[layer.name]
+        assert rel_err(pre.a_factors[i], big_a) < TOL, layer.name
+        assert rel_err(pre.g_factors[i], big_g) < TOL, layer.name
+        want = dense_solve(big_a, big_g, raw[layer.name], damping)
+        assert rel_err(grad_matrix(layer.module), want) < TOL, layer.name
+    all_examples = reference_factors(model, x, y)
+    assert rel_err(pre.a_factors[0], all_examples[pre.layers[0].name][0]) > 1e-3, "the subset must make a difference"
+
+
+def test_factor_examples_apply_to_each_accumulated_pass() -> None:
+    """Two backward passes of 5 per step, factor_examples=3: the factors are the reference's on the first 3
+    examples of each pass."""
+    model = _model("conv")
+    (x1, y1), (x2, y2) = _data("conv", 5, seed=7), _data("conv", 5, seed=8)
+    factors = reference_factors(model, torch.cat([x1[:3], x2[:3]]), torch.cat([y1[:3], y2[:3]]))
+    pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, backward_passes_per_step=2, factor_examples=3)
+    model.zero_grad()
+    for x, y in ((x1, y1), (x2, y2)):
+        (F.cross_entropy(model(x), y) / 2).backward()
+    pre.step()
+    for i, layer in enumerate(pre.layers):
+        big_a, big_g = factors[layer.name]
+        assert rel_err(pre.a_factors[i], big_a) < TOL, layer.name
+        assert rel_err(pre.g_factors[i], big_g) < TOL, layer.name
+
+
 def test_sum_reduction_gives_the_same_factors_as_mean() -> None:
     """Per-example gradients do not depend on how the loss was reduced."""
     x, y = _data("conv", 6, seed=3)

@@ -16,8 +16,8 @@ CHANGED = dict(
     base_lr=0.05, optimizer="sgd", momentum=0.8, nesterov=True, weight_decay=0.001, label_smoothing=0.1,
     warmup_epochs=2.5, warmup_start_factor=0.1, lr_schedule="step", lr_decay=[3, 5], batches_per_allreduce=2, fp16_allreduce=True,
     use_adasum=False, device="cpu", amp="bf16", channels_last="off", deterministic="off", cudnn_benchmark=False, compile=True,
-    log_every=7, kfac_update_freq=0, kfac_cov_update_freq=3, damping=0.003, kl_clip=0.002, factor_decay=0.9,
-    kfac_preset="large-batch", kfac_impl="studies.other:kfac", kfac_grad_worker_fraction=0.5, output_dir="/tmp/run", resume=True, seed=7, max_steps=11, target_accuracy=0.9,
+    log_every=7, kfac_update_freq=0, kfac_cov_update_freq=3, damping=0.003, kl_clip=0.002, factor_decay=0.9, kfac_factor_examples=256,
+    kfac_preset="large-batch", kfac_impl="studies.other:kfac", kfac_grad_worker_fraction=0.5, output_dir="/tmp/run", resume=True, seed=7, max_steps=11, target_accuracy=0.9, eval_every=9,
     keep_checkpoints=2, stall_timeout=60.0, max_nonfinite_steps=2, progress=False,
 )
 # Fields whose changed value above equals the default (so the test says why it does not change them).

@@ -29,10 +29,11 @@ def test_the_preset_is_what_the_documents_say(document: str) -> None:
         assert dataclasses.replace(spelled_out, kfac_preset="large-batch") == preset, flags
 
 
-def test_the_preset_turns_kfac_on_and_changes_only_kfac_settings() -> None:
+def test_the_preset_turns_kfac_on_and_changes_only_what_it_lists() -> None:
     plain, preset = parse_config([]), parse_config(["--kfac-preset", "large-batch"])
-    assert plain.kfac_update_freq == 0 and preset.kfac_update_freq == 5  # on
-    assert (preset.kfac_cov_update_freq, preset.damping, preset.kl_clip) == (5, 0.1, 0.01)
+    assert plain.kfac_update_freq == 0 and preset.kfac_update_freq == 1  # on
+    assert (preset.kfac_cov_update_freq, preset.kfac_factor_examples, preset.damping, preset.kl_clip,
+            preset.momentum) == (1, 512, 0.003, 0.01, 0.5)
     defaults = dataclasses.asdict(TrainConfig())
     for name, value in KFAC_PRESETS["large-batch"].items():
         assert defaults[name] != value, f"the preset repeats the default of {name}"
@@ -42,9 +43,9 @@ def test_the_preset_turns_kfac_on_and_changes_only_kfac_settings() -> None:
 
 def test_given_flags_win_over_the_preset_and_the_dataset_preset_stays() -> None:
     config = parse_config(["--dataset", "mnist", "--kfac-preset", "large-batch", "--damping", "0.3",
-                           "--kfac-update-freq", "5"])  # 5 is the preset's too: the next line changes it
-    assert (config.damping, config.kfac_update_freq, config.kl_clip) == (0.3, 5, 0.01)
-    assert parse_config(["--kfac-preset", "large-batch", "--kfac-update-freq", "10"]).kfac_cov_update_freq == 5
+                           "--kfac-update-freq", "5", "--momentum", "0.9"])
+    assert (config.damping, config.kfac_update_freq, config.momentum, config.kl_clip) == (0.3, 5, 0.9, 0.01)
+    assert parse_config(["--kfac-preset", "large-batch", "--kfac-update-freq", "10"]).kfac_factor_examples == 512
     assert config.model == "mnist_cnn" and config.weight_decay == 5e-4  # mnist's preset under it
     assert parse_config(["--kfac-preset", "large-batch", "--kfac-update-freq", "0"]).kfac_update_freq == 0
 
@@ -59,4 +60,5 @@ def test_the_preconditioner_built_from_the_preset_carries_its_values() -> None:
     config = parse_config(["--dataset", "mnist", "--kfac-preset", "large-batch"])
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
     pre = build_preconditioner(config, model, lambda *_: 0.2, None)
-    assert (pre.inv_update_freq, pre.factor_update_freq, pre.damping, pre.kl_clip) == (5, 5, 0.1, 0.01)
+    assert (pre.inv_update_freq, pre.factor_update_freq, pre.factor_examples, pre.damping, pre.kl_clip) == (
+        1, 1, 512, 0.003, 0.01)

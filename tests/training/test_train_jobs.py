@@ -113,3 +113,35 @@ def test_adasum_trains_on_two_ranks(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "adasum" / "summary.json").read_text())
     assert summary["replicas_identical"] is True
     assert summary["final_accuracy"] > 0.7, summary["final_accuracy"]  # chance is 0.1; 0.875 when written
+
+
+def test_eval_every_adds_mid_epoch_rows_without_changing_the_training(tmp_path: Path) -> None:
+    """--eval-every 5 on 2 ranks x 32 (22 steps an epoch): rows at steps 5, 10, ... labelled with the fractional
+    epoch, the epoch's own row still covers the whole epoch, and the weights end bit-identical to a run without."""
+    flags = ["--epochs", "2", "--seed", "4"]
+    plain = run_train(2, tmp_path / "plain", *flags)
+    every = run_train(2, tmp_path / "every", *flags, "--eval-every", "5")
+    assert plain.returncode == 0 and every.returncode == 0, plain.stderr[-2000:] + every.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "every" / "metrics.jsonl").read_text().splitlines()]
+    plain_rows = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in rows] == [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]
+    assert [r["epoch"] for r in rows] == [round(s / 22, 4) if s % 22 else s // 22 for s in (5, 10, 15, 20, 22, 25, 30,
+                                                                                             35, 40, 44)]
+    assert "step 5 (epoch 0.23)/2" in every.stdout and "epoch   2/2" in every.stdout
+    ends = [r for r in rows if isinstance(r["epoch"], int)]
+    for end, ref in zip(ends, plain_rows, strict=True):  # the epoch's row: the same sums over the whole epoch
+        assert end["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-6)
+        assert end["test_accuracy"] == ref["test_accuracy"]
+    a, b = final_weights(tmp_path / "plain"), final_weights(tmp_path / "every")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_target_accuracy_stops_at_an_eval_every_point(tmp_path: Path) -> None:
+    run_dir = tmp_path / "target"
+    result = run_train(2, run_dir, "--epochs", "5", "--eval-every", "3", "--target-accuracy", "0.5")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stop_reason"] == "target_accuracy" and summary["time_to_target_seconds"] is not None
+    assert summary["global_steps"] % 3 == 0 and summary["global_steps"] < 22  # inside the first epoch
+    again = run_train(2, run_dir, "--epochs", "5", "--eval-every", "3", "--target-accuracy", "0.5", "--resume")
+    assert again.returncode == 0 and "already finished" in again.stdout, again.stderr[-2000:]
