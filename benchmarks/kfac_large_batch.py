@@ -35,6 +35,7 @@ import argparse
 import csv
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -247,6 +248,8 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
         elif not preset or args.damping is not None or args.kl_clip is not None:
             flags += ["--damping", repr(settings["damping"] if args.damping is None else args.damping),
                       "--kl-clip", repr(settings["kl_clip"] if args.kl_clip is None else args.kl_clip)]
+    if cell.method == "kfac":
+        flags += shlex.split(args.kfac_flags)  # last: given flags win over the preset
     if cell.method == "kfac-pytorch":
         flags += ["--kfac-impl", "kfac_large_batch:kfac_pytorch_preconditioner"]
     if cell.method == "kfac-pytorch-native":
@@ -516,14 +519,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="hpcdl's and (carried over) kfac-pytorch's (default: the preset's; 0.1 up to 512)")
     parser.add_argument("--kl-clip", type=float, default=None,
                         help="hpcdl's and (carried over) kfac-pytorch's (default: the preset's, or 0.001 up to 512)")
+    parser.add_argument("--kfac-flags", default="", metavar="FLAGS",
+                        help="hpcdl.train flags added to hpcdl's K-FAC runs, for ablations (e.g. \"--momentum 0.9\"); "
+                             "the results name what they change")
     parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
                         help="examples per backward pass; larger global batches accumulate")
     parser.add_argument("--max-steps", type=int, default=None, help="cut every run short (wiring checks)")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds before a run is killed")
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix")
     parser.add_argument("--dry-run", action="store_true", help="print the runs' commands and exit")
-    parser.add_argument("--report", nargs="+", type=Path, metavar="JSON",
-                        help="no runs: the markdown table, verdict and plot (--out) of these results files together")
+    parser.add_argument("--report", nargs="+", metavar="JSON[@BATCHES]",
+                        help="no runs: the markdown table, verdict and plot (--out) of these results files together; "
+                             "FILE@128,512 takes only those global batches of FILE")
     parser.add_argument("--keep", action="store_true",
                         help="keep the successful runs already in <out>.json (and add to them) instead of rerunning")
     parser.add_argument("--install-kfac-pytorch", nargs="?", const=KFAC_PYTORCH_SOURCE, metavar="SOURCE",
@@ -643,8 +650,14 @@ def markdown(outcomes: Sequence[Outcome]) -> list[str]:
     return lines
 
 
-def report(paths: Sequence[Path], out: Path) -> int:
-    outcomes = [o for path in paths for o in load_outcomes(path)]
+def report(sources: Sequence[str], out: Path) -> int:
+    """The table, verdict and plot of results files together; ``FILE@128,512`` takes only those batches of FILE."""
+    outcomes, paths = [], []
+    for source in sources:
+        name, _, only = source.partition("@")
+        batches = {int(b) for b in only.split(",")} if only else None
+        paths.append(Path(name))
+        outcomes += [o for o in load_outcomes(Path(name)) if batches is None or o.cell.batch in batches]
     print("\n".join(markdown(outcomes)))
     print("\n".join(verdict(outcomes)))
     loads = [json.loads(p.read_text())["meta"] for p in paths]

@@ -168,9 +168,10 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
         "train_seconds": progress.train_seconds, "elapsed_seconds": progress.elapsed_seconds,
     }
     write_results(lambda: job.record.log_epoch(row), job.comm, job.output_dir)
-    where = f"epoch {label:3d}" if isinstance(label, int) else f"step {progress.global_step} (epoch {label:.2f})"
+    where = (f"epoch {label:3d}/{config.epochs}" if isinstance(label, int)
+             else f"step {progress.global_step} (epoch {label:.2f}/{config.epochs})")
     print0(
-        f"{where}/{config.epochs} | train loss {train_loss:.4f} acc {train_accuracy:.4f}"
+        f"{where} | train loss {train_loss:.4f} acc {train_accuracy:.4f}"
         f" | test loss {test['test_loss']:.4f} acc {test['test_accuracy']:.4f} | lr {row['lr']:.4g}"
         f" | {row['images_per_second']:.0f} img/s | {result.seconds:.1f} s")
 

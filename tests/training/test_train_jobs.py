@@ -127,7 +127,7 @@ def test_eval_every_adds_mid_epoch_rows_without_changing_the_training(tmp_path: 
     assert [r["global_step"] for r in rows] == [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]
     assert [r["epoch"] for r in rows] == [round(s / 22, 4) if s % 22 else s // 22 for s in (5, 10, 15, 20, 22, 25, 30,
                                                                                              35, 40, 44)]
-    assert "step 5 (epoch 0.23)/2" in every.stdout and "epoch   2/2" in every.stdout
+    assert "step 5 (epoch 0.23/2) | train loss" in every.stdout and "epoch   2/2" in every.stdout
     ends = [r for r in rows if isinstance(r["epoch"], int)]
     for end, ref in zip(ends, plain_rows, strict=True):  # the epoch's row: the same sums over the whole epoch
         assert end["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-6)
