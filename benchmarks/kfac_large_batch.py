@@ -8,8 +8,8 @@
 
 Every run is ``python -m hpcdl.train`` itself (same model, data, data order per seed, schedule,
 evaluation and clocks for every method): real MNIST, ``mnist_cnn``, cosine decay per step over
-``--epochs`` after a warm-up of ``--warmup-epochs``, weight decay 5e-4, momentum 0.9, one rank whose global
-batch is ``--batch-size x --batches-per-allreduce``. The first-order methods ramp the rate up from 0.1x the
+``--epochs`` after a warm-up of ``--warmup-epochs``, weight decay 5e-4, momentum 0.9 (the K-FAC preset's own
+0.5 above batch 512), one rank whose global batch is ``--batch-size x --batches-per-allreduce``. The first-order methods ramp the rate up from 0.1x the
 peak (``--warmup-start-factor 0.1``, Goyal et al.), and so does kfac-pytorch (it did best so); hpcdl's
 K-FAC holds the peak rate during the warm-up (``--warmup-start-factor 1``): with momentum a ramp applies
 steps clipped under a small rate at a larger one, which defeats the KL clip (docs/kfac.md). Methods
@@ -24,8 +24,9 @@ not the repository's. ``kfac-pytorch`` carries our damping and KL clip over by t
 docs/kfac.md (λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one step);
 ``kfac-pytorch-native`` takes its README's values instead.
 
-Test accuracy is measured after every epoch (hpcdl.train's evaluation); steps and training
-seconds (evaluation excluded) to 98.5 % and 99.0 % are those of the first epoch that reaches them.
+Test accuracy is measured ``--evals-per-epoch`` times an epoch (hpcdl.train's ``--eval-every``, which leaves
+the training unchanged); steps and training seconds (evaluation excluded) to 98.5 % and 99.0 % are those of
+the first evaluation that reaches them. ``--kfac-flags`` adds flags to hpcdl's K-FAC runs, for ablations.
 Results: ``<out>.json`` (every run's curve), ``<out>.csv`` (one row per run), ``<out>.png``.
 """
 

@@ -65,6 +65,8 @@ def test_bare_amp_means_auto() -> None:
     (["--momentum", "1.5"], "--momentum must be [0, 1)"),
     (["--weight-decay", "nan"], "--weight-decay must be [0, 1]"),
     (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--eval-every", "0"], "--eval-every must be >= 1"),
+    (["--kfac-factor-examples", "0"], "--kfac-factor-examples must be >= 1"),
     (["--kfac-grad-worker-fraction", "0"], "--kfac-grad-worker-fraction must be a fraction in (0, 1]"),
     (["--target-accuracy", "95"], "--target-accuracy must be a fraction in (0, 1]"),
     (["--synthetic-shape", "3", "0", "0"], "--synthetic-shape must be >= 1"),
