@@ -9,8 +9,9 @@
 Every run is ``python -m hpcdl.train`` itself (same model, data, data order per seed, schedule,
 evaluation and clocks for every method): real MNIST, ``mnist_cnn``, cosine decay per step over
 ``--epochs`` after a warm-up of ``--warmup-epochs``, weight decay 5e-4, momentum 0.9 (the K-FAC preset's own
-0.5 above batch 512), one rank whose global batch is ``--batch-size x --batches-per-allreduce``. The first-order methods ramp the rate up from 0.1x the
-peak (``--warmup-start-factor 0.1``, Goyal et al.), and so does kfac-pytorch (it did best so); hpcdl's
+0.5 above batch 512), one rank whose global batch is ``--batch-size x --batches-per-allreduce``. The
+first-order methods ramp the rate up from 0.1x the peak (``--warmup-start-factor 0.1``, Goyal et al.), and
+so does kfac-pytorch (it did best so); hpcdl's
 K-FAC holds the peak rate during the warm-up (``--warmup-start-factor 1``): with momentum a ramp applies
 steps clipped under a small rate at a larger one, which defeats the KL clip (docs/kfac.md). Methods
 differ only in their flags: ``--optimizer sgd|lamb|lars``; hpcdl's K-FAC with ``--kfac-preset
@@ -81,7 +82,6 @@ LARGE_KFAC = dict(factors=_PRESET.kfac_cov_update_freq, inverse=_PRESET.kfac_upd
 # without meta["kfac_preset"] were run with it).
 EARLIER_PRESET_FLAGS = ["--kfac-update-freq", "5", "--kfac-cov-update-freq", "5", "--damping", "0.1",
                         "--kl-clip", "0.01"]
-EARLIER_PRESET_LABEL = "kfac stats of all examples momentum 0.9 d 0.1 inv every 5 factors every 5"
 MNIST_TRAIN_EXAMPLES = 60_000
 # kfac-pytorch at large batches: its best measured frequencies (98.33 / 98.57 % at 4096 with the ramp; at
 # 5/5 without the ramp it ended at 97.26 %, and at batch 128 without the ramp at 88.24 %).
@@ -588,39 +588,43 @@ def load_outcomes(path: Path) -> list[Outcome]:
     for r in results["runs"]:
         command, method = r.get("command", "").split(), r["method"]
         if method == "kfac" and "hpcdl.train" in command:
+            # a file without meta["kfac_preset"] was run in the earlier preset's time: named against it
+            earlier = "kfac_preset" not in results.get("meta", {}) and r["batch"] > 512
             flags = command
-            if "kfac_preset" not in results.get("meta", {}) and "large-batch" in command:  # the earlier preset
+            if earlier and "large-batch" in command:  # the preset's flag meant the earlier preset's values then
                 at = command.index("large-batch")
                 flags = command[:at - 1] + EARLIER_PRESET_FLAGS + command[at + 1:]
-            method = kfac_label(flags, r["batch"])
-            if flags is not command and method == EARLIER_PRESET_LABEL:
-                method = "kfac, earlier preset"
+            method = kfac_label(flags, r["batch"], earlier)
         outcomes.append(Outcome(Cell(method, r["batch"], r["lr"], r["seed"]), r["returncode"], r["epochs"],
                                 r.get("wall_seconds", 0.0), command, r.get("error", "")))
     return outcomes
 
 
-def kfac_label(command: Sequence[str], batch: int) -> str:
-    """"kfac", plus what an hpcdl K-FAC run's settings (its command, parsed by hpcdl.train's own parser)
-    have apart from :func:`kfac_settings` at ``batch``: damping, KL clip, update frequencies, a ramp."""
-    from hpcdl.training.config import parse_config
+# What a K-FAC run's label names when it differs from the study's own settings for its batch.
+LABELS = {"kfac_factor_examples": "stats of {} examples", "momentum": "momentum {:g}", "damping": "d {:g}",
+          "kl_clip": "clip {:g}", "kfac_update_freq": "inv every {:g}", "kfac_cov_update_freq": "factors every {:g}",
+          "factor_decay": "decay {:g}", "weight_decay": "wd {:g}"}
 
+
+def kfac_label(command: Sequence[str], batch: int, earlier: bool = False) -> str:
+    """"kfac" (or "kfac, earlier preset"), plus what an hpcdl K-FAC run's settings (its command, parsed by
+    hpcdl.train's own parser) have apart from the study's at ``batch``: the preset above 512, the batch-128
+    study's settings up to it, or the earlier preset's (``earlier``)."""
     config = parse_config(list(command[command.index("hpcdl.train") + 1:]))
-    settings, parts = kfac_settings(batch), ["kfac"]
-    preset = batch > 512
-    if config.kfac_factor_examples != (_PRESET.kfac_factor_examples if preset else None):
-        parts.append(f"stats of {config.kfac_factor_examples or 'all'} examples")
-    if config.momentum != (_PRESET.momentum if preset else 0.9):
-        parts.append(f"momentum {config.momentum:g}")
-    for value, key, name in ((config.damping, "damping", "d"), (config.kl_clip, "kl_clip", "clip"),
-                             (config.kfac_update_freq, "inverse", "inv every"),
-                             (config.kfac_cov_update_freq, "factors", "factors every")):
-        if value != settings[key]:
-            parts.append(f"{name} {value:g}")
-    if config.factor_decay != 0.95:
-        parts.append(f"decay {config.factor_decay:g}")
-    if config.weight_decay != 5e-4:
-        parts.append(f"wd {config.weight_decay:g}")
+    if earlier:
+        reference_flags = list(EARLIER_PRESET_FLAGS)
+    elif batch > 512:
+        reference_flags = ["--kfac-preset", "large-batch"]
+    else:
+        small = kfac_settings(batch)
+        reference_flags = ["--kfac-cov-update-freq", str(small["factors"]), "--kfac-update-freq", str(small["inverse"]),
+                           "--damping", repr(small["damping"]), "--kl-clip", repr(small["kl_clip"])]
+    reference = parse_config([*reference_flags, "--weight-decay", "5e-4"])
+    parts = ["kfac, earlier preset" if earlier else "kfac"]
+    for name, text in LABELS.items():
+        value = getattr(config, name)
+        if value != getattr(reference, name):
+            parts.append(text.format("all" if value is None else value))
     if config.warmup_start_factor not in (None, 1.0):
         parts.append(f"ramp from {config.warmup_start_factor:g}x")
     return " ".join(parts)

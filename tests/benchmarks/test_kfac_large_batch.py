@@ -97,6 +97,21 @@ def test_readme_and_docs_state_the_batch_4096_figures_of_the_results_files(study
     assert fastest["method"] == "lars"
 
 
+def test_kfac_runs_are_named_by_what_differs_from_the_preset_of_their_time(study: Any, tmp_path: Path) -> None:
+    def labels(extra: list[str], meta: dict[str, Any]) -> list[str]:
+        command = ["python", "-m", "hpcdl.train", "--weight-decay", "5e-4", "--kfac-preset", "large-batch", *extra]
+        run = study.Outcome(study.Cell("kfac", 4096, 0.4, 0), 0, [], command=command)
+        study.write_results([run], tmp_path / "runs", dict(load_before=1.0, **meta))
+        return [o.cell.method for o in study.load_outcomes(tmp_path / "runs.json")]
+
+    now = dict(kfac_preset={})
+    assert labels([], now) == ["kfac"]
+    assert labels(["--momentum", "0.9", "--kfac-factor-examples", "4096"], now) == [
+        "kfac stats of 4096 examples momentum 0.9"]
+    assert labels([], {}) == ["kfac, earlier preset"]  # a file from before meta["kfac_preset"]
+    assert labels(["--damping", "1"], {}) == ["kfac, earlier preset d 1"]
+
+
 def test_report_takes_only_the_batches_named_after_a_file(study: Any, tmp_path: Path, capsys) -> None:
     rows = [dict(global_step=10, train_seconds=5.0, test_accuracy=0.99)]
     outcomes = [study.Outcome(study.Cell("sgd", b, 0.1, 0), 0, rows) for b in (128, 4096)]
