@@ -27,7 +27,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     # The collective session lets Horovod start with dynamic process sets, so that K-FAC's rank
-    # groups use them (tests/test_kfac_mpi.py). Only there: in the plain session the variable would
+    # groups use them (tests/kfac/test_kfac_mpi.py). Only there: in the plain session the variable would
     # reach every `mpirun ... hpcdl.train` a test starts, and with it Horovod's background thread
     # holds a lock through an MPI call every cycle (see docs/reliability.md, "frozen rank").
     if config.getoption("--with-mpi", default=False):

@@ -4,7 +4,7 @@ Each field of :class:`TrainConfig` is one flag: its default, help text, accepted
 live on the field and nowhere else. ``PRESETS`` holds only what a dataset's recipe changes from
 those defaults (``--dataset cifar10`` alone is the course's ResNet-32 recipe); flags given on the
 command line win over both. :func:`to_argv` turns a configuration back into flags, which
-tests/test_config.py uses to prove that every flag round-trips.
+tests/training/test_config.py uses to prove that every flag round-trips.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Our point-to-point allreduce algorithms against MPI's own MPI.Allreduce.
 
 Run the MPI tests with (any size >= 2; CI uses 4 and 3):
-    timeout 600 mpiexec --oversubscribe -n 4 .venv/bin/python -m pytest --with-mpi -m mpi tests/test_collectives.py
+    timeout 600 mpiexec --oversubscribe -n 4 .venv/bin/python -m pytest --with-mpi -m mpi tests/collectives/test_collectives.py
 Every MPI test also runs on sub-communicators of every size from 1 to the world size, so one
 4-rank run covers 1, 2, 3 and 4 ranks (powers of two and not). The unmarked tests cover one
 rank (COMM_SELF) and the pure helpers without mpirun.

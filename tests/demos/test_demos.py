@@ -48,7 +48,7 @@ def test_tour_on_one_rank_numpy_and_torch() -> None:
 
 
 def test_stop_demo_runs_to_the_end_without_a_signal() -> None:
-    """hpcdl.demos.stop (signals are tested in tests/test_signals.py): no signal, every rank exits 0."""
+    """hpcdl.demos.stop (signals are tested in tests/runtime/test_signals.py): no signal, every rank exits 0."""
     result = run_mpi(2, ["-m", "hpcdl.demos.stop", "--steps", "3", "--step-seconds", "0"], timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(re.findall(r"^rank (\d) exits 0$", result.stdout, flags=re.M)) == ["0", "1"], result.stdout

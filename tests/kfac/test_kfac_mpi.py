@@ -1,7 +1,7 @@
 """K-FAC on several ranks equals K-FAC on one rank with the whole batch.
 
 Run with
-``timeout 900 mpiexec --oversubscribe -n 4 .venv/bin/python -m pytest --with-mpi -m mpi tests/test_kfac_mpi.py``.
+``timeout 900 mpiexec --oversubscribe -n 4 .venv/bin/python -m pytest --with-mpi -m mpi tests/kfac/test_kfac_mpi.py``.
 Each rank trains a Horovod data-parallel model on its shard of every global batch (Horovod's
 DistributedOptimizer: synchronize, precondition, step inside skip_synchronize). The reference is
 computed on every rank without any communication: the same model, K-FAC with a single-process

@@ -1,4 +1,4 @@
-"""Against a real Slurm (munged + slurmctld + slurmd on this machine, tests/slurm_cluster.py).
+"""Against a real Slurm (munged + slurmctld + slurmd on this machine, tests/support/slurm_cluster.py).
 
 What is checked: the batch scripts pass ``sbatch --test-only``; ``srun --mpi=pmix`` starts a real
 MPI job (the doctor's per-rank table); Slurm's GPU variables lead every rank to a GPU of its own

@@ -3,7 +3,7 @@
 The launcher's own variable must win (under mpirun inside an sbatch job every rank also sees
 SLURM_LOCALID=0), and the GPU choice must be right both when a rank sees all the node's GPUs
 (--gres=gpu:4: take the one at the local rank) and when it sees exactly one (--gpus-per-task=1:
-use it, whatever the local rank). tests/test_slurm.py checks the same against a real Slurm.
+use it, whatever the local rank). tests/launch/test_slurm.py checks the same against a real Slurm.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A failing rank under ``srun`` ends the whole job step promptly (a real one-node Slurm, tests/slurm_cluster.py).
+"""A failing rank under ``srun`` ends the whole job step promptly (a real one-node Slurm, tests/support/slurm_cluster.py).
 
 mpirun ends a job whose rank dies; srun does so only when asked (``--kill-on-bad-exit=1``, which
 the batch scripts in launch/ pass). A rank that raises calls MPI_Abort itself (hpcdl.errors), so

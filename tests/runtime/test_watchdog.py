@@ -1,6 +1,6 @@
 """The stall watchdog's heartbeats and diagnosis, without ending any job.
 
-The job tests (tests/test_reliability.py) prove that a real frozen rank ends a real job. Here the
+The job tests (tests/runtime/test_reliability.py) prove that a real frozen rank ends a real job. Here the
 watchdog's MPI_Abort is replaced by a recorder, so the same heartbeat machinery can be checked
 in-process on every rank of a pytest-mpi run (``mpiexec -n 4 python -m pytest --with-mpi``), and
 its diagnosis as a plain function.

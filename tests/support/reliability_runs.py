@@ -1,4 +1,4 @@
-"""Shared pieces of the reliability and bad-input job tests (tests/test_reliability.py, tests/test_bad_input.py).
+"""Shared pieces of the reliability and bad-input job tests (tests/runtime/test_reliability.py, tests/training/test_bad_input.py).
 
 Every job is a real ``mpirun -np N python -m hpcdl.train`` on the embedded digits data, kept tiny
 (1-4 epochs of 11-22 steps) because most of its time is Python start-up. One uninterrupted

@@ -4,7 +4,7 @@ The contract for input a user can fix: exactly one ``hpcdl.train: error: ...`` l
 exit status 2, no traceback, no MPI_Abort, no hang. A few rows are not errors (a checkpoint from
 another world size must work; resuming a finished run is a no-op) and a few are found by one
 rank only in the middle of training (a corrupt image): those end the whole job naming the rank
-and the file. Rows about interrupted or truncated checkpoints are in tests/test_reliability.py.
+and the file. Rows about interrupted or truncated checkpoints are in tests/runtime/test_reliability.py.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_fault_switch_naming_a_rank_outside_the_job(tmp_path: Path) -> None:
 
 
 def test_malformed_fault_switch_is_a_usage_error(monkeypatch) -> None:
-    """The same path in-process (tests/test_faults.py has every malformed form)."""
+    """The same path in-process (tests/runtime/test_faults.py has every malformed form)."""
     from hpcdl.runtime.errors import UsageError
     from hpcdl.runtime.faults import FaultInjector
 
