@@ -1,0 +1,466 @@
+"""Every figure README, docs/ and the study documents quote, computed from benchmarks/results/.
+
+    .venv/bin/python benchmarks/figures.py            # rewrite each marked figure and table from the results files
+    .venv/bin/python benchmarks/figures.py --check    # exit 1 naming each figure that differs (tests/docs runs it)
+
+A document marks a figure as ``<!--fig:NAME-->99.30 %<!--/fig-->`` (a table the same way, on lines of its
+own). NAME is a key of :data:`FIGURES`, a function of the results files; the text between the markers is
+its value and nothing else. So a figure is written once, by this file, and one edited by hand fails
+``--check``; the prose around it stays the author's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import importlib.util
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+MARKER = re.compile(r"<!--fig:([\w.\-]+)-->(.*?)<!--/fig-->", re.DOTALL)
+FIGURES: dict[str, Callable[[], str]] = {}
+
+
+def documents() -> list[Path]:
+    """Where figures may be quoted."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(RESULTS.glob("*.md"))]
+
+
+def figure(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
+    def register(function: Callable[[], str]) -> Callable[[], str]:
+        FIGURES[name] = function
+        return function
+    return register
+
+
+@functools.cache
+def results(name: str) -> Any:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+@functools.cache
+def study(script: str) -> Any:
+    """A benchmark script as a module, so that its own summaries make the tables."""
+    spec = importlib.util.spec_from_file_location(script, REPO / "benchmarks" / f"{script}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[script] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def times(value: float, digits: int = 2) -> str:
+    return f"{value:.{digits}f}×"
+
+
+def percent(fraction: float, digits: int = 2) -> str:
+    return f"{100 * fraction:.{digits}f} %"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n" + "\n".join(lines) + "\n"
+
+
+# ---- hpcdl.train against a bare loop (benchmarks/train_throughput.py) -----------------------------------
+
+def _throughput(mode: str) -> dict[str, Any]:
+    return results("train_throughput_cpu")["modes"][mode]
+
+
+def _rate(mode: str, who: str) -> float:
+    return results("train_throughput_cpu")["batch"] / statistics.median(_throughput(mode)[f"{who}_step_seconds"])
+
+
+MODES = {"fp32": "fp32", "amp": "bf16 autocast", "amp+cl": "bf16 + channels_last"}
+for _mode in MODES:
+    FIGURES[f"train.{_mode}.ratio"] = functools.partial(lambda m: times(_throughput(m)["speed_ratio"]), _mode)
+    FIGURES[f"train.{_mode}.rates"] = functools.partial(
+        lambda m: f"{_rate(m, 'hpcdl'):.1f} vs {_rate(m, 'bare'):.1f} img/s", _mode)
+
+
+@figure("train.table")
+def _train_table() -> str:
+    rows = [(label, f"{_rate(m, 'hpcdl'):.1f}", f"{_rate(m, 'bare'):.1f}", times(_throughput(m)["speed_ratio"]),
+             ", ".join(f"{r:.3f}" for r in _throughput(m)["paired_speed_ratios"])) for m, label in MODES.items()]
+    return table(["mode", "hpcdl.train img/s", "bare loop img/s", "ratio (median of pairs)", "each pair"], rows)
+
+
+@figure("train.scaling")
+def _scaling() -> str:
+    r = results("train_throughput_cpu")
+    return (f"{100 * r['scaling_efficiency_2_ranks']:.0f} % ({r['images_per_second_1_rank']:.0f} → "
+            f"{r['images_per_second_2_rank']:.0f} img/s)")
+
+
+# ---- bit-identical runs (benchmarks/deterministic_cost.py) ---------------------------------------------
+
+@figure("deterministic.ratio")
+def _deterministic() -> str:
+    return times(results("deterministic_cost")["rows"][0]["ratio_median"], 3)
+
+
+@figure("deterministic.pairs")
+def _deterministic_pairs() -> str:
+    ratios = results("deterministic_cost")["rows"][0]["ratios"]
+    return f"{min(ratios):.3f}–{max(ratios):.3f}×"
+
+
+# ---- K-FAC's cost (benchmarks/kfac_overhead.py, kfac_eigen_scaling.py) ---------------------------------
+
+def _overhead(factors: int, inverse: int, name: str = "kfac_overhead") -> dict[str, Any]:
+    return next(r for r in results(name)["results"]
+                if (r["factor_update_freq"], r["inv_update_freq"]) == (factors, inverse))
+
+
+FREQUENCIES = ((1, 10), (10, 10), (10, 100))
+
+
+@figure("overhead.ratios")
+def _overhead_ratios() -> str:
+    return " / ".join(times(_overhead(f, i)["ratio"]) for f, i in FREQUENCIES)
+
+
+@figure("overhead.previous")
+def _overhead_previous() -> str:
+    return " / ".join(times(_overhead(f, i)["baseline_ratio"]) for f, i in FREQUENCIES)
+
+
+@figure("overhead.table")
+def _overhead_table() -> str:
+    rows = []
+    for f, i in FREQUENCIES:
+        r = _overhead(f, i)
+        target = f"≤ {r['target']}× (kfac-pytorch: {r['kfac_pytorch_ratio']}×)" if r.get("target") else ""
+        rows.append((f"({f}, {i})", f"{r['sgd_ms']:.1f}", f"{r['kfac_ms']:.1f}",
+                     f"{times(r['ratio'])} ({r['min_ratio']:.2f}–{r['max_ratio']:.2f})",
+                     times(r["baseline_ratio"]), target))
+    return table(["(factor, inverse) freq", "SGD ms", "K-FAC ms",
+                  f"K-FAC / SGD (median of {results('kfac_overhead')['rounds']} rounds; min–max)",
+                  "the previous kfac / SGD", "target"], rows)
+
+
+@figure("eigen.speedup")
+def _eigen_speedup() -> str:
+    r = results("kfac_eigen_scaling")
+    one, two = r["runs"]["1 rank x 1 thread"], r["runs"]["2 ranks x 1 thread"]
+    return f"{times(r['speedup_2_ranks'])} ({1000 * one['median_s']:.0f} → {1000 * two['median_s']:.0f} ms)"
+
+
+@figure("eigen.cpu_speedup")
+def _eigen_cpu() -> str:
+    return times(results("kfac_eigen_scaling")["cpu_speedup_2_ranks"])
+
+
+@figure("eigen.table")
+def _eigen_table() -> str:
+    runs = results("kfac_eigen_scaling")["runs"]
+    one = runs["1 rank x 1 thread"]["median_s"]
+    return table(["run", "median wall ms (slowest rank)", "speedup vs 1 rank", "CPU ms of the busiest rank"],
+                 [(name, f"{1000 * r['median_s']:.1f}", times(one / r["median_s"]), f"{1000 * r['median_cpu_s']:.1f}")
+                  for name, r in runs.items()])
+
+
+# ---- K-FAC against SGD at batch 128 and on digits (benchmarks/kfac_convergence.py) ---------------------
+
+@figure("digits.table")
+def _digits_table() -> str:
+    r = results("kfac_convergence_digits")
+    return table(["setting", f"seeds reaching {100 * r['target']:.0f} %", "median epochs", "median seconds",
+                  "mean final accuracy"],
+                 [(name, s["reached"], f"{s['median_epochs_to_target']:g}", f"{s['median_seconds_to_target']:.1f}",
+                   f"{s['final_accuracy_mean']:.3f}") for name, s in r["settings"].items()])
+
+
+@figure("digits.verdict")
+def _digits_verdict() -> str:
+    s = results("kfac_convergence_digits")["settings"]
+    kfac, sgd, fast = s["K-FAC lr=0.02"], s["SGD lr=0.02"], s["SGD lr=0.05"]
+    return (f"K-FAC {kfac['median_epochs_to_target']:g} epochs ({kfac['median_seconds_to_target']:.1f} s) vs SGD "
+            f"{sgd['median_epochs_to_target']:g} epochs ({sgd['median_seconds_to_target']:.1f} s); SGD at 2.5× the "
+            f"lr: {fast['median_epochs_to_target']:g} epochs")
+
+
+def _mnist_table(name: str) -> str:
+    return table(["setting", "seeds reaching 99.0 %", "median epochs to 99.0 %", "median training s (wall)",
+                  "median CPU s", "mean final accuracy", "CPU s / epoch"],
+                 [(setting, s["reached"], f"{s['median_epochs_to_target']:.2f}", f"{s['median_seconds_to_target']:.0f}",
+                   f"{s['median_cpu_seconds_to_target']:.1f}", percent(s["final_accuracy_mean"]),
+                   f"{s['median_cpu_seconds_per_epoch']:.1f}") for setting, s in results(name)["settings"].items()])
+
+
+def _mnist_pairs(name: str) -> str:
+    v = results(name)["verdict"]
+    seeds = "; ".join(f"seed {p['seed']}: {p['sgd_epochs']:g} vs {p['kfac_epochs']:g} epochs, {times(p['wall_ratio'])} "
+                      f"wall, {times(p['cpu_ratio'])} CPU" for p in v["pairs"])
+    return (f"{seeds}. Median: **{times(v['median_wall_ratio'])} the wall time, {times(v['median_cpu_ratio'])} the CPU "
+            f"time**; a K-FAC epoch cost {times(v['cost_per_epoch_ratio'])} an SGD epoch (wall)")
+
+
+def _mnist_budget(name: str) -> tuple[str, str]:
+    s = results(name)["settings"]
+    cells = []
+    for kfac in (False, True):
+        entry = next(e for e in s.values() if e["kfac"] == kfac)
+        finals = [run["final_accuracy"] for run in entry["runs"]]
+        reached = sum(f >= 0.99 for f in finals)
+        cells.append(f"{percent(entry['final_accuracy_mean'])}, {reached}/{len(finals)}")
+    return cells[0], cells[1]
+
+
+for _name, _key in (("kfac_convergence_mnist", "mnist1"), ("kfac_convergence_mnist_np2", "mnist2")):
+    FIGURES[f"{_key}.table"] = functools.partial(_mnist_table, _name)
+    FIGURES[f"{_key}.pairs"] = functools.partial(_mnist_pairs, _name)
+    FIGURES[f"{_key}.wall"] = functools.partial(lambda n: times(results(n)["verdict"]["median_wall_ratio"]), _name)
+    FIGURES[f"{_key}.cpu"] = functools.partial(lambda n: times(results(n)["verdict"]["median_cpu_ratio"]), _name)
+
+
+@figure("mnist.budgets")
+def _budgets() -> str:
+    rows = [(f"{n} epoch{'s' if n > 1 else ''}", *_mnist_budget(f"kfac_convergence_mnist_budget{n}")) for n in (1, 2)]
+    return table(["budget", "SGD lr 0.05: final accuracy (mean), seeds ≥ 99.0 %",
+                  "K-FAC: final accuracy (mean), seeds ≥ 99.0 %"], rows)
+
+
+@figure("mnist.profile")
+def _profile() -> str:
+    s = results("kfac_convergence_mnist_profile")["settings"]
+    rows = []
+    for name, e in s.items():
+        ms = e["ms_per_step"]
+        kfac_wall = sum(ms.get(p + "_wall", 0.0) for p in ("factors", "decompositions", "precondition"))
+        rows.append((name, f"{ms['step_cpu']:.1f}", times(e.get("cost_vs_sgd_cpu", 1.0)), f"{ms['forward_backward_cpu']:.1f}",
+                     f"{ms.get('kfac_step_cpu', 0.0):.1f}", f"{ms.get('precondition_wall', 0.0):.1f} of {kfac_wall:.1f}"))
+    return table(["setting", "CPU ms / step", "vs SGD", "forward+backward (CPU)", "K-FAC `step()` (CPU)",
+                  "of which preconditioning (wall)"], rows)
+
+
+# ---- K-FAC at large global batches (benchmarks/kfac_large_batch.py) ------------------------------------
+
+TARGET_CELL = ("kfac_large_batch_target_quiet", "kfac_large_batch_target_quiet_others")
+
+
+def _outcomes(*sources: str) -> list[Any]:
+    """``NAME`` or ``NAME@B1,B2`` (only those global batches of the file)."""
+    outcomes = []
+    with contextlib.redirect_stderr(io.StringIO()):  # old results name deprecated flags: hpcdl.train says so
+        for source in sources:
+            name, _, only = source.partition("@")
+            batches = {int(b) for b in only.split(",")} if only else None
+            outcomes += [o for o in study("kfac_large_batch").load_outcomes(RESULTS / f"{name}.json")
+                         if batches is None or o.cell.batch in batches]
+    return outcomes
+
+
+@functools.cache
+def _rows(*sources: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """(method, batch) -> the summary row of its best rate (the highest median final accuracy)."""
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in study("kfac_large_batch").summarise(_outcomes(*sources)):
+        key = (row["method"], row["batch"])
+        if key not in best or (row["median_final"] or 0) > (best[key]["median_final"] or 0):
+            best[key] = row
+    return best
+
+
+def _cell(method: str, batch: int = 4096, sources: Sequence[str] = TARGET_CELL) -> dict[str, Any]:
+    return _rows(*sources)[method, batch]
+
+
+def _fastest_first_order(batch: int = 4096, sources: Sequence[str] = TARGET_CELL) -> dict[str, Any]:
+    rows = [r for (m, b), r in _rows(*sources).items() if b == batch and m in ("sgd", "lamb", "lars")]
+    return min((r for r in rows if r["seconds_98.5"] is not None), key=lambda r: r["seconds_98.5"])
+
+
+def _lb_table(*sources: str) -> str:
+    return "\n" + "\n".join(study("kfac_large_batch").markdown(_outcomes(*sources))) + "\n"
+
+
+LB_TABLES = {
+    "target": TARGET_CELL,
+    "ablation": ("kfac_large_batch_kfac_lrs", "kfac_large_batch_ablation_damping", "kfac_large_batch_ablation_every5",
+                 "kfac_large_batch_ablation_momentum", "kfac_large_batch_ablation_all_examples"),
+    "batches": ("kfac_large_batch_512@512", "kfac_large_batch_kfac_2048_8192", "kfac_large_batch_fo_2048_8192"),
+    "reduced": ("kfac_large_batch_reduced",),
+    "sweep": ("kfac_large_batch_sweep",),
+    "ramp": ("kfac_large_batch_ramp_reduced", "kfac_large_batch_target_kfac", "kfac_large_batch_lamb04",
+             "kfac_large_batch_lamb08", "kfac_large_batch_fo_s1", "kfac_large_batch_sgd05", "kfac_large_batch_sgd025",
+             "kfac_large_batch_kfp_native", "kfac_large_batch_kfp_native_s1", "kfac_large_batch_kfac_d1",
+             "kfac_large_batch_kfac_d10", "kfac_large_batch_kfac_kfpdamping"),
+}
+for _key, _sources in LB_TABLES.items():
+    FIGURES[f"lb.{_key}.table"] = functools.partial(_lb_table, *_sources)
+
+LB_METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch-native")
+for _method in LB_METHODS:
+    FIGURES[f"lb.{_method}.final"] = functools.partial(lambda m: percent(_cell(m)["median_final"]), _method)
+    FIGURES[f"lb.{_method}.step_ms"] = functools.partial(lambda m: f"{1000 * _cell(m)['seconds_per_step']:.0f} ms",
+                                                         _method)
+    FIGURES[f"lb.{_method}.to985"] = functools.partial(
+        lambda m: f"{_cell(m)['seconds_98.5']:.0f} s ({_cell(m)['steps_98.5']:.0f} steps)", _method)
+    FIGURES[f"lb.{_method}.lr"] = functools.partial(lambda m: f"{_cell(m)['lr']:g}", _method)
+
+
+@figure("lb.kfac.seeds")
+def _kfac_seeds() -> str:
+    return " / ".join(f"{100 * a:.2f}" for a in _cell("kfac")["final_accuracy"])
+
+
+@figure("lb.kfac.reached99")
+def _kfac_reached() -> str:
+    return _cell("kfac")["reached_99.0"]
+
+
+@figure("lb.ratio985")
+def _ratio985() -> str:
+    return times(_cell("kfac")["seconds_98.5"] / _fastest_first_order()["seconds_98.5"])
+
+
+@figure("lb.fastest_first_order")
+def _fastest() -> str:
+    return str(_fastest_first_order()["method"]).upper()
+
+
+@figure("lb.kfac_vs_sgd_step")
+def _kfac_vs_sgd_step() -> str:
+    return times(_cell("kfac")["seconds_per_step"] / _cell("sgd")["seconds_per_step"])
+
+
+@figure("lb.kfac_vs_lamb_step")
+def _kfac_vs_lamb_step() -> str:
+    return times(_cell("kfac")["seconds_per_step"] / _cell("lamb")["seconds_per_step"])
+
+
+@figure("lb.kfac_vs_kfp_step")
+def _kfac_vs_kfp_step() -> str:
+    return times(_cell("kfac")["seconds_per_step"] / _cell("kfac-pytorch-native")["seconds_per_step"])
+
+
+@figure("lb.kfp.step_s")
+def _kfp_step() -> str:
+    return f"{_cell('kfac-pytorch-native')['seconds_per_step']:.2f} s"
+
+
+OTHER_BATCHES = LB_TABLES["batches"]
+for _batch in (2048, 8192):
+    for _method in ("lamb", "lars", "kfac"):
+        FIGURES[f"lb.{_batch}.{_method}.final"] = functools.partial(
+            lambda m, b: percent(_cell(m, b, OTHER_BATCHES)["median_final"]), _method, _batch)
+
+
+@figure("lb.2048.ratio985")
+def _ratio2048() -> str:
+    kfac, lars = _cell("kfac", 2048, OTHER_BATCHES), _cell("lars", 2048, OTHER_BATCHES)
+    return times(kfac["seconds_98.5"] / lars["seconds_98.5"])
+
+
+@figure("lb.2048.ratio990")
+def _ratio2048_99() -> str:
+    kfac, lars = _cell("kfac", 2048, OTHER_BATCHES), _cell("lars", 2048, OTHER_BATCHES)
+    return times(kfac["seconds_99.0"] / lars["seconds_99.0"], 1)
+
+
+@figure("lb.reduced.seconds")
+def _reduced_seconds() -> str:
+    meta = results("kfac_large_batch_reduced")["meta"]
+    return f"{meta['seconds']:.0f} s for its {len(results('kfac_large_batch_reduced')['runs'])} runs"
+
+
+# ---- the input pipeline (benchmarks/loader_throughput.py) ----------------------------------------------
+
+PIPELINES = {"pil-folder": "old path: PIL decode + transforms, float32 batches",
+             "folder-cpu": "libjpeg-turbo (torchvision.io) decode, uint8 batches, folder",
+             "shards-cpu": "same, from shards"}
+
+
+@figure("loader.table")
+def _loader_table() -> str:
+    r = results("loader_throughput_cpu")
+    workers = list(r["pipeline_alone"])
+    rows = [(label, *(f"{statistics.median(r['pipeline_alone'][w][key]):.1f}" for w in workers))
+            for key, label in PIPELINES.items()]
+    rows.append(("**new CPU path / old path** (target ≥ 1)",
+                 *(f"**{times(r['ratios'][w]['folder-cpu/pil-folder'])}**" for w in workers)))
+    return table(["images/s, pipeline alone", *(f"{w} worker{'s' if w != '1' else ''}" for w in workers)], rows)
+
+
+@figure("loader.ratios")
+def _loader_ratios() -> str:
+    ratios = results("loader_throughput_cpu")["ratios"]
+    return " / ".join(times(ratios[w]["folder-cpu/pil-folder"]) for w in ratios)
+
+
+@figure("loader.shards")
+def _loader_shards() -> str:
+    ratios = results("loader_throughput_cpu")["ratios"]
+    return " / ".join(times(ratios[w]["shards-cpu/folder-cpu"]) for w in ratios)
+
+
+# ---- allreduce and the network (python -m hpcdl.bench.allreduce, benchmarks/network.py) ---------------
+
+@figure("allreduce.ring")
+def _ring() -> str:
+    return f"{results('allreduce_np2')['acceptance']['ring']['min_ratio']:.2f}"
+
+
+@figure("allreduce.horovod")
+def _horovod() -> str:
+    return (f"{results('allreduce_np2')['acceptance']['horovod']['min_ratio']:.2f} with its default 1 ms cycle and "
+            f"{results('allreduce_np2_cycle0.03ms')['acceptance']['horovod']['min_ratio']:.2f} with a 0.03 ms one")
+
+
+def _of_link(rate: str, nodes: int, implementation: str, size: int) -> float:
+    entry = next(c for c in results("net_summary")["configs"] if (c["rate"], c["nodes"]) == (rate, nodes))
+    return float(entry["implementations"][implementation]["of_link"][str(size)])
+
+
+@figure("network.best")
+def _network_best() -> str:
+    return f"{_of_link('1gbit', 2, 'MPI.Allreduce', 32 << 20):.2f}x"
+
+
+# ---- the markers ---------------------------------------------------------------------------------------
+
+def refreshed(text: str, where: str) -> tuple[str, list[str]]:
+    """``text`` with every marked figure recomputed, and one line per figure that differed."""
+    changes: list[str] = []
+
+    def replace(match: re.Match[str]) -> str:
+        name, old = match.group(1), match.group(2)
+        if name not in FIGURES:
+            raise SystemExit(f"{where}: unknown figure {name!r} (benchmarks/figures.py defines {len(FIGURES)})")
+        new = FIGURES[name]()
+        if new != old:
+            changes.append(f"{where}: {name} is {old.strip()!r}, the results files give {new.strip()!r}")
+        return f"<!--fig:{name}-->{new}<!--/fig-->"
+
+    return MARKER.sub(replace, text), changes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if any figure differs")
+    args = parser.parse_args(argv)
+    differ = []
+    for path in documents():
+        text = path.read_text()
+        new, changes = refreshed(text, str(path.relative_to(REPO)))
+        differ += changes
+        if changes and not args.check:
+            path.write_text(new)
+    print("\n".join(differ) if differ else f"every figure equals its results file ({len(FIGURES)} defined)")
+    return 1 if differ and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
