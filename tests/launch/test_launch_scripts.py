@@ -28,6 +28,7 @@ LAUNCH = REPO / "launch"
 MPIRUN_SH = LAUNCH / "mpirun.sh"
 SLURM_SBATCH = LAUNCH / "slurm.sbatch"
 FRONTERA_SBATCH = LAUNCH / "frontera-rtx.sbatch"
+LAUNCH_ARGS = REPO / "hpcdl" / "runtime" / "launch_args.py"
 SCRIPTS = [MPIRUN_SH, SLURM_SBATCH, FRONTERA_SBATCH]
 SHELL_FILES = SCRIPTS + [LAUNCH / "common.sh", LAUNCH / "vcluster-rsh", REPO / "scripts" / "install-slurm.sh"]
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -145,9 +146,11 @@ def test_help(script: Path) -> None:
     # Every setting the script or the shared library reads from the environment is documented.
     sources = script.read_text() + (LAUNCH / "common.sh").read_text()
     internal = {"HPCDL_SHIFT", "HPCDL_RANK_CMD", "HPCDL_ENTRY_ARGS", "HPCDL_TIME_LIMIT_NEAR"}
+    settings = set(re.findall(r"\$\{(HPCDL_[A-Z_]+)[:}-]", sources))
     if script == MPIRUN_SH:  # the batch-only settings live in common.sh but do not apply here
         internal |= {"HPCDL_OUTPUT_DIR", "HPCDL_RESUME", "HPCDL_REQUEUE"}
-    settings = set(re.findall(r"\$\{(HPCDL_[A-Z_]+)[:}-]", sources)) - internal
+        settings |= set(re.findall(r'"(HPCDL_[A-Z_]+)"', LAUNCH_ARGS.read_text()))  # its parser's
+    settings -= internal
     assert settings, "found no settings at all: the pattern is out of date"
     undocumented = sorted(name for name in settings if name not in result.stdout)
     assert not undocumented, f"--help of {script.name} does not mention {undocumented}"
@@ -217,7 +220,12 @@ def test_mpirun_sets_short_daemon_keepalives_unless_told_not_to() -> None:
     (["-H", "a:x"], "-H wants HOST:SLOTS"),
     (["--abort-grace", "soon"], "--abort-grace must be a whole number"),
     (["--vcluster", "nosuch"], "no virtual cluster named 'nosuch'"),
-], ids=["both-host-lists", "bad-slots", "bad-grace", "no-vcluster"])
+    (["-H", "a:2,,b:2"], "-H wants HOST:SLOTS"),
+    (["-H", "a:2,b:2", "-np", "5"], "-np 5 is more ranks than the 4 slots of -H a:2,b:2"),
+    (["--epochs", "1", "-np", "0"], "-np must be a positive whole number, got '0'"),
+    (["--runtime", "docker"], "--runtime must be apptainer, singularity or charliecloud, got 'docker'"),
+], ids=["both-host-lists", "bad-slots", "bad-grace", "no-vcluster", "empty-host", "np-over-slots",
+        "after-a-training-flag", "unknown-runtime"])
 def test_mpirun_multi_node_flags_refuse_bad_input(args: list[str], message: str) -> None:
     result = run(MPIRUN_SH, "--dry-run", *args, env=clean_env({"HPCDL_VCLUSTER_STATE": "/nonexistent"}))
     assert result.returncode == 2, result.stderr
@@ -230,6 +238,42 @@ def test_mpirun_arguments_pass_through_to_train() -> None:
     assert cmd.endswith("-m hpcdl.train --epochs 3 --np x")  # after --, even launcher-like words go to train
     cmd = command_of(run(MPIRUN_SH, "--dry-run", "--epochs", "2", "--batch-size", "16"))
     assert cmd.endswith("-m hpcdl.train --epochs 2 --batch-size 16")
+
+
+def test_mpirun_launcher_flags_after_a_training_flag_are_the_launchers() -> None:
+    result = run(MPIRUN_SH, "--epochs", "1", "-np", "3", "--oversubscribe", "--batch-size", "16", "--threads", "1",
+                 env=clean_env({"HPCDL_DRY_RUN": "1"}))
+    cmd = command_of(result)
+    assert "-np 3 " in cmd and " --oversubscribe " in cmd and "3 ranks, 3 per host, 1 threads each" in result.stderr
+    assert cmd.endswith("-m hpcdl.train --epochs 1 --batch-size 16")
+
+
+@pytest.mark.parametrize(("hosts", "np", "given", "per_host"), [
+    ("a:2,b,a", 4, "a:3,b:1", 3),  # a repeated host adds its slots, as in Open MPI's -H aa,aa,bb
+    ("a:2, b:2", 4, "a:2,b:2", 2),
+    ("a,b,c", 3, "a:1,b:1,c:1", 1),
+])
+def test_mpirun_counts_host_lists_like_open_mpi(hosts: str, np: int, given: str, per_host: int) -> None:
+    result = run(MPIRUN_SH, "--dry-run", "-H", hosts)
+    cmd = command_of(result)
+    assert f"-np {np} " in cmd and f" -H {given} " in cmd, cmd
+    assert f"{np} ranks, {per_host} per host" in result.stderr
+
+
+def test_mpirun_vcluster_keeps_the_given_slots(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "demo.json").write_text(json.dumps({"name": "demo", "subnet": "10.200.7.0/24", "nodes": [
+        {"hostname": f"node{i}", "address": f"10.200.7.{i}"} for i in (1, 2)]}))
+    env = clean_env({"HPCDL_VCLUSTER_STATE": str(state)})
+    cmd = command_of(run(MPIRUN_SH, "--dry-run", "--vcluster", "demo", "-H", "node1:3,node2:1", env=env))
+    assert "-np 4 " in cmd and " -H 10.200.7.1:3,10.200.7.2:1 " in cmd, cmd
+    assert f"--mca plm_rsh_agent {LAUNCH}/vcluster-rsh" in cmd and "--mca btl_tcp_if_include 10.200.7.0/24" in cmd
+    assert "-x HPCDL_VCLUSTER " in cmd and "-x HPCDL_VCLUSTER_STATE " in cmd  # the agent looks in this cluster only
+    cmd = command_of(run(MPIRUN_SH, "--dry-run", "--vcluster", "demo", "-np", "3", env=env))
+    assert "-np 3 " in cmd and " -H 10.200.7.1:2,10.200.7.2:2 " in cmd, cmd
+    result = run(MPIRUN_SH, "--dry-run", "--vcluster", "demo", "-H", "node3:1", env=env)
+    assert result.returncode == 2 and result.stderr.startswith("error: virtual cluster demo has no node 'node3'")
 
 
 def nproc() -> int:
@@ -339,13 +383,23 @@ def test_mpirun_bad_input_is_one_clear_line(args: list[str], message: str) -> No
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
 
 
-def test_missing_container_runtime_is_a_clear_error(tmp_path: Path) -> None:
+def test_missing_container_runtime_is_a_clear_error(tmp_path: Path, fakes: Path) -> None:
     image = tmp_path / "image.sif"
     image.write_text("")
     result = run(MPIRUN_SH, "--image", str(image), env=clean_env({"HPCDL_RUNTIME": "no-such-runtime"}))
     assert result.returncode == 2
-    assert "error: no container runtime found (no-such-runtime)" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.stderr == ("error: --runtime must be apptainer, singularity or charliecloud, "
+                             "got 'no-such-runtime'\n")
+    # A runtime it knows but cannot run here: refused before mpirun starts (tests/runtime/test_launch_args.py
+    # checks every runtime with a PATH of its own; here, what this machine lacks).
+    for runtime, program in (("singularity", "singularity"), ("charliecloud", "ch-run")):
+        (fakes / program).unlink(missing_ok=True)
+        if shutil.which(program):
+            continue
+        result = run(MPIRUN_SH, "--dry-run", "--image", str(image), "--runtime", runtime, env=clean_env(fakes=fakes))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"error: no container runtime found ({runtime}"), result.stderr
+        assert len(result.stderr.splitlines()) == 1 and program in result.stderr
 
 
 # ------------------------------------------------------------------ the batch scripts (dry runs)
