@@ -131,6 +131,10 @@ def _overhead_ratios() -> str:
     return " / ".join(times(_overhead(f, i)["ratio"]) for f, i in FREQUENCIES)
 
 
+for _f, _i in FREQUENCIES:
+    FIGURES[f"overhead.{_f}_{_i}"] = functools.partial(lambda f, i: times(_overhead(f, i)["ratio"]), _f, _i)
+
+
 @figure("overhead.previous")
 def _overhead_previous() -> str:
     return " / ".join(times(_overhead(f, i)["baseline_ratio"]) for f, i in FREQUENCIES)
