@@ -1,0 +1,80 @@
+"""Every figure README, docs/ and the study documents quote equals what its results file gives.
+
+Figures are marked ``<!--fig:NAME-->value<!--/fig-->`` and benchmarks/figures.py computes each NAME from
+benchmarks/results/; a value edited by hand, or a results file replaced, fails here until
+``.venv/bin/python benchmarks/figures.py`` has written the documents again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def figures() -> Any:
+    spec = importlib.util.spec_from_file_location("figures", REPO / "benchmarks" / "figures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["figures"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_marked_figure_equals_its_results_file(figures: Any) -> None:
+    differ = []
+    for path in figures.documents():
+        differ += figures.refreshed(path.read_text(), str(path.relative_to(REPO)))[1]
+    assert differ == [], "run .venv/bin/python benchmarks/figures.py (and check the change is meant)"
+
+
+def test_readme_quotes_each_study_with_marked_figures(figures: Any) -> None:
+    readme = (REPO / "README.md").read_text()
+    rows = [line for line in readme[readme.index("## Results"):].splitlines() if line.startswith("| [")]
+    assert len(rows) >= 8
+    studies = {p.name for p in (REPO / "benchmarks" / "results").glob("*.md")} - {"net_summary.md"}
+    linked = {m for row in rows for m in re.findall(r"benchmarks/results/(\w+\.md)", row)}
+    assert studies <= linked, "a study document without a line in README's Results"
+    for row in rows:
+        assert figures.MARKER.search(row), row
+        unmarked = figures.MARKER.sub("", row)
+        # a measured figure is a number with a unit of speed, time, ratio or accuracy; the targets
+        # a row names (99.0 %, 98.5 %) are conditions, not measurements
+        loose = [f for f in re.findall(r"\d+(?:\.\d+)?\s*(?:×|x\b|%|ms\b|s\b|img/s)", unmarked)
+                 if f not in ("99.0 %", "98.5 %")]
+        assert loose == [], f"figures outside a marker in README: {loose}"
+
+
+def test_a_figure_edited_by_hand_fails(figures: Any) -> None:
+    readme = (REPO / "README.md").read_text()
+    match = figures.MARKER.search(readme)
+    assert match is not None
+    name, value = match.group(1), match.group(2)
+    edited = readme[:match.start(2)] + re.sub(r"\d", lambda d: str((int(d.group()) + 1) % 10), value, count=1) \
+        + readme[match.end(2):]
+    fixed, differ = figures.refreshed(edited, "README.md")
+    assert len(differ) == 1 and name in differ[0]
+    assert fixed == readme  # writing the documents puts the results file's figure back
+
+
+def test_check_exits_1_on_a_wrong_figure_and_names_it(figures: Any, tmp_path: Path, monkeypatch, capsys) -> None:
+    document = tmp_path / "study.md"
+    document.write_text("ratio <!--fig:lb.ratio985-->0.10×<!--/fig--> of LARS's time\n")
+    monkeypatch.setattr(figures, "documents", lambda: [document])
+    monkeypatch.setattr(figures, "REPO", tmp_path)
+    assert figures.main(["--check"]) == 1
+    assert "lb.ratio985 is '0.10×'" in capsys.readouterr().out
+    assert "0.10×" in document.read_text()  # --check changes nothing
+    assert figures.main([]) == 0 and "0.10×" not in document.read_text()
+
+
+def test_an_unknown_figure_is_one_line(figures: Any) -> None:
+    with pytest.raises(SystemExit, match="unknown figure 'no.such'"):
+        figures.refreshed("<!--fig:no.such-->1<!--/fig-->", "x.md")
