@@ -32,6 +32,12 @@ BARE = re.compile(r"(?<![\w/.$-])python3?\s+(-m\s+(hpcdl|kfac|pytest)\b|benchmar
 WRITES = re.compile(r"--(out|output|output-dir|name)[\s=]+$")
 
 
+def anchors(document: Path) -> set[str]:
+    """GitHub's anchors of a document's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", FENCE.sub("", document.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
 def names(document: Path) -> str:
     return str(document.relative_to(REPO))
 
@@ -56,9 +62,11 @@ def test_every_path_named_exists(document: Path) -> None:
         if not (REPO / path).exists():
             missing.append(path)
     for target in LINK.findall(text):
-        if "://" in target or target.startswith(("#", "mailto:")):
+        if "://" in target or target.startswith("mailto:"):
             continue
-        if not (document.parent / target.split("#")[0]).resolve().exists():
+        file, _, anchor = target.partition("#")
+        linked = (document.parent / file).resolve() if file else document
+        if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
             missing.append(target)
     assert missing == [], f"{names(document)} names paths that do not exist: {missing}"
 
