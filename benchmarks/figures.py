@@ -428,6 +428,123 @@ def _of_link(rate: str, nodes: int, implementation: str, size: int) -> float:
     return float(entry["implementations"][implementation]["of_link"][str(size)])
 
 
+ALLREDUCE_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20, 256 << 20)
+ALLREDUCE_IMPLEMENTATIONS = ("MPI.Allreduce", "horovod", "torch.distributed (gloo)", "naive", "ring",
+                             "recursive_doubling", "rabenseifner")
+ALLREDUCE_RUNS = {"np2": "allreduce_np2", "cycle": "allreduce_np2_cycle0.03ms"}
+
+
+def _bandwidth(value: float) -> str:
+    """Two decimals from 0.1 GB/s up, two significant digits below (one under 0.01)."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}" if value >= 0.01 else f"{value:.1g}"
+
+
+def _allreduce_table(name: str) -> str:
+    rows = {(r["implementation"], r["bytes"]): r for r in results(name)["rows"]}
+    lines = []
+    for size in ALLREDUCE_SIZES:
+        cells = []
+        for implementation in ALLREDUCE_IMPLEMENTATIONS:
+            row = rows.get((implementation, size))
+            cell = "-" if row is None else _bandwidth(row["busbw_GBps"])
+            if row is not None and size == ALLREDUCE_SIZES[0]:
+                cell += f" ({row['latency_us']:.0f})"
+            cells.append(cell)
+        lines.append((_size(size), *cells))
+    text = table(["size", *ALLREDUCE_IMPLEMENTATIONS], lines)
+    return text.replace("|" + " --- |" * (len(ALLREDUCE_IMPLEMENTATIONS) + 1),
+                        "| --- |" + " ---: |" * len(ALLREDUCE_IMPLEMENTATIONS))
+
+
+def _size(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+for _key, _name in ALLREDUCE_RUNS.items():
+    FIGURES[f"allreduce.{_key}.table"] = functools.partial(_allreduce_table, _name)
+
+
+def _acceptance(name: str, who: str) -> str:
+    entry = results(name)["acceptance"][who]
+    ratios = {int(size): ratio for size, ratio in entry["ratios"].items()}
+    lowest = min(ratios, key=lambda size: ratios[size])
+    if entry["met"]:
+        return f"**{entry['min_ratio']:.2f}** (met)"
+    later = [r for size, r in ratios.items() if size > lowest]
+    return (f"{entry['min_ratio']:.2f} at {_size(lowest)} (not met); {min(later):.2f}–{max(later):.2f} "
+            f"from {_size(min(s for s in ratios if s > lowest))} up")
+
+
+@figure("allreduce.acceptance")
+def _acceptance_table() -> str:
+    rows = [(f"{label}, lowest ratio", f"≥ {results('allreduce_np2')['acceptance'][who]['target']:.2f}",
+             *(_acceptance(name, who) for name in ALLREDUCE_RUNS.values()))
+            for who, label in (("ring", "our ring"), ("horovod", "Horovod"))]
+    text = table(["", "target", "default run", "`--horovod-cycle-time-ms 0.03`"], rows)
+    return text.replace("| --- | --- | --- | --- |", "| --- | ---: | ---: | ---: |")
+
+
+@figure("allreduce.fit")
+def _fit() -> str:
+    first, second = (results(name)["alpha_beta"]["fitted_here"] for name in ALLREDUCE_RUNS.values())
+    return (f"α = {first['alpha_us']:.1f} µs per step, B = {first['bandwidth_GBps']:.1f} GB/s (default run; "
+            f"{second['alpha_us']:.1f} µs and {second['bandwidth_GBps']:.1f} GB/s in the second)")
+
+
+@figure("allreduce.predictions")
+def _predictions() -> str:
+    rows = [(f"{p['ranks']:,}", f"{p['ring_ms']:.1f}", f"{p['ring_bandwidth_term_ms']:.1f}",
+             f"{p['ring_with_alpha_fitted_here_ms']:.1f}", f"{p['naive_ms']:,.0f}")
+            for p in results("allreduce_np2")["alpha_beta"]["predictions"]]
+    text = table(["ranks", "ring, assumed network (ms)", "of which bandwidth (ms)", "ring with α fitted here (ms)",
+                  "naive (ms)"], rows)
+    return text.replace("| --- | --- | --- | --- | --- |", "| ---: | ---: | ---: | ---: | ---: |")
+
+
+RATES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "100mbit": "100 Mbit/s"}
+MIB16, MIB32 = 16 << 20, 32 << 20
+
+
+@figure("network.table")
+def _network_table() -> str:
+    rows = []
+    for entry in results("net_summary")["configs"]:
+        def pair(name: str, sizes: Sequence[int] = (MIB16, MIB32)) -> str:
+            ratios = entry["implementations"].get(name, {}).get("of_link", {})
+            return " / ".join(f"{ratios[str(size)]:.2f}x" for size in sizes) if ratios else "-"
+        rows.append((RATES[entry["rate"]], entry["nodes"], pair("MPI.Allreduce", (MIB16,)), pair("MPI.Allreduce", (MIB32,)),
+                     pair("horovod"), pair("ring"), pair("MPI, put off")))
+    return table(["link", "nodes", "MPI 16 MiB", "MPI 32 MiB", "Horovod 16 / 32 MiB", "ring 16 / 32 MiB",
+                  "MPI, TCP put off, 16 / 32 MiB"], rows)
+
+
+@figure("network.ab")
+def _network_ab() -> str:
+    runs = {"default": "put on (Open MPI's default), 1st", "putoff": "put off, 1st", "default2": "put on, 2nd",
+            "putoff2": "put off, 2nd"}
+    rows = []
+    for suffix, label in runs.items():
+        bandwidth = {(r["implementation"], r["bytes"]): r["busbw_GBps"]
+                     for r in results(f"net_ab_1gbit_n2_{suffix}")["rows"]}
+        rows.append((label, *(f"{bandwidth[name, size] / 0.125:.2f}x" for name in ("MPI.Allreduce", "ring")
+                              for size in (MIB16, MIB32))))
+    return table(["run", "MPI 16 MiB", "MPI 32 MiB", "ring 16 MiB", "ring 32 MiB"], rows)
+
+
+@figure("network.fp16")
+def _network_fp16() -> str:
+    runs = results("net_fp16")["runs"]
+    rows = []
+    for rate in dict.fromkeys(r["rate"] for r in reversed(runs)):
+        speed = {flag: [s for r in runs if r["rate"] == rate and r["fp16_allreduce"] == flag
+                        for s in r["images_per_second"]] for flag in (False, True)}
+        loads = [x for r in runs if r["rate"] == rate for x in r["load"]]
+        cells = [f"{statistics.median(v):.0f} img/s ({min(v):.0f}-{max(v):.0f})" for v in speed.values()]
+        ratio = statistics.median(speed[True]) / statistics.median(speed[False])
+        rows.append((RATES[rate], *cells, f"{ratio:.2f}x", f"{min(loads):.1f}-{max(loads):.1f}"))
+    return table(["link", "fp32 allreduce", "`--fp16-allreduce`", "ratio", "load"], rows)
+
+
 @figure("network.best")
 def _network_best() -> str:
     return f"{_of_link('1gbit', 2, 'MPI.Allreduce', 32 << 20):.2f}x"
