@@ -4,6 +4,7 @@
 # It turns a few settings into the command that starts ONE rank:
 #
 #   [apptainer|singularity exec --nv [--bind ...] IMAGE] PYTHON -m ENTRY [ARGS...]
+#   [ch-run --join --set-env --unset-env=... -b ... --cd DIR IMAGE --] PYTHON -m ENTRY [ARGS...]
 #
 # and it knows how to read the flags common to all launch scripts, how many OpenMP threads a
 # rank gets, and how a batch job asks to be requeued when its time limit is near. The scripts
@@ -13,9 +14,11 @@
 #   HPCDL_PYTHON   interpreter for the ranks   default: the repo's .venv/bin/python, or python
 #                                               inside a container, else python3
 #   HPCDL_ENTRY    Python module to run         default: hpcdl.train
-#   HPCDL_IMAGE    container image (.sif); empty = run on the host
-#   HPCDL_RUNTIME  apptainer or singularity     default: whichever is on PATH (apptainer first)
-#   HPCDL_BIND     extra bind mounts for the container, comma separated (e.g. /scratch,/work)
+#   HPCDL_IMAGE    container image; empty = run on the host. A .sif file runs under Apptainer or
+#                  Singularity; a directory or .sqfs (make image) under Charliecloud's ch-run
+#   HPCDL_RUNTIME  apptainer, singularity or charliecloud   default: by the image's kind (a .sif:
+#                  whichever of apptainer, singularity is on PATH; a directory or .sqfs: charliecloud)
+#   HPCDL_BIND     extra bind mounts for the container, comma separated SRC[:DST] (e.g. /scratch,/work)
 #   HPCDL_NV       1/0: pass --nv to the runtime   default: 1 when nvidia-smi exists
 #   HPCDL_DRY_RUN  1 = print the command, do not run it
 
@@ -75,9 +78,11 @@ Options every launch script takes (each also read from the environment variable 
                     'python' inside a container)
   --entry MODULE    Python module each rank runs (HPCDL_ENTRY; default: hpcdl.train;
                     hpcdl.doctor shows the rank -> GPU mapping)
-  --image SIF       run every rank inside this Apptainer/Singularity image (HPCDL_IMAGE)
-  --runtime NAME    apptainer or singularity (HPCDL_RUNTIME; default: whichever is on PATH)
-  --bind LIST       extra container bind mounts, comma separated (HPCDL_BIND)
+  --image IMAGE     run every rank inside this image (HPCDL_IMAGE): a .sif (Apptainer/Singularity),
+                    or the directory or .sqfs that make image builds (Charliecloud's ch-run)
+  --runtime NAME    apptainer, singularity or charliecloud (HPCDL_RUNTIME; default: by the
+                    image's kind)
+  --bind LIST       extra container bind mounts, comma separated SRC[:DST] (HPCDL_BIND)
   --no-nv           do not pass --nv to the container runtime (HPCDL_NV=0; default: --nv
                     when nvidia-smi exists)
   --dry-run         print the command and stop (HPCDL_DRY_RUN=1)
@@ -88,16 +93,112 @@ script cannot tell (a copy of the script submitted from elsewhere).
 EOF
 }
 
-# The container runtime to use: HPCDL_RUNTIME if set, else apptainer, else singularity.
+# What kind of image a path is: "sif" (Apptainer/Singularity), "charliecloud" (a directory, the
+# form `make image` writes, or a SquashFS file that ch-run mounts). Anything else: one-line error.
+hpcdl_image_kind() {
+  case "$1" in
+    *.sif) printf sif ;;
+    *.sqfs | *.squashfs) printf charliecloud ;;
+    *) if [ -d "$1" ]; then printf charliecloud; else hpcdl_die "not a container image: $1 (expected a .sif file, a .sqfs file or an image directory; build one with: make image)"; fi ;;
+  esac
+}
+
+# The container runtime to use (its program on PATH): HPCDL_RUNTIME if set, else by the image's kind.
 hpcdl_container_runtime() {
-  local name
-  for name in ${HPCDL_RUNTIME:-apptainer singularity}; do
+  local kind name candidates
+  kind="$(hpcdl_image_kind "$HPCDL_IMAGE")" || exit 2
+  case "$HPCDL_RUNTIME" in
+    "") if [ "$kind" = sif ]; then candidates="apptainer singularity"; else candidates=ch-run; fi ;;
+    apptainer | singularity) candidates="$HPCDL_RUNTIME" ;;
+    charliecloud | ch-run)
+      [ "$kind" = charliecloud ] || hpcdl_die "Charliecloud cannot run a SIF ($HPCDL_IMAGE): give it the image directory or .sqfs that make image writes, or use --runtime apptainer"
+      candidates=ch-run ;;
+    *) hpcdl_die "--runtime must be apptainer, singularity or charliecloud, got '$HPCDL_RUNTIME'" ;;
+  esac
+  for name in $candidates; do
     if command -v "$name" >/dev/null 2>&1; then
       printf '%s' "$name"
       return 0
     fi
   done
+  if [ "$candidates" = ch-run ]; then
+    hpcdl_die "no container runtime found (ch-run, Charliecloud's, is not on PATH): install charliecloud-runtime (bash containers/prereqs.sh) or module load charliecloud"
+  fi
   hpcdl_die "no container runtime found (${HPCDL_RUNTIME:-apptainer or singularity}); on TACC systems: module load tacc-apptainer"
+}
+
+# Every bind source must exist on the host: one line here, not one error per rank later.
+hpcdl_check_binds() {
+  local item src
+  local -a items
+  IFS=, read -r -a items <<<"$HPCDL_BIND"
+  for item in ${items[@]+"${items[@]}"}; do
+    src="${item%%:*}"
+    [ -z "$src" ] || [ -e "$src" ] || hpcdl_die "bind source not found: $src (in --bind $HPCDL_BIND)"
+  done
+}
+
+# Host folders no bind may cover in an image: they are the image's own system.
+HPCDL_IMAGE_SYSTEM_DIRS=" bin boot dev etc lib lib32 lib64 libx32 opt proc run sbin sys usr var ch "
+
+# ch-run's words for one rank. What Charliecloud needs that Apptainer does not:
+#   --join          one container (user namespace) per node for all its ranks: ranks in different
+#                   namespaces cannot use the kernel's single-copy (CMA) between them, and Open MPI's
+#                   shared-memory messages of about 4 MiB and more hang (docs/cluster.md);
+#   --set-env       the image's environment (/ch/environment: its venv first on PATH); without it the
+#                   host's environment is used as it is;
+#   --unset-env     what must not leak in from the host: a venv's VIRTUAL_ENV, PYTHONPATH, PIP_*, ...;
+#   -b              binds: ch-run binds only /tmp (and /dev, /proc, /sys) by itself, and a bind's
+#                   destination must already exist in a read-only image: the working directory's
+#                   top folder (e.g. /work, /scratch, /home: made in every image by make image) is bound;
+#   --cd            the working directory (Apptainer keeps it by itself);
+#   $USER           ch-run refuses to start without it.
+# Apptainer binds $HOME, /tmp and $PWD by itself, applies the image's %environment, needs --nv for
+# GPUs and no --join (its ranks share the host's user namespace).
+hpcdl_chrun_words() {
+  local cwd top item src dst
+  local -a items
+  export USER="${USER:-$(id -un)}"
+  HPCDL_RANK_CMD+=(ch-run)
+  # One ch-run per rank: they join one container per node. With a launcher inside the image
+  # (frontera-rtx.sbatch --launcher image-mpirun, argument 1 > 0) there is one ch-run: nothing to join.
+  if [ "${1:-0}" = 0 ]; then
+    HPCDL_RANK_CMD+=(--join)
+    # Under srun every task sees the same SLURM_STEP_ID, whichever job: name the group by the job.
+    if [ -n "${SLURM_JOB_ID:-}" ]; then HPCDL_RANK_CMD+=(--join-tag "hpcdl-$SLURM_JOB_ID-$$"); fi
+  fi
+  HPCDL_RANK_CMD+=(--set-env)
+  for item in VIRTUAL_ENV PYTHONPATH PYTHONHOME PYTHONSTARTUP PYTHONUSERBASE 'PIP_*' 'CONDA_*' LD_LIBRARY_PATH LD_PRELOAD; do
+    HPCDL_RANK_CMD+=("--unset-env=$item")
+  done
+  cwd="$(pwd -P)"
+  case "$cwd" in
+    /tmp | /tmp/*) ;; # ch-run shares the host's /tmp by itself
+    /) hpcdl_die "run from a working directory, not / (ch-run binds the working directory's top folder)" ;;
+    *)
+      top="${cwd#/}"
+      top="/${top%%/*}"
+      case "$HPCDL_IMAGE_SYSTEM_DIRS" in
+        *" ${top#/} "*) hpcdl_die "cannot run in $cwd with Charliecloud: $top is the image's own; run from a folder under /work, /scratch, /home or /tmp" ;;
+      esac
+      if [ -d "$HPCDL_IMAGE" ] && [ ! -d "$HPCDL_IMAGE$top" ]; then
+        hpcdl_die "the image $HPCDL_IMAGE has no $top to bind the working directory $cwd onto; run from /work, /scratch, /home or /tmp, or rebuild it with make image"
+      fi
+      HPCDL_RANK_CMD+=(-b "$top:$top") ;;
+  esac
+  IFS=, read -r -a items <<<"$HPCDL_BIND"
+  for item in ${items[@]+"${items[@]}"}; do
+    [ -n "$item" ] || continue
+    src="${item%%:*}"
+    dst="${item#*:}"
+    [ "$dst" != "$item" ] || dst="$src"
+    dst="${dst%%:*}" # an Apptainer-style ":ro" suffix is not ch-run's
+    if [ -d "$HPCDL_IMAGE" ] && [ ! -e "$HPCDL_IMAGE$dst" ]; then
+      hpcdl_die "bind destination $dst does not exist in the image $HPCDL_IMAGE (ch-run cannot create it in a read-only image): bind to a folder the image has, e.g. $src:/mnt/0"
+    fi
+    HPCDL_RANK_CMD+=(-b "$src:$dst")
+  done
+  HPCDL_RANK_CMD+=(--cd "$cwd" "$HPCDL_IMAGE" --)
 }
 
 # Fills the array HPCDL_RANK_CMD with the words that start one rank (see the top of this file).
@@ -109,8 +210,14 @@ hpcdl_rank_command() {
   shift
   HPCDL_RANK_CMD=()
   if [ -n "$HPCDL_IMAGE" ]; then
-    [ -e "$HPCDL_IMAGE" ] || hpcdl_die "container image not found: $HPCDL_IMAGE (build it with: apptainer build hpcdl.sif Singularity.def)"
+    [ -e "$HPCDL_IMAGE" ] || hpcdl_die "container image not found: $HPCDL_IMAGE (build it with: apptainer build hpcdl.sif Singularity.def, or make image)"
     runtime="$(hpcdl_container_runtime)" || exit 2
+    hpcdl_check_binds
+    if [ "$runtime" = ch-run ]; then
+      hpcdl_chrun_words "$#"
+      HPCDL_RANK_CMD+=("$@" "${python:-python}" -m "$HPCDL_ENTRY")
+      return 0
+    fi
     HPCDL_RANK_CMD+=("$runtime" exec)
     if [ "${HPCDL_NV:-}" = 1 ] || { [ -z "${HPCDL_NV:-}" ] && command -v nvidia-smi >/dev/null 2>&1; }; then
       HPCDL_RANK_CMD+=(--nv)
@@ -128,6 +235,30 @@ hpcdl_rank_command() {
     command -v "$python" >/dev/null 2>&1 || hpcdl_die "python not found: $python (run: bash scripts/setup.sh, or pass --python)"
   fi
   HPCDL_RANK_CMD+=("$@" "$python" -m "$HPCDL_ENTRY")
+}
+
+# The MPI family inside an hpcdl image (openmpi, mpich), from the labels containers/install.sh
+# writes; empty when unknown (a SIF, or an image not built by hpcdl).
+hpcdl_image_mpi_family() {
+  local labels=""
+  if [ -d "$1" ]; then
+    labels="$(cat "$1/opt/hpcdl/labels" 2>/dev/null || true)"
+  elif [[ "$1" == *.sqfs || "$1" == *.squashfs ]] && command -v unsquashfs >/dev/null 2>&1; then
+    labels="$(unsquashfs -cat "$1" opt/hpcdl/labels 2>/dev/null || true)"
+  fi
+  printf '%s\n' "$labels" | sed -n 's/^hpcdl\.mpi\.family //p' | head -n 1
+}
+
+# A host launcher of the other MPI family starts N processes that each see a world of 1 and train
+# alone: refuse it here, in one line, before anything starts.
+# Usage: hpcdl_check_image_mpi LAUNCHER_FAMILY (openmpi or mpich) DESCRIPTION
+hpcdl_check_image_mpi() {
+  local inside
+  [ -n "$HPCDL_IMAGE" ] || return 0
+  inside="$(hpcdl_image_mpi_family "$HPCDL_IMAGE")"
+  if [ -n "$inside" ] && [ "$inside" != "$1" ]; then
+    hpcdl_die "the image's MPI is $inside but the launcher is $2 ($1 family): every rank would start alone as rank 0 of 1; use an $inside launcher (docs/cluster.md, the MPI-compatibility rule) or the image built for $1"
+  fi
 }
 
 # OpenMP/intra-op threads for one rank: the cores of a host shared by the ranks on it.
@@ -173,7 +304,9 @@ hpcdl_batch_help() {
   cat <<'EOF'
   --output-dir DIR   where hpcdl.train writes checkpoints and summary.json
                      (HPCDL_OUTPUT_DIR; default: runs/<job name>-<job id>, kept across requeues)
-  --no-resume        do not pass --resume to hpcdl.train (HPCDL_RESUME=0)
+  --no-resume        start a new run: no --resume for hpcdl.train, which then refuses an output
+                     folder holding an earlier run's checkpoints (HPCDL_RESUME=0). A requeued
+                     start of the job (SLURM_RESTART_COUNT > 0) resumes its own run all the same
   --no-requeue       do not requeue when the time limit is near (HPCDL_REQUEUE=0)
 EOF
 }
@@ -193,12 +326,14 @@ hpcdl_require_job() {
 
 # Fills HPCDL_ENTRY_ARGS with what a batch job adds for hpcdl.train: the output folder and
 # --resume, so that a requeued job continues from its checkpoint. They come before the user's
-# own arguments, so the same flag given by the user wins.
+# own arguments, so the same flag given by the user wins. --no-resume is about the job's first
+# start (a new run, not an earlier one's folder); a requeued start is the same job, whose own
+# checkpoints are the ones in the folder, so it resumes whatever the first start was told.
 hpcdl_entry_args() {
   HPCDL_ENTRY_ARGS=()
   if [ "$HPCDL_ENTRY" = hpcdl.train ]; then
     HPCDL_ENTRY_ARGS+=(--output-dir "$HPCDL_OUTPUT_DIR")
-    if [ "$HPCDL_RESUME" = 1 ]; then HPCDL_ENTRY_ARGS+=(--resume); fi
+    if [ "$HPCDL_RESUME" = 1 ] || [ "${SLURM_RESTART_COUNT:-0}" != 0 ]; then HPCDL_ENTRY_ARGS+=(--resume); fi
   fi
 }
 

@@ -13,6 +13,7 @@ Why each setting exists (each was needed on a real node; ../shared/ENVIRONMENT.m
   HOROVOD_NCCL_*                  Horovod's FindNCCL needs a `libnccl.so`; torch's nvidia-nccl wheel
                                   ships only `libnccl.so.2`, so a link is made in a private folder;
   HOROVOD_BUILD_CUDA_CC_LIST      the GPUs this node has, not a guess (unless the user sets it).
+`patch-sdist SRC` applies the C++17 fix to an unpacked sdist, `mpi4py-key` names mpi4py's wheel cache.
 The cache key names everything that makes a built wheel unusable elsewhere: compiler, CUDA and NCCL
 versions, the flags, Python, torch and MPI.
 """
@@ -449,6 +450,38 @@ def plan(
     return build_env, key, notes
 
 
+# Horovod 0.28.1's sdist pins C++14 in these files; PyTorch >= 2.1 headers need C++17 (the fix
+# upstream merged after the release). HOROVOD_PATCH_REV in versions.env names this patch in the key.
+CXX_STANDARD_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
+
+
+def patch_sdist(src: Path) -> list[Path]:
+    """Apply the C++17 fix to an unpacked Horovod sdist; returns the files changed.
+
+    Raises BuildError when a file is missing or holds neither standard (another Horovod release:
+    the patch must be looked at again, not skipped silently). Patching twice changes nothing.
+    """
+    changed = []
+    for name in CXX_STANDARD_FILES:
+        path = src / name
+        if not path.is_file():
+            raise BuildError(f"{path} is missing: is {src} an unpacked Horovod sdist?")
+        text = path.read_text()
+        if "set(CMAKE_CXX_STANDARD 17)" in text and "set(CMAKE_CXX_STANDARD 14)" not in text:
+            continue
+        if "set(CMAKE_CXX_STANDARD 14)" not in text:
+            raise BuildError(f"{path} sets no C++14 standard to raise to C++17: check the patch for this Horovod")
+        path.write_text(text.replace("set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)"))
+        changed.append(path)
+    return changed
+
+
+def mpi4py_key(mpi4py: str, python: str, mpi_line: str, compiler: str) -> str:
+    """The mpi4py wheel cache folder's name: the MPI it was compiled against, the Python ABI and
+    the compiler (mpi4py does not link torch)."""
+    return re.sub(r"[^A-Za-z0-9.+_-]+", "_", f"mpi4py-{mpi4py}-{python}-{mpi_id(mpi_line)}-{compiler}")
+
+
 def read_versions(path: Path) -> dict[str, str]:
     pins = {}
     for line in path.read_text().splitlines():
@@ -466,7 +499,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     env_cmd.add_argument("--cache", type=Path, required=True)
     env_cmd.add_argument("--mpi", default="", help="what `mpirun --version` prints")
     env_cmd.add_argument("--versions", type=Path, default=Path(__file__).with_name("versions.env"))
+    key_cmd = sub.add_parser("mpi4py-key", help="print the mpi4py wheel cache key")
+    key_cmd.add_argument("--mpi", default="", help="what `mpirun --version` prints")
+    key_cmd.add_argument("--versions", type=Path, default=Path(__file__).with_name("versions.env"))
+    patch_cmd = sub.add_parser("patch-sdist", help="apply the C++17 fix to an unpacked Horovod sdist")
+    patch_cmd.add_argument("src", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "patch-sdist":
+        try:
+            changed = patch_sdist(args.src)
+        except BuildError as exc:
+            print(f"[setup] {exc}", file=sys.stderr)
+            return 2
+        print(f"[setup]   C++17 patch: {len(changed)} file(s) changed in {args.src}", file=sys.stderr)
+        return 0
+    if args.command == "mpi4py-key":
+        python = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+        pins = read_versions(args.versions)
+        print(mpi4py_key(pins["MPI4PY_VERSION"], python, args.mpi, compiler_id(os.environ)))
+        return 0
     try:
         build_env, key, notes = plan(os.environ, args.gpu == "1", args.cache, args.mpi, read_versions(args.versions))
     except BuildError as exc:

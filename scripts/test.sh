@@ -17,6 +17,18 @@ fi
 PY="$ROOT/.venv/bin/python"
 # CI installs Slurm (scripts/install-slurm.sh): there its tests must run, never skip.
 if [ "${CI:-}" = true ]; then export HPCDL_REQUIRE_SLURM=1; fi
+
+# The CPU image that tests/cluster/test_container_runs.py runs ranks in (containers/build.sh: cached,
+# seconds when built; a fresh machine downloads the wheelhouse once and builds). In CI it must be
+# built and its tests must run; elsewhere it is built where root and a wheelhouse are at hand.
+if [ "${CI:-}" = true ]; then export HPCDL_REQUIRE_IMAGE=1; fi
+WHEELHOUSE="${HPCDL_WHEELHOUSE:-${HPCDL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpcdl}/wheelhouse}"
+if [ "$(id -u)" = 0 ] && { [ -f "$WHEELHOUSE/hpcdl-wheelhouse.txt" ] || [ "${HPCDL_REQUIRE_IMAGE:-}" = 1 ]; }; then
+  echo "[test] the container image (make image)"
+  if [ ! -f "$WHEELHOUSE/hpcdl-wheelhouse.txt" ]; then bash scripts/wheelhouse.sh "$WHEELHOUSE"; fi
+  HPCDL_WHEELHOUSE="$WHEELHOUSE" bash containers/build.sh >/dev/null ||
+    echo "[test] the image could not be built (above): its tests say why they skip, or fail in CI"
+fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1
 

@@ -1,4 +1,7 @@
-"""Singularity.def cannot be built here (no Apptainer), so it is validated instead.
+"""The Apptainer definitions cannot be built here (no Apptainer), so they are validated instead:
+Singularity.def (the GPU image) and containers/hpcdl-cpu.def (the CPU image, `Bootstrap: debootstrap`).
+Both install through one shared step, containers/install.sh, which runs scripts/setup.sh; `make image`
+runs that same step (tests/cluster/test_container_runs.py runs ranks in what it builds).
 
 spython parses a recipe but silently accepts a misspelt section and a missing ``From:``, so
 :func:`definition_problems` adds the checks a build would make first: the header, the names of
@@ -22,6 +25,8 @@ pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
 REPO = Path(__file__).resolve().parents[2]
 DEFINITION = REPO / "Singularity.def"
+CPU_DEFINITION = REPO / "containers" / "hpcdl-cpu.def"
+INSTALL = REPO / "containers" / "install.sh"
 
 KNOWN_SECTIONS = {"setup", "files", "environment", "post", "runscript", "startscript", "test", "labels", "help", "arguments"}
 REQUIRED_SECTIONS = {"files", "environment", "post", "runscript", "test", "labels", "help"}
@@ -77,12 +82,13 @@ def shell_problems(name: str, body: str, workdir: Path) -> list[str]:
     return problems
 
 
-def definition_problems(path: Path, workdir: Path, build_dir: Path | None = None) -> list[str]:
+def definition_problems(path: Path, workdir: Path, build_dir: Path | None = None, gpu: bool = True) -> list[str]:
     """Everything wrong with a definition file that a reader or a build would trip over.
 
-    build_dir is where `apptainer build` would run (the %files sources are relative to it).
+    build_dir is where `apptainer build` would run (the %files sources are relative to it, the
+    repository root for both definitions); gpu: the GPU image's promises (CUDA base, NCCL) apply.
     """
-    build_dir = build_dir or path.parent
+    build_dir = build_dir or REPO
     text = path.read_text()
     header, sections = split_definition(text)
     problems = []
@@ -92,6 +98,10 @@ def definition_problems(path: Path, workdir: Path, build_dir: Path | None = None
         problems.append(f"header: 'Bootstrap:' missing or unknown ({agent!r})")
     if agent.lower() in {"docker", "library", "shub", "oras", "localimage"} and not header.get("From"):
         problems.append("header: 'From:' missing (which base image?)")
+    if agent.lower() == "debootstrap":
+        for keyword in ("OSVersion", "MirrorURL"):
+            if not header.get(keyword):
+                problems.append(f"header: debootstrap needs '{keyword}:'")
 
     names = [name for name, _ in sections]
     for name in names:
@@ -112,19 +122,24 @@ def definition_problems(path: Path, workdir: Path, build_dir: Path | None = None
             problems.append(f"%files: {words[0]} does not exist in {build_dir}")
 
     post = body.get("post", "")
-    if not re.search(r"HPCDL_GPU=1\b[^\n]*(\\\n[^\n]*)*\bbash\s+\S*scripts/setup\.sh", post):
-        problems.append("%post must build with the one procedure: HPCDL_GPU=1 ... bash .../scripts/setup.sh")
+    install = re.search(r"\bbash\s+/opt/hpcdl/src/containers/install\.sh\b([^\n]*)", post)
+    if not install:
+        problems.append("%post must build with the one procedure: bash /opt/hpcdl/src/containers/install.sh")
+    elif gpu != ("--gpu" in install.group(1).split()):
+        problems.append(f"%post: containers/install.sh {'needs' if gpu else 'must not have'} --gpu in this image")
+    if re.search(r"\b(apt-get|pip[3]?)\s+install\b", post):
+        problems.append("%post installs by itself: the steps belong in containers/install.sh, shared by every image")
     if not re.search(r'python -m hpcdl\.train "\$@"', body.get("runscript", "")):
         problems.append('%runscript must run: python -m hpcdl.train "$@"')
     test = body.get("test", "")
     if "import" not in test or "hpcdl.doctor" not in test:
         problems.append("%test must import the stack and run python -m hpcdl.doctor")
-    if "nccl_built()" not in test:
+    if gpu and "nccl_built()" not in test:
         problems.append("%test must check that Horovod was built with NCCL (hvd.nccl_built())")
-    if not re.search(r"(?m)^From:\s*nvidia/cuda:\S*devel", text):
+    if gpu and not re.search(r"(?m)^From:\s*nvidia/cuda:\S*devel", text):
         problems.append("header: the GPU image must start from an nvidia/cuda:<version>-devel image (nvcc for Horovod)")
     help_text = body.get("help", "")
-    for needed in ("apptainer exec --nv", "mpirun", "srun --mpi=pmix", "ibrun", "MPI-compatibility"):
+    for needed in ("apptainer exec" + (" --nv" if gpu else ""), "mpirun", "srun --mpi=pmix", "ibrun", "MPI-compatibility"):
         if needed not in help_text:
             problems.append(f"%help does not mention {needed!r}")
     if not re.search(r"\S", body.get("labels", "")):
@@ -141,6 +156,42 @@ def test_definition_passes_every_check(tmp_path: Path) -> None:
     assert definition_problems(DEFINITION, tmp_path) == []
 
 
+def test_cpu_definition_passes_every_check(tmp_path: Path) -> None:
+    assert definition_problems(CPU_DEFINITION, tmp_path, gpu=False) == []
+    header, _ = split_definition(CPU_DEFINITION.read_text())
+    assert header["Bootstrap"] == "debootstrap" and header["OSVersion"] == "bookworm"
+
+
+def test_both_definitions_share_their_steps_instead_of_copying_them() -> None:
+    """The same files and environment, and a %post that is the shared install step and nothing else."""
+    gpu, cpu = (dict(split_definition(path.read_text())[1]) for path in (DEFINITION, CPU_DEFINITION))
+    assert gpu["files"].split() == cpu["files"].split()
+    assert "containers /opt/hpcdl/src/containers" in " ".join(gpu["files"].split())
+    same_env = [line for line in gpu["environment"].splitlines() if "IMAGE_KIND" not in line]
+    assert same_env == [line for line in cpu["environment"].splitlines() if "IMAGE_KIND" not in line]
+    for body in (gpu["post"], cpu["post"]):
+        commands = [line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
+        assert [c for c in commands if not c.startswith(("set -eu", "export DEBIAN_FRONTEND"))] == [
+            next(c for c in commands if "containers/install.sh" in c)], commands
+
+
+def test_the_shared_install_step_runs_setup_and_checks_the_mpi_family(tmp_path: Path) -> None:
+    text = INSTALL.read_text()
+    assert re.search(r'bash "\$SRC/scripts/setup\.sh"', text), "containers/install.sh must run scripts/setup.sh"
+    assert not re.search(r"pip[3]? install[^\n]*\b(torch|horovod|mpi4py)\b", text), "installs belong to setup.sh"
+    packages = subprocess.run(["bash", str(INSTALL), "--packages"], capture_output=True, text=True, check=True)
+    assert "openmpi-bin libopenmpi-dev" in packages.stdout and "python3-venv" in packages.stdout
+    mpich = subprocess.run(["bash", str(INSTALL), "--mpi", "mpich", "--packages"], capture_output=True, text=True)
+    assert "mpich libmpich-dev" in mpich.stdout and "openmpi" not in mpich.stdout
+    bad = subprocess.run(["bash", str(INSTALL), "--mpi", "lam"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "[install] --mpi must be openmpi or mpich (got 'lam')"
+    checker = shellcheck_binary()
+    if checker is None:
+        pytest.fail("shellcheck not found (it comes with the test extra: pip install -e .[test])")
+    lint = subprocess.run([checker, "-x", str(INSTALL)], capture_output=True, text=True, cwd=REPO)
+    assert lint.returncode == 0, lint.stdout
+
+
 def test_spython_parses_the_definition() -> None:
     from spython.main.parse.parsers import SingularityParser
     from spython.main.parse.writers import DockerWriter
@@ -150,7 +201,7 @@ def test_spython_parses_the_definition() -> None:
     recipe = stages["spython-base"]
     header, sections = split_definition(DEFINITION.read_text())
     assert recipe.fromHeader == header["From"]
-    assert any("scripts/setup.sh" in line for line in recipe.install), "spython did not see the build in %post"
+    assert any("containers/install.sh" in line for line in recipe.install), "spython did not see the build in %post"
     assert recipe.cmd == 'exec python -m hpcdl.train "$@"'
     files = [line.split() for line in dict(sections)["files"].splitlines() if line.strip()]
     assert [line.split() for line in recipe.files] == files
@@ -178,7 +229,11 @@ BREAKAGES = {
     "duplicated section": (lambda t: t + "\n%labels\n    extra yes\n", "%labels appears more than once"),
     "shell syntax error": (lambda t: t.replace("    set -eu\n", "    set -eu\n    if [ -d / ]; then\n", 1), "bash -n"),
     "shellcheck finding": (lambda t: t.replace("    set -eu\n", "    set -eu\n    cd $HOME\n", 1), "shellcheck"),
-    "setup.sh not used": (lambda t: t.replace("bash /opt/hpcdl/src/scripts/setup.sh", "true"), "one procedure"),
+    "install step not used": (lambda t: t.replace("bash /opt/hpcdl/src/containers/install.sh", "true"), "one procedure"),
+    "GPU image built without --gpu": (lambda t: t.replace("install.sh --gpu", "install.sh"), "needs --gpu"),
+    "a step copied into %post": (lambda t: t.replace("    export DEBIAN_FRONTEND=noninteractive\n",
+                                                     "    export DEBIAN_FRONTEND=noninteractive\n    apt-get install -y git\n"),
+                                 "installs by itself"),
     "runscript not hpcdl.train": (lambda t: t.replace('hpcdl.train "$@"', "hpcdl.train"), "%runscript must run"),
     "help without the launch": (lambda t: t.replace("ibrun", "launcher"), "'ibrun'"),
     "missing file": (lambda t: t.replace("kfac /opt/hpcdl/src/kfac", "kfacc /opt/hpcdl/src/kfac"), "kfacc does not exist"),

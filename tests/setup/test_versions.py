@@ -120,7 +120,9 @@ def test_container_builds_with_the_pinned_procedure() -> None:
     text = (REPO / "Singularity.def").read_text()
     assert re.search(r"^\s*scripts\s+/opt/hpcdl/src/scripts\s*$", text, re.M), "%files must copy scripts/ (versions.env)"
     assert re.search(r"^\s*pyproject\.toml\s+\S+", text, re.M), "%files must copy pyproject.toml"
-    assert "bash /opt/hpcdl/src/scripts/setup.sh" in text
+    # %post runs the install step every image shares, and that step runs setup.sh.
+    assert "bash /opt/hpcdl/src/containers/install.sh" in text
+    assert 'bash "$SRC/scripts/setup.sh"' in (REPO / "containers" / "install.sh").read_text()
     own_installs = re.findall(r"pip[3]? install[^\n]*\b(torch|torchvision|horovod|mpi4py)\b", text)
     assert not own_installs, f"Singularity.def installs {own_installs} itself instead of through setup.sh"
 
