@@ -166,6 +166,14 @@ def _eigen_cpu() -> str:
     return times(results("kfac_eigen_scaling")["cpu_speedup_2_ranks"])
 
 
+@figure("eigen.polling")
+def _eigen_polling() -> str:
+    runs = results("kfac_eigen_scaling")["runs"]
+    spinning, yielding = runs["2 ranks x 1 thread, MPI busy polling"], runs["2 ranks x 1 thread"]
+    return (f"{times(spinning['median_s'] / yielding['median_s'], 1)} slower ({1000 * spinning['median_s']:.0f} against "
+            f"{1000 * yielding['median_s']:.0f} ms)")
+
+
 @figure("eigen.table")
 def _eigen_table() -> str:
     runs = results("kfac_eigen_scaling")["runs"]
@@ -247,6 +255,30 @@ def _profile() -> str:
                      f"{ms.get('kfac_step_cpu', 0.0):.1f}", f"{ms.get('precondition_wall', 0.0):.1f} of {kfac_wall:.1f}"))
     return table(["setting", "CPU ms / step", "vs SGD", "forward+backward (CPU)", "K-FAC `step()` (CPU)",
                   "of which preconditioning (wall)"], rows)
+
+
+@figure("mnist.kfac_gain")
+def _kfac_gain() -> str:
+    """How many points unskipped K-FAC ended above the best SGD, over every budget and rank count run."""
+    gains = []
+    for name in ("kfac_convergence_mnist", "kfac_convergence_mnist_np2", "kfac_convergence_mnist_budget1",
+                 "kfac_convergence_mnist_budget2"):
+        settings = results(name)["settings"].values()
+        sgd = max(s["final_accuracy_mean"] for s in settings if not s["kfac"])
+        kfac = max(s["final_accuracy_mean"] for s in settings if s["kfac"] and not s.get("skip"))
+        gains.append(100 * (kfac - sgd))
+    return f"{min(gains):.2f}–{max(gains):.2f} points"
+
+
+@figure("mnist.profile_range")
+def _profile_range() -> str:
+    costs = [e["cost_vs_sgd_cpu"] for e in results("kfac_convergence_mnist_profile")["settings"].values() if e["kfac"]]
+    return f"{min(costs):.1f}–{max(costs):.1f}×"
+
+
+@figure("mnist.profile_10_100")
+def _profile_10_100() -> str:
+    return f"{results('kfac_convergence_mnist_profile')['settings']['K-FAC lr=0.1 d=0.1 f=10/100']['cost_vs_sgd_cpu']:.1f}×"
 
 
 # ---- K-FAC at large global batches (benchmarks/kfac_large_batch.py) ------------------------------------
@@ -499,6 +531,23 @@ def _predictions() -> str:
     text = table(["ranks", "ring, assumed network (ms)", "of which bandwidth (ms)", "ring with α fitted here (ms)",
                   "naive (ms)"], rows)
     return text.replace("| --- | --- | --- | --- | --- |", "| ---: | ---: | ---: | ---: | ---: |")
+
+
+@figure("allreduce.alpha")
+def _alpha() -> str:
+    return f"{results('allreduce_np2')['alpha_beta']['fitted_here']['alpha_us']:.1f} µs"
+
+
+@figure("allreduce.latency_term_4096")
+def _latency_term() -> str:
+    """The ring's 2(N-1)·α at 4,096 ranks with the α fitted here."""
+    return f"{2 * 4095 * results('allreduce_np2')['alpha_beta']['fitted_here']['alpha_us'] / 1000:.0f} ms"
+
+
+@figure("allreduce.naive_4096")
+def _naive() -> str:
+    prediction = next(p for p in results("allreduce_np2")["alpha_beta"]["predictions"] if p["ranks"] == 4096)
+    return f"{prediction['naive_ms'] / 1000:.0f} s"
 
 
 RATES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "100mbit": "100 Mbit/s"}
