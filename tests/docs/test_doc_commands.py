@@ -7,8 +7,11 @@ recognised by what they run in, never by a list of exceptions per document.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,7 @@ INLINE = re.compile(r"`([^`\n]+)`")
 # Commands run by another Python than .venv's: inside an image, a Python the command names itself, a script.
 ELSEWHERE = re.compile(r"apptainer|singularity|ch-run|\bexec\b|PYTHON=|\$PYTHON|conda|\"\$@\"")  # "$@": a script's own line
 # What a reader types: optional VAR=value words, timeout/nice, then a launcher or Python itself.
-COMMAND = re.compile(r"^(\w+=\S*\s+)*((timeout|nice)(\s+-\w+)?(\s+\S*\d\S*)?\s+)*(mpirun|mpiexec|srun|ibrun|python3?)\b")
+COMMAND = re.compile(r"^(\w+=\S*\s+)*((timeout|nice)(\s+-\w+)?(\s+\S*\d\S*)?\s+)*(mpirun|mpiexec|srun|ibrun|(\S*/)?python3?)\b")
 BARE = re.compile(r"(?<![\w/.$-])python3?\s+(-m\s+(hpcdl|kfac|pytest)\b|benchmarks/)")
 # Folders a command will create (its outputs), named as what to pass, not as what exists.
 WRITES = re.compile(r"--(out|output|output-dir|name)[\s=]+$")
@@ -39,12 +42,12 @@ def anchors(document: Path) -> set[str]:
 
 
 def names(document: Path) -> str:
-    return str(document.relative_to(REPO))
+    return str(document.relative_to(REPO)) if document.is_relative_to(REPO) else str(document)
 
 
 def commands(text: str) -> list[str]:
     """Commands in fenced code and inline code spans (comments cut off): what a reader copies and runs."""
-    lines = [line for block in FENCE.findall(text) for line in block.splitlines()]
+    lines = [line for block in FENCE.findall(text) for line in block.replace("\\\n", " ").splitlines()]
     spans = lines + INLINE.findall(FENCE.sub("", text))
     return [c for c in (span.split(" #")[0].strip() for span in spans) if COMMAND.match(c)]
 
@@ -85,6 +88,32 @@ def test_commands_say_which_python(document: Path) -> None:
     assert bare == [], f"{names(document)}: write .venv/bin/python (or run these inside the image): {bare}"
 
 
+def train_arguments(command: str) -> list[str] | None:
+    """The flags a printed ``... -m hpcdl.train FLAGS`` command gives; ``--flag ...`` (a value left to the
+    reader) becomes ``--flag x`` and a trailing ``...`` is dropped. None if it is not such a command."""
+    if not re.search(r"-m\s+hpcdl\.train\b", command) or ELSEWHERE.search(command) or "<" in command:
+        return None
+    words = shlex.split(command)
+    words = words[words.index("hpcdl.train") + 1:]
+    return [("x" if w == "..." else w) for i, w in enumerate(words)
+            if w != "..." or (i > 0 and words[i - 1].startswith("--"))]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=names)
+def test_every_printed_train_command_parses_without_a_deprecated_flag(document: Path) -> None:
+    """Each hpcdl.train command is one hpcdl.train's own parser accepts, in today's flag names."""
+    from hpcdl.training.config import parse_config
+
+    for command in commands(document.read_text()):
+        arguments = train_arguments(command)
+        if arguments is None or "--help" in arguments:
+            continue
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            parse_config(arguments)  # a renamed or unknown flag, or a value out of range, raises here
+        assert "deprecated" not in said.getvalue(), f"{names(document)}: {command}: {said.getvalue().strip()}"
+
+
 def test_the_checks_can_fail(tmp_path: Path) -> None:
     text = ("run `python -m hpcdl.nothing_here` on tests/test_host_sync.py, then\n\n```\n"
             "OMP_NUM_THREADS=2 timeout 60 mpirun -np 2 python benchmarks/x.py   # comment\n```\n")
@@ -92,3 +121,10 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     assert importlib.util.find_spec(MODULE.findall(text)[0]) is None
     assert [c for c in commands(text) if BARE.search(c)] == [
         "OMP_NUM_THREADS=2 timeout 60 mpirun -np 2 python benchmarks/x.py", "python -m hpcdl.nothing_here"]
+    assert train_arguments("mpirun -np 2 .venv/bin/python -m hpcdl.train --data-dir ... --epochs 2 ...") == [
+        "--data-dir", "x", "--epochs", "2"]
+    old = tmp_path / "old.md"
+    old.write_text("```\nmpirun -np 2 .venv/bin/python -m hpcdl.train --damping 0.1\n```\n")
+    with pytest.raises(AssertionError, match="deprecated"):
+        test_every_printed_train_command_parses_without_a_deprecated_flag(old)
+
