@@ -1,7 +1,7 @@
 """benchmarks/network.py's report: ratios to the link and the held-out check, from made-up result files.
 
 No processes and no cluster: the files the phases write are made here from a known alpha and B,
-so the figures the report derives (and README quotes) can be checked against the arithmetic.
+so the figures the report derives (and benchmarks/results/network.md quotes) can be checked against the arithmetic.
 """
 
 from __future__ import annotations
