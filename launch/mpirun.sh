@@ -42,6 +42,9 @@ fi
 hpcdl_rank_command "$hpcdl_root"
 CMD=("$MPIRUN")
 if [ "$OPEN_MPI" = 1 ]; then
+  # PMIx's shared-memory store (gds ds21) takes a lock that two jobs starting at the same moment on one
+  # machine can fail in ("PMIX ERROR ... gds_ds21_lock_pthread.c"); its hash store takes none.
+  export PMIX_MCA_gds="${PMIX_MCA_gds:-hash}"
   CMD+=(-np "$NP" -bind-to none -map-by slot)
   if [ -n "$HOSTFILE" ]; then CMD+=(--hostfile "$HOSTFILE"); fi
   if [ -n "$HOSTS" ]; then CMD+=(-H "$HOSTS"); fi
@@ -58,7 +61,7 @@ if [ "$OPEN_MPI" = 1 ]; then
   if [ "$OVERSUBSCRIBE" = 1 ]; then CMD+=(--oversubscribe); fi
   if [ "$(id -u)" = 0 ]; then CMD+=(--allow-run-as-root); fi
   # Local ranks inherit the whole environment; -x also sends these to the other hosts.
-  names=(OMP_NUM_THREADS PYTHONUNBUFFERED PATH LD_LIBRARY_PATH PYTHONPATH)
+  names=(OMP_NUM_THREADS PYTHONUNBUFFERED PATH LD_LIBRARY_PATH PYTHONPATH PMIX_MCA_gds)
   while IFS= read -r name; do names+=("$name"); done < <(compgen -e | grep -E '^(NCCL|HOROVOD|HPCDL|UCX)_' || true)
   # (the ${a[@]+...} form keeps bash 4.2, still on some clusters, quiet about empty arrays)
   for name in "${names[@]}" ${EXPORT_NAMES[@]+"${EXPORT_NAMES[@]}"}; do

@@ -13,6 +13,7 @@ with a non-zero exit. pytest-timeout (pyproject) is the backstop for a test stuc
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,13 +26,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="the fast tier: only tests that start no process (not marked processes or mpi)")
 
 
+def _sigterm_unwinds(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # A suite stopped by SIGTERM (an outer `timeout`, a cancelled CI job) must still tear down its
+    # fixtures (virtual clusters, Slurm daemons): KeyboardInterrupt does, SIGTERM's default does not.
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm_unwinds)
     # The collective session lets Horovod start with dynamic process sets, so that K-FAC's rank
     # groups use them (tests/kfac/test_kfac_mpi.py). Only there: in the plain session the variable would
     # reach every `mpirun ... hpcdl.train` a test starts, and with it Horovod's background thread
     # holds a lock through an MPI call every cycle (see docs/reliability.md, "frozen rank").
     if config.getoption("--with-mpi", default=False):
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+
+
+@pytest.hookimpl(trylast=True)  # after the fixtures' own teardown (pytest's runner does it at session end)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # The last sweep: virtual clusters this process made that no fixture took down (one made outside a
+    # fixture, or an interrupt between a cluster's creation and its fixture's list).
+    vcluster = sys.modules.get("hpcdl.tools.vcluster")
+    if vcluster is not None:
+        for name in vcluster.remove_owned(os.getpid()):
+            sys.stderr.write(f"\n[conftest] removed virtual cluster {name}, left by a test\n")
 
 
 def _mpi_size() -> int:

@@ -217,6 +217,8 @@ HPCDL_OOB_KEEPALIVE (environment only): "TIME INTVL PROBES" of Open MPI's daemon
   (default "10 5 3": a cut node is noticed in 10-25 s; "" = Open MPI's 8 min)
 HPCDL_VCLUSTER_STATE (environment only): where the virtual clusters are listed
   (default /run/hpcdl-vcluster)
+PMIX_MCA_gds (environment only): PMIx's data store under Open MPI (default hash: the shared-memory
+  store's lock can fail when two jobs start at the same moment on one machine)
 HPCDL_ROOT (environment only) is the repository; it is found by itself, set it when the
   script cannot tell (a copy of the script submitted from elsewhere).
 Host lists count slots as Open MPI does: HOST alone is one slot, a repeated host adds up

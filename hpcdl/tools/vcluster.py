@@ -15,16 +15,23 @@ The nodes share the machine's file system, as cluster nodes share /home and /scr
 one directory, ``/run/hpcdl-vcluster/<name>.local``, which is each node's own (a bind mount in a
 mount namespace per command): node-local storage, like a compute node's /tmp.
 
-Everything this tool creates carries its prefix (namespaces ``hpcdlvc-<name>-nK``, interfaces
-``hv<name>...``) and is listed in /run/hpcdl-vcluster/<name>.json, so ``down`` (and
-:func:`remove_stale`, for clusters whose creator died) removes exactly that and nothing else.
-Needs root, iproute2 (``ip``, ``tc``) and util-linux (``nsenter``, ``unshare``).
+Two clusters, two users or two test runs on one machine never touch each other's: every name
+carries a tag of the state folder (HPCDL_VCLUSTER_STATE) besides the cluster's name (namespaces
+``hpcdlvc-<tag>-<name>-nK``, interfaces ``hv<tag><name>...``), so clusters listed in different
+folders never share one; a cluster's state file lists only what it really created (recorded right
+after creating it), so ``down``, a failed ``up`` and :func:`remove_stale` remove exactly that;
+the sweep for leftovers of a killed run looks at its own folder's tag only; and ``up`` and the
+sweep hold a machine-wide lock (:data:`LOCK_FILE`), so two ``up`` never pick one subnet and a
+sweep never sees a cluster half made. Needs root, iproute2 (``ip``, ``tc``) and util-linux
+(``nsenter``, ``unshare``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import hashlib
 import ipaddress
 import json
 import os
@@ -34,16 +41,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpcdl.run.rundir import pid_alive
 
 STATE_DIR = Path(os.environ.get("HPCDL_VCLUSTER_STATE", "/run/hpcdl-vcluster"))
+# One lock for the whole machine, whatever the state folder: links and namespaces are machine-wide.
+LOCK_FILE = Path("/run/lock/hpcdl-vcluster.lock") if Path("/run/lock").is_dir() else Path("/tmp/hpcdl-vcluster.lock")
+LOCK_TIMEOUT = 120.0
 NS_PREFIX = "hpcdlvc-"
-NAME_RE = re.compile(r"^[a-z0-9]{1,6}$")  # interface names are at most 15 characters
+NAME_RE = re.compile(r"^[a-z0-9]{1,6}$")  # "hv" + tag (3) + name (6) + "h16": interface names are at most 15
+TAG_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"
 RATE_RE = re.compile(r"^[1-9][0-9]*(\.[0-9]+)?(bit|kbit|mbit|gbit)$")
 TOOLS = ("ip", "tc", "nsenter", "unshare")
 CMD_TIMEOUT = 30.0
@@ -65,37 +77,49 @@ class Node:
         return f"/run/netns/{self.namespace}"
 
 
+def state_tag(folder: Path | None = None) -> str:
+    """Three characters [a-z0-9] derived from a state folder's path, in the names of what its clusters create."""
+    digest = hashlib.sha256(str((folder or STATE_DIR).resolve()).encode()).digest()
+    number = int.from_bytes(digest[:8], "big")
+    return "".join(TAG_CHARS[(number // len(TAG_CHARS) ** i) % len(TAG_CHARS)] for i in range(3))
+
+
 @dataclass
 class VCluster:
     name: str
     subnet: str
-    bridge: str
+    bridge: str  # "" until created: the state lists only what this cluster made
     bridge_address: str
     rate: str | None
     owner_pid: int
     nodes: list[Node] = field(default_factory=list)
+    state_dir: str = ""  # the folder that lists it ("": STATE_DIR)
 
     # ------------------------------------------------------------------ facts
     @property
+    def folder(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else STATE_DIR
+
+    @property
     def state_file(self) -> Path:
-        return STATE_DIR / f"{self.name}.json"
+        return self.folder / f"{self.name}.json"
 
     @property
     def hostfile(self) -> Path:
-        return STATE_DIR / f"{self.name}.hostfile"
+        return self.folder / f"{self.name}.hostfile"
 
     @property
     def agent_table(self) -> Path:
-        return STATE_DIR / f"{self.name}.hosts"
+        return self.folder / f"{self.name}.hosts"
 
     @property
     def local_mount(self) -> Path:
         """Node-local storage: one path, and inside each node its own directory (like a node's /tmp)."""
-        return STATE_DIR / f"{self.name}.local"
+        return self.folder / f"{self.name}.local"
 
     def local_source(self, node: Node) -> Path:
         """What ``node`` sees at :attr:`local_mount`."""
-        return STATE_DIR / f"{self.name}.{node.hostname}.local"
+        return self.folder / f"{self.name}.{node.hostname}.local"
 
     def node(self, key: str) -> Node:
         """A node by hostname, address or 1-based index."""
@@ -146,8 +170,10 @@ class VCluster:
 
     # ------------------------------------------------------------------ life cycle
     def save(self) -> None:
-        STATE_DIR.mkdir(parents=True, exist_ok=True)
-        self.state_file.write_text(json.dumps(asdict(self), indent=1))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        temporary = self.state_file.with_name(f".{self.state_file.name}.tmp")
+        temporary.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(temporary, self.state_file)  # a reader (launch/mpirun.sh) never sees half a file
         self.write_hostfile(self.hostfile, slots=2)
         self.local_mount.mkdir(exist_ok=True)
         for node in self.nodes:
@@ -157,15 +183,22 @@ class VCluster:
             f"{n.address} {n.hostname} {n.netns_path} {self.local_source(n)} {self.local_mount}\n" for n in self.nodes))
 
     def down(self) -> None:
-        """Kill every process in the nodes, delete namespaces, veths, bridge and state files."""
+        """Kill every process in the nodes, delete namespaces, veths, bridge and state files: what the
+        state lists, which is what this cluster created, never another's (signals wait until done)."""
+        with _signals_held():
+            self._remove()
+
+    def _remove(self) -> None:
         for node in self.nodes:
             for _ in range(3):  # processes may fork while we kill
                 if not self.crash(node):
                     break
                 time.sleep(0.2)
             _ip(["netns", "delete", node.namespace], check=False)
-            _ip(["link", "delete", node.host_veth], check=False)
-        _ip(["link", "delete", self.bridge], check=False)
+            if node.host_veth:
+                _ip(["link", "delete", node.host_veth], check=False)
+        if self.bridge:
+            _ip(["link", "delete", self.bridge], check=False)
         for node in self.nodes:  # bound only inside the nodes' own mount namespaces, gone with them
             shutil.rmtree(self.local_source(node), ignore_errors=True)
         with contextlib.suppress(OSError):
@@ -190,6 +223,65 @@ def _tc(args: Sequence[str]) -> None:
 def _kill(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+_LOCK_DEPTH = threading.local()
+
+
+@contextlib.contextmanager
+def machine_lock(timeout: float = LOCK_TIMEOUT) -> Iterator[None]:
+    """The machine-wide lock of ``up`` and the sweep (re-entrant within a thread)."""
+    depth = getattr(_LOCK_DEPTH, "value", 0)
+    if depth:
+        _LOCK_DEPTH.value = depth + 1
+        try:
+            yield
+        finally:
+            _LOCK_DEPTH.value = depth
+        return
+    with open(LOCK_FILE, "a") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise VClusterError(f"another virtual-cluster command has held {LOCK_FILE} for {timeout:.0f} s"
+                                        ) from None
+                time.sleep(0.1)
+        _LOCK_DEPTH.value = 1
+        try:
+            yield
+        finally:
+            _LOCK_DEPTH.value = 0
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT/SIGTERM wait while something is created and recorded, or removed: an interrupt between the two
+    would leave an object no state lists. (Only the main thread handles signals; elsewhere nothing to hold.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _existing_links() -> set[str]:
+    names = set()
+    for line in _ip(["-o", "link"], check=False).stdout.splitlines():
+        if ":" in line:
+            names.add(line.split(":")[1].strip().split("@")[0])
+    return names
+
+
+def _existing_namespaces() -> set[str]:
+    return {line.split(" ")[0] for line in _ip(["netns", "list"], check=False).stdout.splitlines() if line}
 
 
 def missing_requirements() -> str | None:
@@ -241,8 +333,14 @@ def _rate_bits(rate: str) -> float:
     return float(rate[: -len(unit)]) * scale[unit]
 
 
+def names_for(name: str, nodes: int, folder: Path | None = None) -> tuple[str, list[tuple[str, str]]]:
+    """(bridge, [(namespace, host veth) per node]) of cluster ``name`` listed in ``folder``."""
+    tag = state_tag(folder)
+    return f"hv{tag}{name}br", [(f"{NS_PREFIX}{tag}-{name}-n{i}", f"hv{tag}{name}h{i}") for i in range(1, nodes + 1)]
+
+
 def up(nodes: int, name: str | None = None, rate: str | None = None) -> VCluster:
-    """Create a cluster of `nodes` namespaces; on any failure remove what was made and raise."""
+    """Create a cluster of `nodes` namespaces; on any failure remove what it made (only that) and raise."""
     reason = missing_requirements()
     if reason:
         raise VClusterError(reason)
@@ -250,27 +348,47 @@ def up(nodes: int, name: str | None = None, rate: str | None = None) -> VCluster
         raise VClusterError(f"--nodes must be 1..16, got {nodes}")
     if rate is not None:
         _rate_bits(rate)
-    name = name or f"{random.getrandbits(20):05x}"
-    if not NAME_RE.match(name):
+    if name is not None and not NAME_RE.match(name):
         raise VClusterError(f"--name must be 1-6 lower-case letters or digits, got {name!r}")
-    if load(name) is not None:
-        raise VClusterError(f"virtual cluster {name} exists already (down --name {name} removes it)")
+    with machine_lock(), _signals_held():
+        taken = _existing_links() | _existing_namespaces()
+        for _ in range(100):
+            chosen = name or f"{random.getrandbits(20):05x}"
+            bridge, node_names = names_for(chosen, nodes)
+            clash = sorted({bridge, *(n for pair in node_names for n in pair)} & taken)
+            if load(chosen) is None and not clash:
+                break
+            if name is not None:
+                why = (f"exists already (down --name {name} removes it)" if load(name) is not None else
+                       f"cannot be made: {', '.join(clash)} exist(s) and belong(s) to no cluster of {STATE_DIR}"
+                       " (left alone)")
+                raise VClusterError(f"virtual cluster {name} {why}")
+        else:
+            raise VClusterError("no free cluster name found")
+        return _make(chosen, nodes, rate, bridge, node_names)
+
+
+def _make(name: str, nodes: int, rate: str | None, bridge: str, node_names: list[tuple[str, str]]) -> VCluster:
+    """up()'s work, under its lock and with signals held: each object is recorded right after it is made."""
     net = _free_subnet()
     hosts = list(net.hosts())
-    cluster = VCluster(name=name, subnet=str(net), bridge=f"hv{name}br", bridge_address=str(hosts[-1]),
-                       rate=rate, owner_pid=os.getpid())
-    cluster.save()  # first, so that a crash half way leaves a record down/remove_stale can use
+    cluster = VCluster(name=name, subnet=str(net), bridge="", bridge_address=str(hosts[-1]), rate=rate,
+                       owner_pid=os.getpid(), state_dir=str(STATE_DIR))
+    cluster.save()
     try:
-        _ip(["link", "add", cluster.bridge, "type", "bridge"])
+        _ip(["link", "add", bridge, "type", "bridge"])
+        cluster.bridge = bridge
+        cluster.save()
         _ip(["addr", "add", f"{cluster.bridge_address}/{net.prefixlen}", "dev", cluster.bridge])
         _ip(["link", "set", cluster.bridge, "up"])
-        for index in range(1, nodes + 1):
-            node = Node(hostname=f"node{index}", namespace=f"{NS_PREFIX}{name}-n{index}",
-                        address=str(hosts[index - 1]), host_veth=f"hv{name}h{index}")
+        for index, (namespace, host_veth) in enumerate(node_names, 1):
+            node = Node(hostname=f"node{index}", namespace=namespace, address=str(hosts[index - 1]), host_veth="")
+            _ip(["netns", "add", node.namespace])
             cluster.nodes.append(node)
             cluster.save()
-            _ip(["netns", "add", node.namespace])
-            _ip(["link", "add", node.host_veth, "type", "veth", "peer", "name", "eth0", "netns", node.namespace])
+            _ip(["link", "add", host_veth, "type", "veth", "peer", "name", "eth0", "netns", node.namespace])
+            node.host_veth = host_veth
+            cluster.save()
             _ip(["link", "set", node.host_veth, "master", cluster.bridge, "up"])
             _ip(["-n", node.namespace, "addr", "add", f"{node.address}/{net.prefixlen}", "dev", "eth0"])
             _ip(["-n", node.namespace, "link", "set", "eth0", "up"])
@@ -292,6 +410,7 @@ def load(name: str) -> VCluster | None:
     except (OSError, ValueError):
         return None
     raw["nodes"] = [Node(**n) for n in raw.get("nodes", [])]
+    raw["state_dir"] = str(STATE_DIR)
     return VCluster(**raw)
 
 
@@ -300,31 +419,42 @@ def all_clusters() -> list[VCluster]:
     return [c for c in found if c is not None]
 
 
+def remove_owned(pid: int) -> list[str]:
+    """Remove the clusters of this folder that process ``pid`` made (a test run's last sweep)."""
+    removed = []
+    for cluster in all_clusters():
+        if cluster.owner_pid == pid:
+            cluster.down()
+            removed.append(cluster.name)
+    return removed
+
+
 def remove_stale() -> list[str]:
-    """Remove clusters whose creating process is gone, and namespaces/interfaces with our prefix
-    that no state file claims (a run killed with SIGKILL). Returns what was removed."""
+    """Remove this folder's clusters whose creating process is gone, and namespaces/interfaces with this
+    folder's tag that none of its state files lists (a run killed with SIGKILL). Clusters listed in other
+    state folders carry other tags and are never touched. Returns what was removed."""
     removed = []
     claimed: set[str] = set()
-    for cluster in all_clusters():
-        if pid_alive(cluster.owner_pid):
-            claimed.update(n.namespace for n in cluster.nodes)
-            claimed.update(n.host_veth for n in cluster.nodes)
-            claimed.add(cluster.bridge)
-            continue
-        cluster.down()
-        removed.append(cluster.name)
-    for ns in _ip(["netns", "list"], check=False).stdout.split("\n"):
-        ns = ns.split(" ")[0]
-        if ns.startswith(NS_PREFIX) and ns not in claimed:
-            for pid in _ip(["netns", "pids", ns], check=False).stdout.split():
-                _kill(int(pid), signal.SIGKILL)
-            _ip(["netns", "delete", ns], check=False)
-            removed.append(ns)
-    for line in _ip(["-o", "link"], check=False).stdout.splitlines():
-        dev = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if re.match(r"^hv[a-z0-9]{1,6}(br|h\d+)$", dev) and dev not in claimed:
-            _ip(["link", "delete", dev], check=False)
-            removed.append(dev)
+    tag = state_tag()
+    with machine_lock():
+        for cluster in all_clusters():
+            if pid_alive(cluster.owner_pid):
+                claimed.update(n.namespace for n in cluster.nodes)
+                claimed.update(n.host_veth for n in cluster.nodes)
+                claimed.add(cluster.bridge)
+                continue
+            cluster.down()
+            removed.append(cluster.name)
+        for ns in sorted(_existing_namespaces()):
+            if ns.startswith(f"{NS_PREFIX}{tag}-") and ns not in claimed:
+                for pid in _ip(["netns", "pids", ns], check=False).stdout.split():
+                    _kill(int(pid), signal.SIGKILL)
+                _ip(["netns", "delete", ns], check=False)
+                removed.append(ns)
+        for dev in sorted(_existing_links()):
+            if re.match(rf"^hv{tag}[a-z0-9]{{1,6}}(br|h\d+)$", dev) and dev not in claimed:
+                _ip(["link", "delete", dev], check=False)
+                removed.append(dev)
     return removed
 
 

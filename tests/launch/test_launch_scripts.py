@@ -276,6 +276,39 @@ def test_mpirun_vcluster_keeps_the_given_slots(tmp_path: Path) -> None:
     assert result.returncode == 2 and result.stderr.startswith("error: virtual cluster demo has no node 'node3'")
 
 
+def test_mpirun_ranks_use_pmix_hash_store(fakes: Path) -> None:
+    """PMIx's shared-memory store takes a lock two jobs starting at once can fail in; the hash store takes none."""
+    cmd = command_of(run(MPIRUN_SH, "--dry-run", "-np", "2"))
+    assert " -x PMIX_MCA_gds " in cmd  # to the ranks on other hosts too
+    show = fakes / "show-gds"
+    show.write_text('#!/bin/sh\necho "gds=$PMIX_MCA_gds"\n')  # stands in for python: started by the real mpirun
+    show.chmod(0o755)
+    result = run(MPIRUN_SH, "-np", "2", "--python", str(show), env=clean_env({"HPCDL_ABORT_GRACE": "0"}), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["gds=hash", "gds=hash"], result.stdout
+    result = run(MPIRUN_SH, "-np", "1", "--python", str(show), env=clean_env({"PMIX_MCA_gds": "ds21,hash"}), timeout=120)
+    assert result.stdout.split() == ["gds=ds21,hash"], result.stdout + result.stderr  # a user's choice stays
+
+
+@pytest.mark.timeout(280)
+def test_mpi_jobs_started_at_the_same_moment_all_run() -> None:
+    """Jobs on a shared node start together all the time; each must run, and no PMIx error may show."""
+    env = clean_env({"HPCDL_OVERSUBSCRIBE": "1", "OMP_NUM_THREADS": "1"})
+    jobs = [subprocess.Popen(["bash", str(MPIRUN_SH), "-np", "2", "--entry", "mpi4py.bench", "--", "helloworld"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+            for _ in range(4)]
+    try:
+        outputs = [job.communicate(timeout=240)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.wait(timeout=30)
+    for job, output in zip(jobs, outputs):
+        assert job.returncode == 0 and "PMIX ERROR" not in output, output[-3000:]
+        assert sorted(re.findall(r"I am process (\d+) of 2", output)) == ["0", "1"], output[-3000:]
+
+
 def nproc() -> int:
     return int(subprocess.run(["nproc"], capture_output=True, text=True, check=True, env=clean_env()).stdout)
 
@@ -450,6 +483,18 @@ def test_every_batch_setting_works_as_flag_and_as_environment(script: Path, tmp_
         for result in (by_flag, by_env):
             assert result.returncode == 0, result.stderr
             assert (text in result.stderr) == present, (flags, environment, result.stderr)
+
+
+@pytest.mark.parametrize("script", [SLURM_SBATCH, FRONTERA_SBATCH], ids=lambda p: p.name)
+def test_requeued_job_resumes_its_own_run_after_no_resume(script: Path, fakes: Path) -> None:
+    """--no-resume is about the first start; a requeued start (SLURM_RESTART_COUNT > 0) is the same job and must
+    resume its own checkpoints, or hpcdl.train refuses the folder and the job ends FAILED (test_slurm.py runs it)."""
+    for restarts, resumes in (("0", False), ("1", True), ("3", True)):
+        for flags, extra in ((["--no-resume"], {}), ([], {"HPCDL_RESUME": "0"})):
+            env = dict(job_env(fakes, SLURM_RESTART_COUNT=restarts), **extra)
+            cmd = command_of(run(script, "--dry-run", *flags, "--epochs", "2", env=env))
+            assert ("--output-dir runs/hpcdl-4242 --resume --epochs 2" in cmd) == resumes, (restarts, flags, cmd)
+            assert ("--resume" in cmd) == resumes
 
 
 def test_generic_batch_srun_settings() -> None:

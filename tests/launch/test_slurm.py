@@ -4,7 +4,8 @@ What is checked: the batch scripts pass ``sbatch --test-only``; ``srun --mpi=pmi
 MPI job (the doctor's per-rank table); Slurm's GPU variables lead every rank to a GPU of its own
 with --gres and with --gpus-per-task; mpirun inside a job gets local ranks right although Slurm
 tells every rank SLURM_LOCALID=0; launch/slurm.sbatch trains on 2 tasks end to end; and a job
-warned of its time limit checkpoints, requeues itself and resumes to the end.
+warned of its time limit checkpoints, requeues itself and resumes to the end (also one submitted
+with --no-resume).
 
 Skips only where Slurm/munge or root are missing (scripts/install-slurm.sh installs them); set
 HPCDL_REQUIRE_SLURM=1 to turn that skip into a failure, as CI should.
@@ -163,10 +164,15 @@ def test_generic_batch_script_trains_on_two_tasks(slurm: SlurmCluster, tmp_path:
 
 
 @pytest.mark.timeout(420)
-def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """What --signal=B:USR1@120 sets off, with the signal sent by hand once the first epoch is done."""
+@pytest.mark.parametrize("script_args", [[], ["--no-resume"]], ids=["default", "no-resume"])
+def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Path,
+                                                            script_args: list[str]) -> None:
+    """What --signal=B:USR1@120 sets off, with the signal sent by hand once the first epoch is done.
+
+    With --no-resume too: that says the first start is a new run; the requeued start is the same job
+    and resumes its own checkpoint (it used to refuse its own folder and end FAILED)."""
     epochs = 4
-    job = submit_training(slurm, tmp_path, "--epochs", str(epochs))
+    job = submit_training(slurm, tmp_path, *script_args, "--epochs", str(epochs))
     metrics = tmp_path / "runs" / f"hpcdl-{job}" / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and metrics.read_text().strip()):
@@ -182,6 +188,9 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm: SlurmCluster,
     assert "time limit near" in log and "requeueing job" in log
     assert "SIGUSR1 received" in log
     assert "resuming from" in log
+    starts = [line.split() for line in re.findall(r"(?m)^\[hpcdl\] srun .*-m hpcdl\.train (.*)$", log)]
+    assert len(starts) == 2 and "--resume" in starts[1], starts
+    assert ("--resume" in starts[0]) == (not script_args), starts  # --no-resume: the first start was a new run
     # Resumed, not restarted: every epoch is logged once, in order.
     logged = [json.loads(line)["epoch"] for line in metrics.read_text().splitlines() if line.strip()]
     assert logged == list(range(1, epochs + 1)), logged
