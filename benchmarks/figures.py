@@ -170,7 +170,8 @@ def _eigen_cpu() -> str:
 def _eigen_polling() -> str:
     runs = results("kfac_eigen_scaling")["runs"]
     spinning, yielding = runs["2 ranks x 1 thread, MPI busy polling"], runs["2 ranks x 1 thread"]
-    return (f"{times(spinning['median_s'] / yielding['median_s'], 1)} slower ({1000 * spinning['median_s']:.0f} against "
+    slower = times(spinning["median_s"] / yielding["median_s"], 1)
+    return (f"{slower} slower ({1000 * spinning['median_s']:.0f} against "
             f"{1000 * yielding['median_s']:.0f} ms)")
 
 
@@ -251,8 +252,9 @@ def _profile() -> str:
     for name, e in s.items():
         ms = e["ms_per_step"]
         kfac_wall = sum(ms.get(p + "_wall", 0.0) for p in ("factors", "decompositions", "precondition"))
-        rows.append((name, f"{ms['step_cpu']:.1f}", times(e.get("cost_vs_sgd_cpu", 1.0)), f"{ms['forward_backward_cpu']:.1f}",
-                     f"{ms.get('kfac_step_cpu', 0.0):.1f}", f"{ms.get('precondition_wall', 0.0):.1f} of {kfac_wall:.1f}"))
+        rows.append((name, f"{ms['step_cpu']:.1f}", times(e.get("cost_vs_sgd_cpu", 1.0)),
+                     f"{ms['forward_backward_cpu']:.1f}", f"{ms.get('kfac_step_cpu', 0.0):.1f}",
+                     f"{ms.get('precondition_wall', 0.0):.1f} of {kfac_wall:.1f}"))
     return table(["setting", "CPU ms / step", "vs SGD", "forward+backward (CPU)", "K-FAC `step()` (CPU)",
                   "of which preconditioning (wall)"], rows)
 
@@ -278,7 +280,8 @@ def _profile_range() -> str:
 
 @figure("mnist.profile_10_100")
 def _profile_10_100() -> str:
-    return f"{results('kfac_convergence_mnist_profile')['settings']['K-FAC lr=0.1 d=0.1 f=10/100']['cost_vs_sgd_cpu']:.1f}×"
+    setting = results("kfac_convergence_mnist_profile")["settings"]["K-FAC lr=0.1 d=0.1 f=10/100"]
+    return f"{setting['cost_vs_sgd_cpu']:.1f}×"
 
 
 # ---- K-FAC at large global batches (benchmarks/kfac_large_batch.py) ------------------------------------
@@ -561,8 +564,8 @@ def _network_table() -> str:
         def pair(name: str, sizes: Sequence[int] = (MIB16, MIB32)) -> str:
             ratios = entry["implementations"].get(name, {}).get("of_link", {})
             return " / ".join(f"{ratios[str(size)]:.2f}x" for size in sizes) if ratios else "-"
-        rows.append((RATES[entry["rate"]], entry["nodes"], pair("MPI.Allreduce", (MIB16,)), pair("MPI.Allreduce", (MIB32,)),
-                     pair("horovod"), pair("ring"), pair("MPI, put off")))
+        rows.append((RATES[entry["rate"]], entry["nodes"], pair("MPI.Allreduce", (MIB16,)),
+                     pair("MPI.Allreduce", (MIB32,)), pair("horovod"), pair("ring"), pair("MPI, put off")))
     return table(["link", "nodes", "MPI 16 MiB", "MPI 32 MiB", "Horovod 16 / 32 MiB", "ring 16 / 32 MiB",
                   "MPI, TCP put off, 16 / 32 MiB"], rows)
 

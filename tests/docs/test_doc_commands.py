@@ -27,9 +27,11 @@ MODULE = re.compile(r"\bpython3?\s+-m\s+([A-Za-z_][\w.]*)")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+)`")
 # Commands run by another Python than .venv's: inside an image, a Python the command names itself, a script.
-ELSEWHERE = re.compile(r"apptainer|singularity|ch-run|\bexec\b|PYTHON=|\$PYTHON|conda|\"\$@\"")  # "$@": a script's own line
+# ("$@": a line of a script, not one a reader types)
+ELSEWHERE = re.compile(r"apptainer|singularity|ch-run|\bexec\b|PYTHON=|\$PYTHON|conda|\"\$@\"")
 # What a reader types: optional VAR=value words, timeout/nice, then a launcher or Python itself.
-COMMAND = re.compile(r"^(\w+=\S*\s+)*((timeout|nice)(\s+-\w+)?(\s+\S*\d\S*)?\s+)*(mpirun|mpiexec|srun|ibrun|(\S*/)?python3?)\b")
+COMMAND = re.compile(r"^(\w+=\S*\s+)*((timeout|nice)(\s+-\w+)?(\s+\S*\d\S*)?\s+)*"
+                     r"(mpirun|mpiexec|srun|ibrun|(\S*/)?python3?)\b")
 BARE = re.compile(r"(?<![\w/.$-])python3?\s+(-m\s+(hpcdl|kfac|pytest)\b|benchmarks/)")
 # Folders a command will create (its outputs), named as what to pass, not as what exists.
 WRITES = re.compile(r"--(out|output|output-dir|name)[\s=]+$")

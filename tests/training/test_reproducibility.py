@@ -1,4 +1,4 @@
-"""Same seed, world size and flags: bit-identical weights on CPU, at every world size (docs/training.md's promise, "reproducibility").
+"""Same seed, world size and flags: bit-identical weights on CPU, at every world size (docs/training.md's promise).
 
 Two ranks cannot show a wrong reduction order (a + b == b + a exactly); three and four ranks can, since
 floating-point addition is not associative. Each world size runs twice and the final weights (and
