@@ -155,7 +155,9 @@ LC_ALL=C.UTF-8
 ENV
   sed 's/^/export /' "$SCRATCH/ch/environment" >"$SCRATCH/.singularity.d/env/90-environment.sh"
   printf '#!/bin/sh\nexec python -m hpcdl.train "$@"\n' >"$SCRATCH/.singularity.d/runscript"
+  # shellcheck disable=SC2016 # written for the image's shell to expand
   printf '#!/bin/sh\nfor f in /.singularity.d/env/*.sh; do . "$f"; done\nexec "$@"\n' >"$SCRATCH/.singularity.d/actions/exec"
+  # shellcheck disable=SC2016
   printf '#!/bin/sh\nfor f in /.singularity.d/env/*.sh; do . "$f"; done\nexec /.singularity.d/runscript "$@"\n' >"$SCRATCH/.singularity.d/actions/run"
   chmod 755 "$SCRATCH/.singularity.d/runscript" "$SCRATCH/.singularity.d/actions/"*
   ln -sfn .singularity.d/runscript "$SCRATCH/singularity"

@@ -195,11 +195,11 @@ else
     else
       pip_q download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD" || fail "could not download the Horovod sdist"
     fi
-    tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
+    # --no-same-owner: as root in a container's user namespace the sdist's owners (uid 1001) do not exist.
+    tar --no-same-owner -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
     SRC="$BUILD/horovod-$HOROVOD_VERSION"
-    # PyTorch >= 2.1 headers need C++17; 0.28.1 pins C++14 (fixed upstream after the release).
-    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-    grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt" || fail "the C++17 patch did not apply to the Horovod sdist"
+    # PyTorch >= 2.1 headers need C++17; 0.28.1 pins C++14 (every Horovod build fix: horovod_build.py).
+    "$VENV/bin/python" "$ROOT/scripts/horovod_build.py" patch-sdist "$SRC" || fail "see the line above"
     mkdir -p "$WHEEL_DIR"
     (eval "$BUILD_ENV" && cd "$SRC" && "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps . -w "$BUILD/dist") >"$BUILD/build.log" 2>&1 ||
       { tail -n 30 "$BUILD/build.log" >&2; fail "Horovod did not build; full log: $BUILD/build.log"; }
@@ -228,8 +228,22 @@ PY
 if mpi4py_ok; then
   ok "already installed"
 else
-  # --no-binary: build against the MPI on PATH, never a wheel carrying some other MPI.
-  pip_q install --ignore-installed --no-deps --no-binary mpi4py "mpi4py==$MPI4PY_VERSION" || fail "mpi4py did not build; is mpicc working? (mpicc --version)"
+  # Built from the sdist against the MPI on PATH (never a wheel carrying some other MPI), once: the
+  # wheel is cached under a key naming that MPI, the Python ABI and the compiler (an image build
+  # reuses it only when its own key is the same).
+  M_KEY="$("$VENV/bin/python" "$ROOT/scripts/horovod_build.py" mpi4py-key --mpi "$(mpirun --version 2>&1)")" || fail "see the line above"
+  M_DIR="$CACHE/wheels/$M_KEY"
+  M_WHEEL="$(find "$M_DIR" -maxdepth 1 -name "mpi4py-$MPI4PY_VERSION-*.whl" 2>/dev/null | head -n 1 || true)"
+  if [ -n "$M_WHEEL" ]; then
+    ok "using cached wheel $M_WHEEL"
+  else
+    M_BUILD="$(mktemp -d)"
+    pip_q wheel --no-deps --no-binary mpi4py "mpi4py==$MPI4PY_VERSION" -w "$M_BUILD" || fail "mpi4py did not build; is mpicc working? (mpicc --version)"
+    mkdir -p "$M_DIR" && cp "$M_BUILD"/mpi4py-*.whl "$M_DIR/" && rm -rf "$M_BUILD"
+    M_WHEEL="$(find "$M_DIR" -maxdepth 1 -name "mpi4py-$MPI4PY_VERSION-*.whl" | head -n 1)"
+    ok "built and cached $M_WHEEL"
+  fi
+  pip_q install --ignore-installed --no-deps "$M_WHEEL" || fail "could not install $M_WHEEL"
   ok "installed"
 fi
 
