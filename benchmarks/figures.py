@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import io
 import importlib.util
+import io
 import json
 import re
 import statistics
@@ -560,12 +560,13 @@ MIB16, MIB32 = 16 << 20, 32 << 20
 @figure("network.table")
 def _network_table() -> str:
     rows = []
-    for entry in results("net_summary")["configs"]:
-        def pair(name: str, sizes: Sequence[int] = (MIB16, MIB32)) -> str:
-            ratios = entry["implementations"].get(name, {}).get("of_link", {})
-            return " / ".join(f"{ratios[str(size)]:.2f}x" for size in sizes) if ratios else "-"
-        rows.append((RATES[entry["rate"]], entry["nodes"], pair("MPI.Allreduce", (MIB16,)),
-                     pair("MPI.Allreduce", (MIB32,)), pair("horovod"), pair("ring"), pair("MPI, put off")))
+    def pair(entry: dict[str, Any], name: str, sizes: Sequence[int] = (MIB16, MIB32)) -> str:
+        ratios = entry["implementations"].get(name, {}).get("of_link", {})
+        return " / ".join(f"{ratios[str(size)]:.2f}x" for size in sizes) if ratios else "-"
+
+    for e in results("net_summary")["configs"]:
+        rows.append((RATES[e["rate"]], e["nodes"], pair(e, "MPI.Allreduce", (MIB16,)),
+                     pair(e, "MPI.Allreduce", (MIB32,)), pair(e, "horovod"), pair(e, "ring"), pair(e, "MPI, put off")))
     return table(["link", "nodes", "MPI 16 MiB", "MPI 32 MiB", "Horovod 16 / 32 MiB", "ring 16 / 32 MiB",
                   "MPI, TCP put off, 16 / 32 MiB"], rows)
 

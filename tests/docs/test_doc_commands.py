@@ -21,7 +21,8 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted((REPO / "benchmarks" / "results").glob("*.md"))]
 TOP = ("hpcdl", "kfac", "benchmarks", "launch", "scripts", "tests", "docs", "containers", ".ci")
 # A repository path in prose or code: starts at a top-level folder, not inside another path or a URL.
-PATH = re.compile(r"(?<![\w/.$~-])((?:%s)/[\w./-]*[\w/])" % "|".join(re.escape(t) for t in TOP))
+_TOPS = "|".join(re.escape(t) for t in TOP)
+PATH = re.compile(rf"(?<![\w/.$~-])((?:{_TOPS})/[\w./-]*[\w/])")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 MODULE = re.compile(r"\bpython3?\s+-m\s+([A-Za-z_][\w.]*)")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
