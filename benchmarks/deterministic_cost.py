@@ -25,11 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcdl.run import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results" / "deterministic_cost.json"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,7 +37,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pairs", type=integer(1, 100), default=3, help="alternating pairs per world size (default 3)")
     parser.add_argument("--steps", type=integer(1, 10_000), default=12, help="steps per epoch (default 12)")
     parser.add_argument("--model", default="resnet20")
-    parser.add_argument("--refresh-results", action="store_true", help=f"write {RESULTS.relative_to(REPO)}")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="results file (default: a new folder under runs/bench/; --refresh-results replaces "
+                             "benchmarks/results/deterministic_cost.json)")
+    outputs.add_arguments(parser)
     args = parser.parse_args(argv)
     if shutil.which("mpirun") is None:
         raise UsageError("mpirun not found (bash scripts/setup.sh installs Open MPI)")
@@ -66,6 +68,8 @@ def images_per_second(ranks: int, mode: str, steps: int, model: str, workdir: Pa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stem = outputs.results_stem(args.output.with_suffix("") if args.output else None, "deterministic_cost",
+                                (".json",), refresh_results=args.refresh_results, force=args.force)
     rows = []
     with tempfile.TemporaryDirectory(prefix="deterministic-cost-") as tmp:
         for ranks in args.ranks:
@@ -83,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{ranks} ranks: deterministic / fused = {statistics.median(ratios):.3f} (median of {args.pairs})")
     load = os.getloadavg()
     print(f"load average during the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
-    if args.refresh_results:
-        RESULTS.write_text(json.dumps(dict(model=args.model, steps=args.steps, load_average=load,
-                                           cores=os.cpu_count(), rows=rows), indent=1) + "\n")
+    output = outputs.output_file(stem, ".json")
+    output.write_text(json.dumps(dict(model=args.model, steps=args.steps, load_average=load,
+                                      cores=os.cpu_count(), rows=rows), indent=1) + "\n")
+    print(f"wrote {output}")
     return 0
 
 

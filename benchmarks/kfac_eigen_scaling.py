@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcdl.run import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer, real  # noqa: E402
@@ -149,11 +150,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fraction", type=real(0, low_open=True, high=1), default=1.0)
     parser.add_argument("--steps", type=integer(1), default=8)
     parser.add_argument("--batch-size", type=integer(1), default=64)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kfac_eigen_scaling")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
+                             "--refresh-results replaces benchmarks/results/kfac_eigen_scaling.*)")
+    outputs.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
+    args.out = outputs.results_stem(args.out, "kfac_eigen_scaling", (".json", ".csv", ".png"),
+                                    refresh_results=args.refresh_results, force=args.force, flag="--out")
 
     runs = {
         "1 rank x 1 thread": launch(1, 1, 1.0, args.steps, args.batch_size),

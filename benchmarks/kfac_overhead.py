@@ -50,6 +50,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hpcdl.run import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
@@ -386,7 +387,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout whose kfac/ is a third contender")
     parser.add_argument("--profile", action="store_true", help="torch.profiler table for (1, 10)")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
+                             "--refresh-results replaces benchmarks/results/kfac_overhead*)")
+    outputs.add_arguments(parser)
     parser.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -396,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
         memory_child(args)
         return
     suffix = "" if args.device == "cpu" else "_cuda"
-    args.out = args.out or REPO / "benchmarks" / "results" / f"kfac_overhead{suffix}"
+    args.out = outputs.results_stem(args.out, f"kfac_overhead{suffix}", (".json", ".csv", ".png"),
+                                    refresh_results=args.refresh_results, force=args.force, flag="--out")
     configs = "1,10" if args.quick else (args.configs or DEFAULT_CONFIGS[args.device])
     args.configs = [tuple(int(v) for v in pair.split(",")) for pair in configs.split()]
     if args.quick:

@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpcdl.bench import alphabeta  # noqa: E402
-from hpcdl.bench.cli import format_size, parse_size  # noqa: E402
-from hpcdl.run import outputs, rundir  # noqa: E402
+from hpcdl.bench.sizes import format_size, parse_size  # noqa: E402
+from hpcdl.run import outputs  # noqa: E402
 from hpcdl.run.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.tools import vcluster  # noqa: E402
@@ -94,15 +94,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def output_dir(args: argparse.Namespace) -> Path:
-    if args.output_dir is not None:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        return args.output_dir
-    if args.refresh_results:
-        committed = outputs.checkout_results()
-        if committed is None:
-            raise UsageError("--refresh-results needs a source checkout; name the folder with --output-dir")
-        return committed
-    return rundir.default_directory(outputs.BENCH_PARENT / "network")
+    return outputs.results_folder(args.output_dir, "network", refresh_results=args.refresh_results)
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -3,10 +3,13 @@
 Benchmarks and plots follow the rules training follows: they never replace what they were not
 asked to replace, and they refuse with one line where they cannot do their job.
 
-* :func:`results_stem` decides where a tool writes ``<stem><suffix>`` files. By default a new
+* :func:`results_stem` decides where a tool writes ``<stem><suffix>`` files, and
+  :func:`results_folder` where one that writes a folder of files writes them. By default a new
   directory of its own, ``runs/bench/<name>/<YYYYmmdd-HHMMSS>-<suffix>/`` (never shared, as run
   directories are not). The figures committed in the repository (``benchmarks/results/``) are
-  replaced only with ``--refresh-results``; any other existing file only with ``--force``.
+  replaced only with ``--refresh-results``; any other existing file only with ``--force``. Every
+  script that writes results decides its paths here and nowhere else
+  (tests/benchmarks/test_output_rule.py runs each one to check).
 * :func:`require_launcher` refuses a multi-rank benchmark started as one process (``python -m
   ...`` without ``mpirun``/``srun``), which would otherwise measure nothing and write a result
   that looks like one.
@@ -106,6 +109,34 @@ def _decide(requested: Path | None, name: str, suffixes: Sequence[str], refresh_
     if not os.access(stem.parent, os.W_OK):
         raise UsageError(f"cannot write results to {stem.parent} (permission denied)")
     return stem
+
+
+def results_folder(requested: Path | None, name: str, *, refresh_results: bool = False,
+                   flag: str = "--output-dir") -> Path:
+    """The folder a tool writes its several result files into, created: ``requested``, else a new folder under
+    ``runs/bench/<name>/``, or with ``--refresh-results`` the checkout's ``benchmarks/results``. A requested
+    folder inside ``benchmarks/results`` needs ``--refresh-results`` (UsageError, one line)."""
+    if requested is None:
+        if not refresh_results:
+            return rundir.default_directory(BENCH_PARENT / name)
+        committed = checkout_results()
+        if committed is None:
+            raise UsageError("--refresh-results replaces the results of a source checkout, and hpcdl runs from an "
+                             f"installed package; name the folder with {flag}")
+        return committed
+    if is_committed(requested) and not refresh_results:
+        raise UsageError(f"{requested} is in benchmarks/results, the results committed in the repository; add "
+                         f"--refresh-results to replace them, or choose another {flag}")
+    if refresh_results and not is_committed(requested):
+        raise UsageError(f"--refresh-results replaces results in benchmarks/results, but {flag} names {requested}; "
+                         "use one or the other")
+    if requested.exists() and not requested.is_dir():
+        raise UsageError(f"{requested} is a file; {flag} names a folder")
+    try:
+        requested.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {requested} for the results ({exc.strerror or exc})") from None
+    return requested
 
 
 def require_launcher(min_ranks: int, program: str, comm: Any = None) -> None:
