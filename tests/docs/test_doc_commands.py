@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcdl.training.config import parse_config
+
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted((REPO / "benchmarks" / "results").glob("*.md"))]
@@ -105,8 +107,6 @@ def train_arguments(command: str) -> list[str] | None:
 @pytest.mark.parametrize("document", DOCUMENTS, ids=names)
 def test_every_printed_train_command_parses_without_a_deprecated_flag(document: Path) -> None:
     """Each hpcdl.train command is one hpcdl.train's own parser accepts, in today's flag names."""
-    from hpcdl.training.config import parse_config
-
     for command in commands(document.read_text()):
         arguments = train_arguments(command)
         if arguments is None or "--help" in arguments:
