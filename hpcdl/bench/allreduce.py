@@ -27,7 +27,7 @@ from mpi4py import MPI
 from tqdm import tqdm
 
 from hpcdl.bench import alphabeta, contenders, report, timing
-from hpcdl.bench.cli import format_size, parse_size
+from hpcdl.bench.sizes import format_size, parse_size
 from hpcdl.collectives import ALGORITHMS
 from hpcdl.run import outputs
 from hpcdl.runtime import world

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from hpcdl.bench.cli import parse_size
+from hpcdl.bench.sizes import parse_size
 from hpcdl.run import outputs
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdl.bench.cli import format_size
+from hpcdl.bench.sizes import format_size
 from hpcdl.run.atomic import write_atomically, write_text_atomically
 
 GB = 1e9  # bandwidths in GB/s (10^9 bytes), as OSU and nccl-tests report them

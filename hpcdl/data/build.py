@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from hpcdl.data.in_memory import TensorSplits
 from hpcdl.data.order import check_enough
 from hpcdl.data.pipeline import FilePipeline, InputPipeline, ResidentPipeline
 from hpcdl.data.registry import DatasetEntry, FileSplits, entry, read_dataset, synthetic_tensors
 from hpcdl.data.spec import DECODERS, DataSpec
-from hpcdl.data.tensors import TensorSplits
 from hpcdl.runtime.errors import UsageError
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpcdl.data.tensors import ImageTensors, TensorSplits, validate_images
+from hpcdl.data.in_memory import ImageTensors, TensorSplits, validate_images
 from hpcdl.runtime.errors import UsageError
 
 TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hpcdl.data.tensors import ImageTensors, TensorSplits, validate_images
+from hpcdl.data.in_memory import ImageTensors, TensorSplits, validate_images
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> TensorSplits:

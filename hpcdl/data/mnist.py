@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hpcdl.data.tensors import ImageTensors, TensorSplits, validate_images
+from hpcdl.data.in_memory import ImageTensors, TensorSplits, validate_images
 from hpcdl.runtime.errors import UsageError
 
 IMAGE_MAGIC, LABEL_MAGIC = 2051, 2049  # 0x00000803: uint8 3-d; 0x00000801: uint8 1-d

@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 
 from hpcdl.data.images import ByteSource
+from hpcdl.data.in_memory import TensorSplits
 from hpcdl.data.spec import Normalization
-from hpcdl.data.tensors import TensorSplits
 from hpcdl.runtime.errors import UsageError
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -112,7 +112,7 @@ def read_shards(name: str, path: Path) -> TensorSplits | FileSplits:
     info = entry(name)
     if info.kind == "files":
         return FileSplits(index.classes, train, test)
-    from hpcdl.data.packed_tensors import decode_all
+    from hpcdl.data.unpack import decode_all
 
     assert info.shape is not None
     return TensorSplits(decode_all(name, train, info.shape, len(index.classes)),

@@ -1,4 +1,5 @@
-"""Small datasets (CIFAR-10, MNIST) read back from PNG shards into memory as uint8 tensors."""
+"""Small datasets (CIFAR-10, MNIST) read back from PNG shards (``python -m hpcdl.pack``) into memory as
+uint8 tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 from torchvision.io import ImageReadMode
 
 from hpcdl.data.images import ByteSource, decode_cpu
-from hpcdl.data.tensors import ImageTensors, validate_images
+from hpcdl.data.in_memory import ImageTensors, validate_images
 from hpcdl.runtime.errors import UsageError
 
 

@@ -49,8 +49,8 @@ def dataset_samples(dataset: str, data_dir: Path) -> tuple[list[str], dict[str, 
     from torchvision.io import encode_png
 
     from hpcdl.data.images import FolderSource
+    from hpcdl.data.in_memory import ImageTensors
     from hpcdl.data.registry import FileSplits, read_layout
-    from hpcdl.data.tensors import ImageTensors
 
     data = read_layout(dataset, data_dir)
     if isinstance(data, FileSplits):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hpcdl.bench import alphabeta, report, timing
-from hpcdl.bench.cli import format_size, parse_size
+from hpcdl.bench.sizes import format_size, parse_size
 from hpcdl.run import outputs
 from hpcdl.runtime import launcher
 from hpcdl.runtime.errors import UsageError
