@@ -72,16 +72,16 @@ BATCH_128_LRS = {"sgd": (0.05,), "lamb": (0.005,), "kfac": (0.1,), "kfac-pytorch
                  "kfac-pytorch-native": (0.1,)}
 DEFAULT_METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch-native")
 # kfac-pytorch with its own README's damping and clip, not carried over (the carried-over ones diverged).
-NATIVE_FLAGS = ("--damping", "0.003", "--kl-clip", "0.001")
+NATIVE_FLAGS = ("--kfac-damping", "0.003", "--kfac-kl-clip", "0.001")
 KFAC_DAMPING = 0.1  # hpcdl's convention (docs/kfac.md): the batch-128 study's best, and the large-batch preset's
 SMALL_KFAC = dict(factors=10, inverse=100, damping=KFAC_DAMPING, kl_clip=0.001)  # the batch-128 study's
 _PRESET = parse_config(["--kfac-preset", "large-batch"])  # what --kfac-preset large-batch sets
-LARGE_KFAC = dict(factors=_PRESET.kfac_cov_update_freq, inverse=_PRESET.kfac_update_freq,
-                  damping=_PRESET.damping, kl_clip=_PRESET.kl_clip)
+LARGE_KFAC = dict(factors=_PRESET.kfac_factor_update_freq, inverse=_PRESET.kfac_inv_update_freq,
+                  damping=_PRESET.kfac_damping, kl_clip=_PRESET.kfac_kl_clip)
 # What --kfac-preset large-batch set before it took every step's factors from 512 examples (results files
 # without meta["kfac_preset"] were run with it).
-EARLIER_PRESET_FLAGS = ["--kfac-update-freq", "5", "--kfac-cov-update-freq", "5", "--damping", "0.1",
-                        "--kl-clip", "0.01"]
+EARLIER_PRESET_FLAGS = ["--kfac", "--kfac-inv-update-freq", "5", "--kfac-factor-update-freq", "5",
+                        "--kfac-damping", "0.1", "--kfac-kl-clip", "0.01"]
 MNIST_TRAIN_EXAMPLES = 60_000
 # kfac-pytorch at large batches: its best measured frequencies (98.33 / 98.57 % at 4096 with the ramp; at
 # 5/5 without the ramp it ended at 97.26 %, and at batch 128 without the ramp at 88.24 %).
@@ -167,8 +167,8 @@ class KfacPytorchAdapter:
 
 
 def kfac_pytorch_native_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any) -> Any:
-    """``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--damping`` and
-    ``--kl-clip`` taken as kfac-pytorch values, in its own convention."""
+    """``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--kfac-damping``
+    and ``--kfac-kl-clip`` taken as kfac-pytorch values, in its own convention."""
     return kfac_pytorch_preconditioner(config, model, current_lr, scaler, carry_over=False)
 
 
@@ -194,11 +194,11 @@ def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..
     n = config.batch_size * config.batches_per_allreduce if carry_over else 1
     return KfacPytorchAdapter(KFACPreconditioner(
         model,
-        factor_update_steps=config.kfac_cov_update_freq,
-        inv_update_steps=config.kfac_update_freq,
-        damping=config.damping / n**2,
-        factor_decay=config.factor_decay,
-        kl_clip=config.kl_clip / n**2,
+        factor_update_steps=config.kfac_factor_update_freq,
+        inv_update_steps=config.kfac_inv_update_freq,
+        damping=config.kfac_damping / n**2,
+        factor_decay=config.kfac_factor_decay,
+        kl_clip=config.kfac_kl_clip / n**2,
         lr=lambda _step: current_lr(),
         accumulation_steps=config.batches_per_allreduce,
         grad_scaler=scaler,
@@ -242,13 +242,13 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
         if preset:  # the documented preset itself (its momentum too), not a copy of its values
             flags += ["--kfac-preset", "large-batch"]
         else:
-            flags += ["--momentum", "0.9", "--kfac-cov-update-freq", str(settings["factors"]),
-                      "--kfac-update-freq", str(settings["inverse"])]
+            flags += ["--momentum", "0.9", "--kfac", "--kfac-factor-update-freq", str(settings["factors"]),
+                      "--kfac-inv-update-freq", str(settings["inverse"])]
         if cell.method == "kfac-pytorch-native":
             flags += NATIVE_FLAGS
         elif not preset or args.damping is not None or args.kl_clip is not None:
-            flags += ["--damping", repr(settings["damping"] if args.damping is None else args.damping),
-                      "--kl-clip", repr(settings["kl_clip"] if args.kl_clip is None else args.kl_clip)]
+            flags += ["--kfac-damping", repr(settings["damping"] if args.damping is None else args.damping),
+                      "--kfac-kl-clip", repr(settings["kl_clip"] if args.kl_clip is None else args.kl_clip)]
     if cell.method == "kfac":
         flags += shlex.split(args.kfac_flags)  # last: given flags win over the preset
     if cell.method == "kfac-pytorch":
@@ -601,9 +601,9 @@ def load_outcomes(path: Path) -> list[Outcome]:
 
 
 # What a K-FAC run's label names when it differs from the study's own settings for its batch.
-LABELS = {"kfac_factor_examples": "stats of {} examples", "momentum": "momentum {:g}", "damping": "d {:g}",
-          "kl_clip": "clip {:g}", "kfac_update_freq": "inv every {:g}", "kfac_cov_update_freq": "factors every {:g}",
-          "factor_decay": "decay {:g}", "weight_decay": "wd {:g}"}
+LABELS = {"kfac_factor_examples": "stats of {} examples", "momentum": "momentum {:g}", "kfac_damping": "d {:g}",
+          "kfac_kl_clip": "clip {:g}", "kfac_inv_update_freq": "inv every {:g}",
+          "kfac_factor_update_freq": "factors every {:g}", "kfac_factor_decay": "decay {:g}", "weight_decay": "wd {:g}"}
 
 
 def kfac_label(command: Sequence[str], batch: int, earlier: bool = False) -> str:
@@ -617,8 +617,9 @@ def kfac_label(command: Sequence[str], batch: int, earlier: bool = False) -> str
         reference_flags = ["--kfac-preset", "large-batch"]
     else:
         small = kfac_settings(batch)
-        reference_flags = ["--kfac-cov-update-freq", str(small["factors"]), "--kfac-update-freq", str(small["inverse"]),
-                           "--damping", repr(small["damping"]), "--kl-clip", repr(small["kl_clip"])]
+        reference_flags = ["--kfac", "--kfac-factor-update-freq", str(small["factors"]),
+                           "--kfac-inv-update-freq", str(small["inverse"]), "--kfac-damping", repr(small["damping"]),
+                           "--kfac-kl-clip", repr(small["kl_clip"])]
     reference = parse_config([*reference_flags, "--weight-decay", "5e-4"])
     parts = ["kfac, earlier preset" if earlier else "kfac"]
     for name, text in LABELS.items():

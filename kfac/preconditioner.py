@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from hpcdl.runtime.numbers import POSITIVE, UNIT_INTERVAL_OPEN_TOP, Range
 from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work
 from kfac.capture import LayerCapture
@@ -43,14 +44,12 @@ def _value(schedule: Schedule, step: int) -> float:
     return float(schedule(step)) if callable(schedule) else float(schedule)
 
 
-def _check_schedule(name: str, schedule: Schedule, low: float, high: float, include_low: bool) -> None:
+def _check_schedule(name: str, schedule: Schedule, accepted: Range) -> None:
+    """A constant hyperparameter must lie in ``accepted`` (hpcdl's one range rule); a callable is the user's."""
     if callable(schedule):
         return
-    value = float(schedule)
-    ok = (value >= low if include_low else value > low) and value < high
-    if not ok:
-        bracket = "[" if include_low else "("
-        raise ValueError(f"{name} must be in {bracket}{low}, {high}) or a callable of the step, got {schedule}")
+    if not accepted.contains(float(schedule)):
+        raise ValueError(f"{name} must be {accepted} or a callable of the step, got {schedule}")
 
 
 class KFACPreconditioner:
@@ -120,10 +119,10 @@ class KFACPreconditioner:
         ):
             if not isinstance(freq, int) or freq < 1:
                 raise ValueError(f"{name} must be a positive integer, got {freq!r}")
-        _check_schedule("damping", damping, 0.0, float("inf"), include_low=False)
-        _check_schedule("factor_decay", factor_decay, 0.0, 1.0, include_low=True)
+        _check_schedule("damping", damping, POSITIVE)
+        _check_schedule("factor_decay", factor_decay, UNIT_INTERVAL_OPEN_TOP)
         if kl_clip is not None:
-            _check_schedule("kl_clip", kl_clip, 0.0, float("inf"), include_low=False)
+            _check_schedule("kl_clip", kl_clip, POSITIVE)
         if method not in solve.METHODS:
             raise ValueError(f"method must be one of {solve.METHODS}, got {method!r}")
         if loss_reduction not in ("mean", "sum"):

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hpcdl.data import DATASETS
+from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime.numbers import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL_OPEN_TOP, Range
 
 # What each dataset's recipe changes from TrainConfig's defaults (which are the digits recipe).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -37,41 +39,31 @@ PRESETS: dict[str, dict[str, Any]] = {
 # momentum 0.5 (a preconditioned step needs less of it than SGD's 0.9).
 KFAC_PRESETS: dict[str, dict[str, Any]] = {
     "none": {},
-    "large-batch": dict(kfac_update_freq=1, kfac_factor_examples=512, damping=0.003, kl_clip=0.01, momentum=0.5),
+    "large-batch": dict(kfac=True, kfac_inv_update_freq=1, kfac_factor_examples=512, kfac_damping=0.003,
+                        kfac_kl_clip=0.01, momentum=0.5),
 }
+# Flags renamed to read like kfac-pytorch's (inv/factor update frequency, a kfac_ prefix, an on/off switch of
+# their own): the old name still parses, with a one-line note, and a checkpoint saved under it still resumes.
+RENAMED = {"kfac_cov_update_freq": "kfac_factor_update_freq", "damping": "kfac_damping", "kl_clip": "kfac_kl_clip",
+           "factor_decay": "kfac_factor_decay"}
+# ``--kfac-update-freq N`` was both the switch (N > 0) and the decomposition frequency.
+OLD_SWITCH = "kfac_update_freq"
+NOTED: set[str] = set()  # renamed flags already noted in this process
 
 
-@dataclass(frozen=True)
-class Range:
-    """The accepted interval of a numeric flag (always finite), phrased for the error message."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    label: str = ""  # how the message names the range, when the interval alone would not say enough
-
-    def contains(self, value: float) -> bool:
-        if not math.isfinite(value):
-            return False
-        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
-            return False
-        return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
-
-    def __str__(self) -> str:
-        if self.label:
-            return self.label
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-        return f"{left}{self.low:g}, {self.high:g}{right}"
+# Seeds are mixed as signed 64-bit integers (hpcdl.data.order.mix_seed): the largest one they can hold.
+SEED_MAX = 2**63 - 1
 
 
-AT_LEAST_1 = Range(1)
-NON_NEGATIVE = Range(0)
-POSITIVE = Range(0, low_open=True)
-FRACTION = Range(0, 1, low_open=True, label="a fraction in (0, 1]")
-UNIT_INTERVAL_OPEN_TOP = Range(0, 1, high_open=True)
+def seed_value(text: str) -> int:
+    """A ``--seed``, checked as an integer (a float comparison would let 2**63 pass as 2**63 - 1)."""
+    value = int(text)  # a ValueError is argparse's "invalid int value"
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63 - 1] (got {text})")
+    return value
+
+
+seed_value.__name__ = "int"
 
 
 def flag(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, choices: Sequence[str] | None = None,
@@ -106,16 +98,18 @@ class TrainConfig:
     decode: str = flag("auto", "where JPEGs are decoded: auto is gpu on CUDA, else cpu",
                        choices=("auto", "cpu", "gpu"), group=DATA)
     # model and optimisation
-    model: str = flag("digits_cnn", "digits_cnn, mnist_cnn, resnet20/32/44/56/110, or a torchvision model name",
-                      parse=str, group=MODEL)
+    model: str = flag("digits_cnn", "digits_cnn, mnist_cnn, mnist_resnet, resnet20/32/44/56/110, or a torchvision "
+                                    "model name", parse=str, group=MODEL)
     epochs: int = flag(15, "epochs to train", parse=int, valid=AT_LEAST_1, group=MODEL)
     batch_size: int = flag(32, "per rank, per backward pass", parse=int, valid=AT_LEAST_1, group=MODEL)
     test_batch_size: int = flag(256, "per rank, evaluation", parse=int, valid=AT_LEAST_1, group=MODEL)
     base_lr: float = flag(0.02, "learning rate for one rank's batch; scaled by the world size", parse=float,
                           valid=POSITIVE, group=MODEL)
-    optimizer: str = flag("sgd", "update rule; lars and lamb are timm's (for large global batches)",
-                          choices=("sgd", "adam", "adamw", "lars", "lamb"), group=MODEL)
-    momentum: float = flag(0.9, "SGD momentum", parse=float, valid=Range(0, 1, high_open=True), group=MODEL)
+    optimizer: str = flag("sgd", "update rule; lars, lamb and muon are timm's, soap is pytorch-optimizer's (for large "
+                                 "global batches)", choices=("sgd", "adam", "adamw", "lars", "lamb", "muon", "soap"),
+                          group=MODEL)
+    momentum: float = flag(0.9, "momentum of SGD, LARS and Muon", parse=float, valid=Range(0, 1, high_open=True),
+                           group=MODEL)
     nesterov: bool = flag(False, "Nesterov momentum (SGD)", group=MODEL)
     weight_decay: float = flag(1e-4, "L2 weight decay", parse=float, valid=Range(0, 1), group=MODEL)
     label_smoothing: float = flag(0.0, "label smoothing of the cross-entropy", parse=float,
@@ -149,18 +143,23 @@ class TrainConfig:
     log_every: int = flag(50, "steps between reading metrics back from the device (and checking for a stop signal)",
                           parse=int, valid=AT_LEAST_1, group=SPEED)
     # K-FAC
-    kfac_update_freq: int = flag(0, "steps between eigendecompositions; 0 disables K-FAC", parse=int,
-                                 valid=NON_NEGATIVE, group=KFAC)
-    kfac_cov_update_freq: int = flag(1, "steps between factor updates", parse=int, valid=AT_LEAST_1, group=KFAC)
-    damping: float = flag(0.01, "Tikhonov damping in kfac's batch-independent convention (docs/kfac.md)",
-                          parse=float, valid=POSITIVE, group=KFAC)
-    kl_clip: float = flag(0.001, "KL clip of the preconditioned step", parse=float, valid=POSITIVE, group=KFAC)
+    kfac: bool = flag(False, "precondition the gradients with K-FAC (kfac.KFACPreconditioner)", group=KFAC)
+    kfac_inv_update_freq: int = flag(10, "steps between the factors' eigendecompositions (kfac-pytorch: "
+                                         "inv_update_steps)", parse=int, valid=AT_LEAST_1, group=KFAC)
+    kfac_factor_update_freq: int = flag(1, "steps between factor updates (kfac-pytorch: factor_update_steps)",
+                                        parse=int, valid=AT_LEAST_1, group=KFAC)
+    kfac_damping: float = flag(0.01, "Tikhonov damping in kfac's batch-independent convention (docs/kfac.md)",
+                               parse=float, valid=POSITIVE, group=KFAC)
+    kfac_kl_clip: float = flag(0.001, "KL clip of the preconditioned step", parse=float, valid=POSITIVE, group=KFAC)
     kfac_factor_examples: int | None = flag(None, "examples per backward pass (per rank) whose statistics update the "
                                                   "factors (default: all); a few hundred cut the cost of "
                                                   "convolutions' factors at large batches", parse=int,
                                             valid=AT_LEAST_1, group=KFAC)
-    factor_decay: float = flag(0.95, "running-average decay of the factors", parse=float,
-                               valid=UNIT_INTERVAL_OPEN_TOP, group=KFAC)
+    kfac_factor_decay: float = flag(0.95, "running-average decay of the factors", parse=float,
+                                    valid=UNIT_INTERVAL_OPEN_TOP, group=KFAC)
+    kfac_skip_layers: list[str] = flag([], "module names (model.named_modules) or class names whose layers K-FAC "
+                                           "leaves to the optimizer, e.g. classifier.1", parse=str, nargs="*",
+                                       group=KFAC)
     kfac_preset: str = flag("none", "large-batch: K-FAC on with the settings measured for large global batches "
                                     "(docs/kfac.md); flags given win", choices=tuple(KFAC_PRESETS), group=KFAC)
     kfac_impl: str = flag("hpcdl", "K-FAC implementation: hpcdl (kfac/), or module:function returning another "
@@ -170,7 +169,7 @@ class TrainConfig:
     # run control
     output_dir: str | None = flag(None, "run directory (default: a new runs/<time>-<id>)", parse=str)
     resume: bool = flag(False, "continue from the newest valid checkpoint in --output-dir")
-    seed: int = flag(42, "seed of initial weights, data order and augmentation", parse=int, valid=NON_NEGATIVE)
+    seed: int = flag(42, "seed of initial weights, data order and augmentation (0 to 2**63 - 1)", parse=seed_value)
     max_steps: int | None = flag(None, "stop after this many optimizer steps", parse=int, valid=AT_LEAST_1)
     target_accuracy: float | None = flag(None, "stop once test accuracy (a fraction) reaches this", parse=float,
                                          valid=FRACTION)
@@ -218,7 +217,46 @@ def build_parser() -> argparse.ArgumentParser:
         if meta["bare"] is not None:
             kwargs.update(nargs="?", const=meta["bare"])
         group.add_argument(option_name(f.name), **kwargs)
+    for old, new in RENAMED.items():
+        parser.add_argument(option_name(old), dest=new, type=FIELDS[new].metadata["parse"], action=_Renamed,
+                            help=argparse.SUPPRESS)
+    parser.add_argument(option_name(OLD_SWITCH), dest="kfac", type=int, action=_Renamed, help=argparse.SUPPRESS)
     return parser
+
+
+def renamed_note(old: str) -> str:
+    """The one line a renamed flag prints: what to write instead."""
+    new = "--kfac --kfac-inv-update-freq N (0: leave --kfac out)" if old == OLD_SWITCH else option_name(RENAMED[old])
+    return f"hpcdl.train: {option_name(old)} is deprecated, use {new}"
+
+
+class _Renamed(argparse.Action):
+    """A renamed flag: sets the new field(s) and prints :func:`renamed_note` on rank 0's stderr."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        old = (option_string or "").lstrip("-").replace("-", "_")
+        if old not in NOTED:  # once per process: a study re-parsing saved commands says it once
+            NOTED.add(old)
+            print0(renamed_note(old), file=sys.stderr)
+        if self.dest != "kfac":
+            setattr(namespace, self.dest, values)
+            return
+        if values < 0:
+            raise UsageError(f"{option_name(OLD_SWITCH)} must be >= 0 (got {values})")
+        namespace.kfac = values > 0
+        if values > 0:
+            namespace.kfac_inv_update_freq = values
+
+
+def current_names(saved: dict[str, Any]) -> dict[str, Any]:
+    """A configuration saved as a dict (a checkpoint's header, a results file) under today's field names."""
+    config = {RENAMED.get(name, name): value for name, value in saved.items() if name != OLD_SWITCH}
+    if OLD_SWITCH in saved:
+        config["kfac"] = saved[OLD_SWITCH] > 0
+        default = FIELDS["kfac_inv_update_freq"].default
+        config["kfac_inv_update_freq"] = saved[OLD_SWITCH] if saved[OLD_SWITCH] > 0 else default
+    return config
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
@@ -268,8 +306,6 @@ def validate(c: TrainConfig) -> None:
         for item in value if isinstance(value, list) else [value]:
             if not valid.contains(float(item)):
                 raise UsageError(f"{option_name(name)} must be {valid} (got {item})")
-    if c.kfac_update_freq < 0:
-        raise UsageError("--kfac-update-freq must be >= 0")
     if sorted(set(c.lr_decay)) != list(c.lr_decay):
         raise UsageError(f"--lr-decay takes strictly increasing epoch numbers, e.g. 35 75 90 (got {c.lr_decay})")
     if c.lr_decay and c.lr_schedule != "step":
@@ -284,9 +320,29 @@ def validate(c: TrainConfig) -> None:
         raise UsageError("--resume needs --output-dir (the run directory to continue)")
     if c.device == "cpu":
         check_amp_device(c.amp, "cpu")
-    if c.compile and c.kfac_update_freq > 0:
-        raise UsageError("--compile cannot be combined with K-FAC (--kfac-update-freq > 0): K-FAC reads each layer "
-                         "through module hooks, which a compiled graph does not run")
-    if c.use_adasum and c.kfac_update_freq > 0:
-        raise UsageError("--use-adasum cannot be combined with K-FAC (--kfac-update-freq > 0): Horovod's Adasum "
-                         "optimizer takes its step inside backward, before K-FAC could precondition the gradient")
+    if c.compile and c.kfac:
+        raise UsageError("--compile cannot be combined with --kfac: K-FAC reads each layer through module hooks, "
+                         "which a compiled graph does not run")
+    if c.kfac and c.optimizer in ("muon", "soap"):
+        raise UsageError(f"--optimizer {c.optimizer} cannot be combined with --kfac: "
+                         + ("Muon sets every singular value of the step to 1, which undoes K-FAC's curvature scaling "
+                            "and its KL clip" if c.optimizer == "muon" else "SOAP already preconditions with "
+                            "Kronecker factors of its own (Shampoo's), so K-FAC in front would precondition twice"))
+    if c.use_adasum and c.kfac:
+        raise UsageError("--use-adasum cannot be combined with --kfac: Horovod's Adasum optimizer takes its step "
+                         "inside backward, before K-FAC could precondition the gradient")
+    check_kfac_preset(c)
+
+
+def check_kfac_preset(c: TrainConfig) -> None:
+    """A preset is one recipe: flags that would leave only part of it in force are refused, not half-applied."""
+    if c.kfac_preset == "none":
+        return
+    if not c.kfac:
+        momentum = KFAC_PRESETS[c.kfac_preset].get("momentum", c.momentum)
+        raise UsageError(f"--kfac-preset {c.kfac_preset} is a K-FAC recipe (its momentum {momentum:g} is for "
+                         "preconditioned steps) and K-FAC is turned off; leave the preset out for first-order training")
+    if c.warmup_start_factor is not None and c.warmup_start_factor < 1:
+        raise UsageError(f"--kfac-preset {c.kfac_preset} holds the peak rate through the warm-up: "
+                         f"--warmup-start-factor {c.warmup_start_factor:g} would ramp it, and with momentum a ramp "
+                         "defeats the KL clip (docs/kfac.md); leave --warmup-start-factor out")

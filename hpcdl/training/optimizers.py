@@ -90,7 +90,7 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
     training loop: ``module:function`` is called as ``function(config, model, current_lr, scaler)`` and
     returns an object with ``step(found_inf=...)``, ``state_dict()`` and ``load_state_dict(state)``.
     """
-    if config.kfac_update_freq <= 0:
+    if not config.kfac:
         return None
     if config.kfac_impl != "hpcdl":
         return load_factory(config.kfac_impl)(config, model, current_lr, scaler)
@@ -98,14 +98,15 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
 
     return KFACPreconditioner(
         model,
-        factor_update_freq=config.kfac_cov_update_freq,
-        inv_update_freq=config.kfac_update_freq,
-        damping=config.damping,
-        factor_decay=config.factor_decay,
-        kl_clip=config.kl_clip,
+        factor_update_freq=config.kfac_factor_update_freq,
+        inv_update_freq=config.kfac_inv_update_freq,
+        damping=config.kfac_damping,
+        factor_decay=config.kfac_factor_decay,
+        kl_clip=config.kfac_kl_clip,
         lr=current_lr,
         grad_worker_fraction=config.kfac_grad_worker_fraction,
         backward_passes_per_step=config.batches_per_allreduce,  # factors accumulate like the gradients
         factor_examples=config.kfac_factor_examples,
         grad_scaler=scaler,  # its scale is divided out of G
     )
+        skip_layers=config.kfac_skip_layers,

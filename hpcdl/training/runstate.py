@@ -39,7 +39,7 @@ from torch import nn
 from hpcdl.run.checkpointer import Checkpointer, Stateful, load_parts, set_rng_state
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import UsageError, agree
-from hpcdl.training.config import TrainConfig, option_name
+from hpcdl.training.config import TrainConfig, current_names, option_name
 
 FORMAT = "hpcdl.train checkpoint"
 FORMAT_VERSION = 2
@@ -99,8 +99,12 @@ def save(state: TrainState, checkpointer: Checkpointer, config: TrainConfig) -> 
 
 
 def read_latest(checkpointer: Checkpointer) -> dict[str, Any] | None:
-    """The newest readable checkpoint of this run, format checked, on every rank (None: there is none)."""
-    return checkpointer.read_latest(check_format)
+    """The newest readable checkpoint of this run, format checked, on every rank (None: there is none); its
+    configuration under today's flag names (a run saved under renamed flags resumes)."""
+    saved = checkpointer.read_latest(check_format)
+    if saved is not None:
+        saved["config"] = current_names(saved["config"])
+    return saved
 
 
 def check_format(state: Any, path: Path | None) -> None:

@@ -46,19 +46,20 @@ def test_every_reduced_run_is_a_valid_hpcdl_train_command(study: Any, tmp_path: 
         kfac = cell.method.startswith("kfac")
         # hpcdl's K-FAC holds the peak (a ramp defeats its KL clip); the others ramp up from 0.1x
         assert config.warmup_start_factor == (1.0 if cell.method == "kfac" else 0.1)
-        assert (config.kfac_update_freq > 0) == kfac
+        assert config.kfac == kfac
         assert (config.kfac_impl != "hpcdl") == cell.method.startswith("kfac-pytorch")
         if cell.method == "kfac" and cell.batch == 4096:  # the documented preset, not a copy of its values
-            assert config.kfac_preset == "large-batch" and "--damping" not in command and "--kl-clip" not in command
+            assert config.kfac_preset == "large-batch" and "--kfac-damping" not in command
+            assert "--kfac-kl-clip" not in command
             assert "--momentum" not in command  # the preset's own 0.5
-            assert (config.kfac_update_freq, config.kfac_factor_examples, config.damping, config.kl_clip,
+            assert (config.kfac_inv_update_freq, config.kfac_factor_examples, config.kfac_damping, config.kfac_kl_clip,
                     config.momentum) == (1, 512, 0.003, 0.01, 0.5)
         else:
             assert config.momentum == 0.9
         # test accuracy 4 times an epoch: every 4 steps of 14 at 4096, every 117 of 468 at 128
         assert config.eval_every == {4096: 4, 128: 117}[cell.batch]
         if kfac:
-            inverse_every[cell.method, cell.batch] = (config.kfac_update_freq, config.kfac_cov_update_freq)
+            inverse_every[cell.method, cell.batch] = (config.kfac_inv_update_freq, config.kfac_factor_update_freq)
         if cell.method in ("sgd", "lamb", "lars"):
             assert config.optimizer == cell.method
     assert inverse_every == {("kfac", 4096): (1, 1), ("kfac", 128): (100, 10),  # (inverse, factors)
@@ -110,7 +111,8 @@ def test_kfac_runs_are_named_by_what_differs_from_the_preset_of_their_time(study
     assert labels(["--momentum", "0.9", "--kfac-factor-examples", "4096"], now) == [
         "kfac stats of 4096 examples momentum 0.9"]
     assert labels([], {}) == ["kfac, earlier preset"]  # a file from before meta["kfac_preset"]
-    assert labels(["--damping", "1"], {}) == ["kfac, earlier preset d 1"]
+    assert labels(["--kfac-damping", "1"], {}) == ["kfac, earlier preset d 1"]
+    assert labels(["--damping", "1"], {}) == ["kfac, earlier preset d 1"]  # a file written under the old name
 
 
 def test_report_takes_only_the_batches_named_after_a_file(study: Any, tmp_path: Path, capsys) -> None:

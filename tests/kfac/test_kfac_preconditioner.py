@@ -188,6 +188,8 @@ def test_works_with_any_optimizer() -> None:
         (dict(factor_update_freq=0), "factor_update_freq"),
         (dict(inv_update_freq=1.5), "inv_update_freq"),
         (dict(damping=0.0), "damping"),
+        (dict(damping=float("nan")), "damping must be > 0 or a callable"),  # hpcdl.runtime.numbers.Range's words
+        (dict(factor_decay=-0.1), r"factor_decay must be \[0, 1\) or a callable"),
         (dict(factor_decay=1.0), "factor_decay"),
         (dict(kl_clip=-1.0), "kl_clip"),
         (dict(grad_worker_fraction=0.0), "grad_worker_fraction"),

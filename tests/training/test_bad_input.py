@@ -125,8 +125,8 @@ def test_adasum_on_a_world_size_that_is_not_a_power_of_two(tmp_path: Path) -> No
 
 
 def test_adasum_with_kfac(tmp_path: Path) -> None:
-    job = bad_run(tmp_path, "--use-adasum", "--kfac-update-freq", "10", *SHORT)
-    assert_usage_error(job, "--use-adasum cannot be combined with K-FAC (--kfac-update-freq > 0)")
+    job = bad_run(tmp_path, "--use-adasum", "--kfac", *SHORT)
+    assert_usage_error(job, "--use-adasum cannot be combined with --kfac")
 
 
 def test_diverging_learning_rate_stops_with_a_clear_message(tmp_path: Path) -> None:

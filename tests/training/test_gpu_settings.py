@@ -64,7 +64,7 @@ def test_a_run_sets_tf32_only_through_the_fp32_precision_flags(tmp_path: Path, m
 
     hook = nn.modules.module.register_module_forward_pre_hook(record)
     try:
-        train(parse_config([*COMMON, "--kfac-update-freq", "1", "--output-dir", str(tmp_path)]))
+        train(parse_config([*COMMON, "--kfac", "--kfac-inv-update-freq", "1", "--output-dir", str(tmp_path)]))
         after = (matmul.fp32_precision, conv.fp32_precision)
     finally:
         hook.remove()

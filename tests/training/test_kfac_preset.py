@@ -31,9 +31,9 @@ def test_the_preset_is_what_the_documents_say(document: str) -> None:
 
 def test_the_preset_turns_kfac_on_and_changes_only_what_it_lists() -> None:
     plain, preset = parse_config([]), parse_config(["--kfac-preset", "large-batch"])
-    assert plain.kfac_update_freq == 0 and preset.kfac_update_freq == 1  # on
-    assert (preset.kfac_cov_update_freq, preset.kfac_factor_examples, preset.damping, preset.kl_clip,
-            preset.momentum) == (1, 512, 0.003, 0.01, 0.5)
+    assert not plain.kfac and preset.kfac  # on
+    assert (preset.kfac_inv_update_freq, preset.kfac_factor_update_freq, preset.kfac_factor_examples,
+            preset.kfac_damping, preset.kfac_kl_clip, preset.momentum) == (1, 1, 512, 0.003, 0.01, 0.5)
     defaults = dataclasses.asdict(TrainConfig())
     for name, value in KFAC_PRESETS["large-batch"].items():
         assert defaults[name] != value, f"the preset repeats the default of {name}"
@@ -42,12 +42,13 @@ def test_the_preset_turns_kfac_on_and_changes_only_what_it_lists() -> None:
 
 
 def test_given_flags_win_over_the_preset_and_the_dataset_preset_stays() -> None:
-    config = parse_config(["--dataset", "mnist", "--kfac-preset", "large-batch", "--damping", "0.3",
-                           "--kfac-update-freq", "5", "--momentum", "0.9"])
-    assert (config.damping, config.kfac_update_freq, config.momentum, config.kl_clip) == (0.3, 5, 0.9, 0.01)
-    assert parse_config(["--kfac-preset", "large-batch", "--kfac-update-freq", "10"]).kfac_factor_examples == 512
+    config = parse_config(["--dataset", "mnist", "--kfac-preset", "large-batch", "--kfac-damping", "0.3",
+                           "--kfac-inv-update-freq", "5", "--momentum", "0.9"])
+    assert (config.kfac_damping, config.kfac_inv_update_freq, config.momentum, config.kfac_kl_clip) == (
+        0.3, 5, 0.9, 0.01)
+    assert parse_config(["--kfac-preset", "large-batch", "--kfac-inv-update-freq", "10"]).kfac_factor_examples == 512
     assert config.model == "mnist_cnn" and config.weight_decay == 5e-4  # mnist's preset under it
-    assert parse_config(["--kfac-preset", "large-batch", "--kfac-update-freq", "0"]).kfac_update_freq == 0
+    assert parse_config(["--kfac-preset", "large-batch", "--kfac-factor-update-freq", "3"]).kfac_factor_update_freq == 3
 
 
 def test_an_unknown_preset_is_one_line() -> None:

@@ -51,8 +51,8 @@ def test_lr_scales_with_world_size_and_accumulation() -> None:
 
 def test_presets_follow_the_course_command_line() -> None:
     c = parse_config(["--dataset", "cifar10", "--data-dir", "/tmp/cifar-10-batches-py"])
-    assert (c.model, c.base_lr, c.batch_size, c.epochs, c.lr_decay, c.kfac_update_freq) == (
-        "resnet32", 0.1, 128, 100, [35, 75, 90], 0)
+    assert (c.model, c.base_lr, c.batch_size, c.epochs, c.lr_decay, c.kfac) == (
+        "resnet32", 0.1, 128, 100, [35, 75, 90], False)
     d = parse_config([])
     assert d.dataset == "digits" and d.model == "digits_cnn"
     milestones = parse_config(["--epochs", "3", "--lr-decay", "1", "2"])  # digits' preset is cosine

@@ -71,7 +71,7 @@ def test_bad_values_are_one_line_naming_the_flag(argv: list[str], fragment: str)
     ("math:pi", "is not callable"),
 ])
 def test_a_bad_kfac_impl_is_one_line(spec: str, fragment: str) -> None:
-    config = TrainConfig(kfac_update_freq=10, kfac_impl=spec)
+    config = TrainConfig(kfac=True, kfac_impl=spec)
     with pytest.raises(UsageError) as caught:
         build_preconditioner(config, nn.Linear(2, 2), lambda *_: 0.1, None)
     assert fragment in str(caught.value) and "\n" not in str(caught.value)
@@ -85,7 +85,7 @@ def test_kfac_impl_calls_the_factory_with_the_jobs_pieces(monkeypatch: pytest.Mo
         return "preconditioner"
 
     monkeypatch.setattr(math, "test_factory", factory, raising=False)
-    config, model = TrainConfig(kfac_update_freq=10, kfac_impl="math:test_factory"), nn.Linear(2, 2)
+    config, model = TrainConfig(kfac=True, kfac_impl="math:test_factory"), nn.Linear(2, 2)
     assert build_preconditioner(config, model, lambda *_: 0.25, None) == "preconditioner"
     assert seen == dict(config=config, model=model, lr=0.25, scaler=None)
     assert build_preconditioner(TrainConfig(kfac_impl="math:test_factory"), model, lambda *_: 0.1, None) is None

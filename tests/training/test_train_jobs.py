@@ -95,7 +95,7 @@ def test_resume_after_a_kill_ends_like_an_uninterrupted_run(tmp_path: Path) -> N
 
 
 def test_kfac_training_with_accumulation_checkpoints_its_factors(tmp_path: Path) -> None:
-    result = run_train(2, tmp_path / "kfac", "--kfac-update-freq", "10", "--epochs", "3",
+    result = run_train(2, tmp_path / "kfac", "--kfac", "--epochs", "3",
                        "--batches-per-allreduce", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "K-FAC" in result.stdout
