@@ -31,7 +31,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -175,7 +175,9 @@ def load_vcluster(name: str, state: str) -> VirtualCluster:
 
 # ---------------------------------------------------------------------- the parser
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    def add_usage(self, usage, actions, groups, prefix=None):  # type: ignore[no-untyped-def]
+    """argparse's help, its first line starting 'Usage:' as every launch script's does."""
+
+    def add_usage(self, usage, actions, groups, prefix=None):  # noqa: ANN001, ANN201 - argparse's signature
         super().add_usage(usage, actions, groups, prefix="Usage: ")
 
 
@@ -369,9 +371,10 @@ def _flag01(value: str, what: str) -> bool:
     return value == "1"
 
 
-def _one_of(names: Sequence[str]) -> str:
-    names = list(names)
-    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+def _one_of(names: Iterable[str]) -> str:
+    """'a, b or c'."""
+    items = list(names)
+    return ", ".join(items[:-1]) + " or " + items[-1] if len(items) > 1 else items[0]
 
 
 def check_runtime(name: str, image: str, machine: Machine) -> str:
@@ -473,7 +476,7 @@ def decide_mpirun(options: argparse.Namespace, entry_args: list[str], machine: M
     placed = fill_slots(listed, np) if listed else None
     if placed is not None:
         ranks_per_host = max(len(r) for r in placed)
-        rank_map = "".join(f"{h.name}={','.join(map(str, r))};" for h, r in zip(listed, placed))
+        rank_map = "".join(f"{h.name}={','.join(map(str, r))};" for h, r in zip(listed, placed, strict=True))
     else:
         rank_map = ""
         nodes_text = env.get("SLURM_JOB_NUM_NODES", "")
@@ -497,9 +500,10 @@ def decide_mpirun(options: argparse.Namespace, entry_args: list[str], machine: M
         np=np, hosts=",".join(f"{h.name}:{h.slots}" for h in hosts), hostfile=options.hostfile, iface=iface,
         vcluster=options.vcluster, vcluster_state=vcluster_state, rsh_agent=rsh_agent,
         abort_grace=int(options.abort_grace), threads=threads, ranks_per_host=ranks_per_host,
-        oversubscribe=oversubscribe, mpirun=mpirun, open_mpi=machine.is_open_mpi(found), mpi_args=mpi_args, export=export,
-        keepalive=keepalive, rank_map=rank_map, python=options.python, entry=options.entry, image=options.image,
-        runtime=runtime, bind=options.bind, nv=options.nv, dry_run=dry_run, entry_args=entry_args, notes=notes)
+        oversubscribe=oversubscribe, mpirun=mpirun, open_mpi=machine.is_open_mpi(found), mpi_args=mpi_args,
+        export=export, keepalive=keepalive, rank_map=rank_map, python=options.python, entry=options.entry,
+        image=options.image, runtime=runtime, bind=options.bind, nv=options.nv, dry_run=dry_run, entry_args=entry_args,
+        notes=notes)
 
 
 # ---------------------------------------------------------------------- shell output

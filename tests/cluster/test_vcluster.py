@@ -93,7 +93,8 @@ def test_the_remote_shell_stays_in_its_own_cluster(make_vcluster) -> None:
         assert f" {mine.nodes[0].address}/" in result.stdout and f" {other.nodes[0].address}/" not in result.stdout
         result = rsh(mine, other.nodes[0].address, "true")
         assert result.returncode == 255
-        assert result.stderr.strip() == f"vcluster-rsh: {other.nodes[0].address} is no node of virtual cluster {mine.name}"
+        expected = f"vcluster-rsh: {other.nodes[0].address} is no node of virtual cluster {mine.name}"
+        assert result.stderr.strip() == expected
     result = rsh(None, first.nodes[0].address, "true")  # no cluster named: no search across all of them
     assert result.returncode == 255 and "set HPCDL_VCLUSTER" in result.stderr
 
@@ -191,8 +192,8 @@ def test_a_suite_stopped_by_sigterm_leaves_no_namespace(tmp_path: Path) -> None:
     """`timeout` (or a cancelled CI job) sends SIGTERM to pytest: its clusters must go all the same."""
     skip_or_fail_without_cluster()
     (tmp_path / "test_sleeper.py").write_text(SLEEPER)
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                             "--rootdir", str(REPO), str(tmp_path / "test_sleeper.py")],
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                             "-p", "tests.conftest", "--rootdir", str(REPO), str(tmp_path / "test_sleeper.py")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         assert proc.stdout is not None

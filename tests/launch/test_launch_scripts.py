@@ -286,7 +286,8 @@ def test_mpirun_ranks_use_pmix_hash_store(fakes: Path) -> None:
     result = run(MPIRUN_SH, "-np", "2", "--python", str(show), env=clean_env({"HPCDL_ABORT_GRACE": "0"}), timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["gds=hash", "gds=hash"], result.stdout
-    result = run(MPIRUN_SH, "-np", "1", "--python", str(show), env=clean_env({"PMIX_MCA_gds": "ds21,hash"}), timeout=120)
+    result = run(MPIRUN_SH, "-np", "1", "--python", str(show), env=clean_env({"PMIX_MCA_gds": "ds21,hash"}),
+                 timeout=120)
     assert result.stdout.split() == ["gds=ds21,hash"], result.stdout + result.stderr  # a user's choice stays
 
 
@@ -304,7 +305,7 @@ def test_mpi_jobs_started_at_the_same_moment_all_run() -> None:
             if job.poll() is None:
                 job.kill()
                 job.wait(timeout=30)
-    for job, output in zip(jobs, outputs):
+    for job, output in zip(jobs, outputs, strict=True):
         assert job.returncode == 0 and "PMIX ERROR" not in output, output[-3000:]
         assert sorted(re.findall(r"I am process (\d+) of 2", output)) == ["0", "1"], output[-3000:]
 
@@ -347,6 +348,7 @@ def mpirun_settings(tmp: Path, fakes: Path) -> list[tuple[list[str], dict[str, s
     hosts.write_text("localhost slots=8\n")
     image = str(tmp / "image.sif")
     fake_mpirun = str(fakes / "fake-mpirun")
+    binds = f"{tmp},{fakes}"  # folders that exist, as /scratch and /work would on a cluster
     return [
         (["-np", "3"], {"HPCDL_NP": "3"}, "-np 3 "),
         (["--hostfile", str(hosts)], {"HPCDL_HOSTFILE": str(hosts)}, f"--hostfile {hosts}"),
@@ -359,8 +361,7 @@ def mpirun_settings(tmp: Path, fakes: Path) -> list[tuple[list[str], dict[str, s
         (["--image", image], {"HPCDL_IMAGE": image}, f"apptainer exec {image} python -m hpcdl.train"),
         (["--image", image, "--runtime", "singularity"], {"HPCDL_IMAGE": image, "HPCDL_RUNTIME": "singularity"},
          f"singularity exec {image} python"),
-        (["--image", image, "--bind", "/scratch,/work"], {"HPCDL_IMAGE": image, "HPCDL_BIND": "/scratch,/work"},
-         f"exec --bind /scratch,/work {image}"),
+        (["--image", image, "--bind", binds], {"HPCDL_IMAGE": image, "HPCDL_BIND": binds}, f"exec --bind {binds} {image}"),
     ]
 
 
