@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from hpcdl.run.atomic import WriteError, write_atomically
+from hpcdl.run.rundir import remove_temporaries
 
 PATTERN = re.compile(r"^ckpt-(\d{9})\.pt$")
 PID_TEMPORARY = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp-\d+$")  # named by pid: writers that are not a run (demos, tools)
@@ -78,9 +79,8 @@ def remove_stale_temporaries(directory: Path, run_id: str | None = None) -> list
     if not directory.is_dir():
         return []
     if run_id:
-        stale = [p for p in directory.iterdir() if p.name.startswith(".ckpt-") and p.name.endswith(f".tmp-{run_id}")]
-    else:
-        stale = [p for p in directory.iterdir() if PID_TEMPORARY.match(p.name)]
+        return remove_temporaries(directory, run_id)  # the run directory's one rule for a run's temporaries
+    stale = [p for p in directory.iterdir() if PID_TEMPORARY.match(p.name)]
     for path in stale:
         path.unlink(missing_ok=True)
     return stale

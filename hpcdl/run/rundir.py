@@ -45,6 +45,7 @@ from types import TracebackType
 from typing import Any
 
 from hpcdl.runtime.errors import LockHeldError, UsageError, rank0_then_all
+from hpcdl.runtime.processes import pid_alive
 
 LOCK_NAME = ".hpcdl.lock"
 HEARTBEAT_SECONDS = 20.0
@@ -170,17 +171,6 @@ def _file_system_now(directory: Path, run_id: str) -> float:
             probe.unlink(missing_ok=True)
     except OSError:
         return time.time()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this host has that pid (someone else's counts: it is alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
 
 
 def stale_reason(holder: Holder | None, age: float, stale_after: float) -> str | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime.processes import pid_alive
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
@@ -61,13 +62,8 @@ def _owner_gone(name: str, prefix: str) -> bool:
     host, _, pid = name[len(prefix):].rpartition("-")
     if host != socket.gethostname() or not pid.isdigit():
         return False  # another host's run, or not ours: it may still be going
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return int(pid) == os.getpid()  # a folder of our own pid is a leftover of an earlier process that had it
+    # a folder of our own pid is a leftover of an earlier process that had it
+    return not pid_alive(int(pid)) or int(pid) == os.getpid()
 
 
 def sweep_stale(output: Path) -> list[str]:

@@ -47,7 +47,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hpcdl.run.rundir import pid_alive
+from hpcdl.runtime.processes import pid_alive
 
 STATE_DIR = Path(os.environ.get("HPCDL_VCLUSTER_STATE", "/run/hpcdl-vcluster"))
 # One lock for the whole machine, whatever the state folder: links and namespaces are machine-wide.
