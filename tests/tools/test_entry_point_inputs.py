@@ -68,7 +68,7 @@ CASES = [
     ("demos.stop", ["--workers", "-1"], "--workers"),
     *[("deterministic_cost", [flag, "-1"], flag) for flag in ("--ranks", "--pairs", "--steps")],
     *[("kfac_convergence", [flag, "-1"], flag) for flag in ("--epochs", "--seeds", "--batch-size", "--evals-per-epoch",
-                                                           "--threads", "--profile-rounds")],
+                                                           "--threads", "--ranks")],
     *[("kfac_convergence", [flag, v], flag) for flag in ("--target", "--sgd-lrs") for v in ("nan", "inf", "-1", "0")],
     ("kfac_convergence", ["--target", "1.5"], "--target"),
     *[("kfac_eigen_scaling", [flag, "0"], flag) for flag in ("--threads", "--steps", "--batch-size")],
