@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +57,17 @@ DEFAULT_KFAC_PYTORCH_SITE = Path(os.environ.get("KFAC_PYTORCH_SITE", Path.home()
 # kfac-pytorch 0.4.2 (github.com/gpauloski/kfac-pytorch), the commit the committed results used.
 KFAC_PYTORCH_SOURCE = "git+https://github.com/gpauloski/kfac-pytorch@869cf110334e5a6e9ea054bafdc4558313a821e8"
 TARGETS = (0.985, 0.99)
-METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch", "kfac-pytorch-native")
+METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch", "kfac-pytorch-native", "adamw", "muon", "soap")
+# Methods that are an --optimizer of hpcdl.train alone (no K-FAC): Muon and LAMB/LARS are timm's, SOAP is
+# pytorch-optimizer's (Adam in the eigenbasis of Shampoo's factors), AdamW is torch's.
+FIRST_ORDER = ("sgd", "lamb", "lars", "adamw", "muon", "soap")
 FULL_BATCHES = (128, 512, 2048, 4096, 8192)
 REDUCED_BATCHES = (128, 4096)
 # Peak learning rates swept per method (the rate after warm-up, for the global batch), around the best
 # rates of the batch-4096 sweeps in docs/kfac.md (SGD diverged at 0.1, LAMB at 0.16, LARS fell to 95.7 % at 80).
 FULL_LRS = {"sgd": (0.0125, 0.025, 0.05), "lamb": (0.02, 0.04, 0.06, 0.08, 0.11), "lars": (10.0, 20.0, 40.0),
-            "kfac": (0.2, 0.4, 0.8), "kfac-pytorch": (0.2,), "kfac-pytorch-native": (0.1, 0.2, 0.4)}
+            "kfac": (0.2, 0.4, 0.8), "kfac-pytorch": (0.2,), "kfac-pytorch-native": (0.1, 0.2, 0.4),
+            "adamw": (0.002, 0.004, 0.008), "muon": (0.01, 0.02, 0.04), "soap": (0.002, 0.004, 0.008)}
 # The reduced grid checks each method at its best batch-4096 rate of those sweeps (one seed, no sweep).
 REDUCED_LRS = {"sgd": (0.05,), "lamb": (0.06,), "lars": (40.0,), "kfac": (0.4,), "kfac-pytorch": (0.2,),
                "kfac-pytorch-native": (0.2,)}
@@ -105,10 +109,12 @@ class Cell:
     batch: int
     lr: float
     seed: int
+    warmup: float | None = None  # warm-up epochs; None: the study's --warmup-epochs (files before --tune)
 
     @property
     def name(self) -> str:
-        return f"{self.method}-b{self.batch}-lr{self.lr:g}-s{self.seed}"
+        warmup = "" if self.warmup is None else f"-w{self.warmup:g}"
+        return f"{self.method}-b{self.batch}-lr{self.lr:g}{warmup}-s{self.seed}"
 
 
 @dataclass
@@ -219,7 +225,7 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
         "--test-batch-size", "1000",
         # the rate is per backward pass and scaled by the accumulation: give the peak rate for the whole batch
         "--base-lr", repr(cell.lr / accumulate), "--lr-schedule", "cosine",
-        "--warmup-epochs", str(args.warmup_epochs),
+        "--warmup-epochs", str(args.warmup_epochs if cell.warmup is None else cell.warmup),
         "--warmup-start-factor", "1.0" if cell.method == "kfac" else "0.1",  # docstring: why
         "--weight-decay", "5e-4", "--seed", str(cell.seed),
         "--output-dir", str(output_dir), "--no-progress", "--device", "cpu", "--log-every", "1000",
@@ -231,8 +237,8 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
         flags += ["--data-dir", str(args.data_dir)]
     if args.max_steps:
         flags += ["--max-steps", str(args.max_steps)]
-    if cell.method in ("sgd", "lamb", "lars"):
-        flags += ["--optimizer", cell.method, "--momentum", "0.9"]
+    if cell.method in FIRST_ORDER:
+        flags += ["--optimizer", cell.method, "--momentum", "0.9"]  # SGD's, LARS's and Muon's; the Adams ignore it
     else:
         settings = kfac_settings(cell.batch)
         preset = cell.method == "kfac" and settings is LARGE_KFAC
@@ -344,6 +350,38 @@ def full_cells(methods: Sequence[str], batches: Sequence[int], seeds: Sequence[i
     return [Cell(m, b, lr, s) for s in seeds for b in batches for m in methods for lr in FULL_LRS[m]]
 
 
+# --tune: every method gets the same budget, K-FAC included: its rate and one more hyperparameter, the same one for
+# all (the warm-up length: the epochs of the linear ramp from 0.1x, or for hpcdl's K-FAC, which holds the peak, of
+# the hold before the cosine decay), two values each, on one seed; then the best of those four on the other seeds.
+# The rates: each earlier method's best batch-4096 rate of the sweeps above and the next step up (a longer warm-up
+# may carry a larger one); the new methods' from a pilot of one epoch at three rates each (kfac_large_batch_modern.md).
+TUNE_WARMUPS = (0.5, 1.0)
+TUNE_LRS = {"sgd": (0.05, 0.07), "lamb": (0.06, 0.08), "lars": (40.0, 56.0), "kfac": (0.4, 0.8),
+            "kfac-pytorch": (0.2, 0.4), "kfac-pytorch-native": (0.2, 0.4),
+            "adamw": (0.004, 0.008), "muon": (0.01, 0.02), "soap": (0.004, 0.008)}
+
+
+def tune_cells(methods: Sequence[str], batches: Sequence[int], seed: int) -> list[Cell]:
+    """The first phase of --tune: every method at each of its TUNE_LRS and each of TUNE_WARMUPS."""
+    return [Cell(m, b, lr, seed, w) for b in batches for m in methods for lr in TUNE_LRS[m] for w in TUNE_WARMUPS]
+
+
+def tuned_settings(outcomes: Sequence[Outcome], seed: int) -> list[Cell]:
+    """Per (method, batch), the tuning run at ``seed`` with the best final accuracy (a failed run counts as 0), ties
+    broken by the shorter time to 98.5 %: the setting the other seeds then run."""
+    best: dict[tuple[str, int], Outcome] = {}
+
+    def score(o: Outcome) -> tuple[float, float]:
+        reached = o.to_target(TARGETS[0])
+        return (o.final_accuracy or 0.0, -(reached[1] if reached else float("inf")))
+
+    for o in outcomes:
+        key = (o.cell.method, o.cell.batch)
+        if o.cell.seed == seed and (key not in best or score(o) > score(best[key])):
+            best[key] = o
+    return [o.cell for o in best.values()]
+
+
 def best_rates(outcomes: Sequence[Outcome], batch: int) -> dict[str, float]:
     """Per method, the rate with the best median final accuracy at ``batch`` (a failed run counts as 0)."""
     by_rate: dict[tuple[str, float], list[float]] = {}
@@ -362,16 +400,18 @@ def best_rates(outcomes: Sequence[Outcome], batch: int) -> dict[str, float]:
 
 
 def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
-    """One row per (method, batch, rate): medians over seeds."""
-    groups: dict[tuple[str, int, float], list[Outcome]] = {}
+    """One row per (method, batch, rate, warm-up): medians over seeds."""
+    groups: dict[tuple[str, int, float, float | None], list[Outcome]] = {}
     for o in outcomes:
-        groups.setdefault((o.cell.method, o.cell.batch, o.cell.lr), []).append(o)
+        groups.setdefault((o.cell.method, o.cell.batch, o.cell.lr, o.cell.warmup), []).append(o)
     rows = []
-    for (method, batch, lr), runs in sorted(groups.items()):
+    for (method, batch, lr, warmup), runs in sorted(groups.items(), key=lambda g: (*g[0][:3], g[0][3] or -1.0)):
         row: dict[str, Any] = dict(method=method, batch=batch, lr=lr, seeds=len(runs),
                                    final_accuracy=[o.final_accuracy for o in runs],
                                    median_final=_median([o.final_accuracy or 0.0 for o in runs]),
                                    seconds_per_step=_median([o.seconds_per_step for o in runs]))
+        if warmup is not None:
+            row["warmup"] = warmup
         for target in TARGETS:
             hits = [o.to_target(target) for o in runs]
             reached = [h for h in hits if h]
@@ -411,8 +451,8 @@ def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
 
     batches = sorted({o.cell.batch for o in outcomes})
     fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False)
-    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red", "tab:brown"),
-                       strict=True))
+    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red", "tab:brown",
+                                 "tab:olive", "tab:cyan", "tab:pink"), strict=True))
     best_final: dict[str, dict[int, float]] = {}
     for ax, batch in zip(axes[0], batches, strict=False):
         for o in outcomes:
@@ -421,8 +461,8 @@ def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
             xs = [float(e["train_seconds"]) for e in o.epochs]
             ys = [100 * (e.get("test_accuracy") or 0.0) for e in o.epochs]
             ax.plot(xs, ys, marker="o", ms=3, color=colours.get(o.cell.method, "tab:gray"), alpha=0.8,
-                    label=f"{o.cell.method} lr {o.cell.lr:g}" if o.cell.seed == min(
-                        x.cell.seed for x in outcomes if x.cell == Cell(o.cell.method, batch, o.cell.lr, x.cell.seed))
+                    label=f"{o.cell.method} lr {o.cell.lr:g}" + (f" wu {o.cell.warmup:g}" if o.cell.warmup else "")
+                    if o.cell.seed == min(x.cell.seed for x in outcomes if x.cell == replace(o.cell, seed=x.cell.seed))
                     else None)
             final = o.final_accuracy or 0.0
             best_final.setdefault(o.cell.method, {})
@@ -453,17 +493,21 @@ def verdict(outcomes: Sequence[Outcome], batch: int = 4096) -> list[str]:
     if not rows:
         return []
     best = {}
-    for r in rows:
-        if r["method"] not in best or (r["median_final"] or 0) > (best[r["method"]]["median_final"] or 0):
+    for r in rows:  # the setting run on the most seeds (a tuned one, after --tune), then the most accurate
+        if r["method"] not in best or ((r["seeds"], r["median_final"] or 0)
+                                       > (best[r["method"]]["seeds"], best[r["method"]]["median_final"] or 0)):
             best[r["method"]] = r
     lines = [f"batch {batch}: best rate per method (median of {max(r['seeds'] for r in rows)} seed(s)):"]
     for method, r in best.items():
-        lines.append(f"  {method:13s} lr {r['lr']:<6g} final {100 * (r['median_final'] or 0):.2f} %  "
+        warmup = f" wu {r['warmup']:g}" if "warmup" in r else ""
+        lines.append(f"  {method:13s} lr {r['lr']:<6g}{warmup} final {100 * (r['median_final'] or 0):.2f} %  "
                      f"98.5 %: {r['reached_98.5']} ({_fmt(r['seconds_98.5'])} s)  "
                      f"99.0 %: {r['reached_99.0']} ({_fmt(r['seconds_99.0'])} s)  "
                      f"{1000 * (r['seconds_per_step'] or 0):.0f} ms/step")
     kfac = best.get("kfac")
-    first_order = [best[m] for m in ("sgd", "lamb", "lars") if m in best]
+    if kfac:
+        lines.insert(0, beats_kfac(kfac, [r for m, r in best.items() if not m.startswith("kfac")]))
+    first_order = [best[m] for m in FIRST_ORDER if m in best]
     if kfac and first_order:
         fo = max(first_order, key=lambda r: (r["seconds_98.5"] is not None, -(r["seconds_98.5"] or 0),
                                              r["median_final"] or 0))
@@ -484,6 +528,22 @@ def verdict(outcomes: Sequence[Outcome], batch: int = 4096) -> list[str]:
     return lines
 
 
+def beats_kfac(kfac: dict[str, Any], others: Sequence[dict[str, Any]]) -> str:
+    """The verdict's first line: every method more accurate than hpcdl's K-FAC (median final) or faster to 98.5 %
+    (median training seconds), or that none is."""
+    def faster(r: dict[str, Any]) -> bool:
+        mine, theirs = r["seconds_98.5"], kfac["seconds_98.5"]
+        return mine is not None and (theirs is None or mine < theirs)
+
+    beaters = [r for r in others if (r["median_final"] or 0) > (kfac["median_final"] or 0) or faster(r)]
+    if not beaters:
+        return (f"no method beats hpcdl's K-FAC: it is the most accurate ({100 * (kfac['median_final'] or 0):.2f} %) "
+                f"and the first to 98.5 % ({_fmt(kfac['seconds_98.5'])} s)")
+    return "; ".join(f"{r['method']} beats K-FAC: final {100 * (r['median_final'] or 0):.2f} % vs "
+                     f"{100 * (kfac['median_final'] or 0):.2f} %, 98.5 % in {_fmt(r['seconds_98.5'])} s vs "
+                     f"{_fmt(kfac['seconds_98.5'])} s" for r in beaters)
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -495,6 +555,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--target-cell", action="store_true",
                       help="batch 4096 (or --batches), --seeds, each method at its best batch-4096 rate in "
                            "--rates-from (or --lrs)")
+    mode.add_argument("--tune", action="store_true",
+                      help="the same tuning budget for every method: TUNE_LRS x TUNE_WARMUPS on the first of --seeds, "
+                           "then each method's best setting on the other seeds (batch 4096, or --batches)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
                         help="kfac-pytorch: its K-FAC with our damping carried over (did not learn at 4096); "
                              "kfac-pytorch-native: with its README's damping and clip")
@@ -552,7 +615,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "or leave kfac-pytorch out of --methods")
     if args.jobs < 1 or args.threads < 1 or args.epochs < 1 or args.evals_per_epoch < 1:
         parser.error("--jobs, --threads, --epochs and --evals-per-epoch must be >= 1")
-    suffix = "_reduced" if args.reduced else "_target" if args.target_cell else ""
+    suffix = "_reduced" if args.reduced else "_target" if args.target_cell else "_tune" if args.tune else ""
     args.out = args.out or RESULTS / f"kfac_large_batch{suffix}"
     return args
 
@@ -595,7 +658,8 @@ def load_outcomes(path: Path) -> list[Outcome]:
                 at = command.index("large-batch")
                 flags = command[:at - 1] + EARLIER_PRESET_FLAGS + command[at + 1:]
             method = kfac_label(flags, r["batch"], earlier)
-        outcomes.append(Outcome(Cell(method, r["batch"], r["lr"], r["seed"]), r["returncode"], r["epochs"],
+        cell = Cell(method, r["batch"], r["lr"], r["seed"], r.get("warmup"))
+        outcomes.append(Outcome(cell, r["returncode"], r["epochs"],
                                 r.get("wall_seconds", 0.0), command, r.get("error", "")))
     return outcomes
 
@@ -650,7 +714,8 @@ def markdown(outcomes: Sequence[Outcome]) -> list[str]:
 
         to = [f"not reached ({r[f'reached_{k}']})" if r[f"steps_{k}"] is None
               else f"{r[f'steps_{k}']:.0f} / {r[f'seconds_{k}']:.0f} ({r[f'reached_{k}']})" for k in ("98.5", "99.0")]
-        lines.append(f"| {r['batch']} | {r['method']} | {r['lr']:g} | {r['seeds']} | "
+        rate = f"{r['lr']:g}" + (f" (warm-up {r['warmup']:g})" if "warmup" in r else "")
+        lines.append(f"| {r['batch']} | {r['method']} | {rate} | {r['seeds']} | "
                      f"{100 * (r['median_final'] or 0):.2f} % ({each}) | {to[0]} | {to[1]} | "
                      f"{r['seconds_per_step'] or 0:.2f} |")
     return lines
@@ -684,6 +749,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.target_cell:
         rates = target_rates(args)
         cells = [Cell(m, b, rates[m], s) for b in args.batches or (4096,) for s in args.seeds for m in args.methods]
+    elif args.tune:
+        cells = tune_cells(args.methods, args.batches or (4096,), args.seeds[0])
     else:
         cells = full_cells(args.methods, args.batches or FULL_BATCHES, args.seeds)
     if args.dry_run:
@@ -707,12 +774,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.keep:
         print(f"{len(cells) - len(todo)} of them already in {args.out}.json", flush=True)
     outcomes = kept + run_cells(todo, args, lambda new: write_results(kept + new, args.out, meta))  # saved as they end
+    if args.tune:  # the second phase: each method's best setting on the other seeds
+        chosen = [Cell(c.method, c.batch, c.lr, s, c.warmup) for c in tuned_settings(outcomes, args.seeds[0])
+                  for s in args.seeds[1:]]
+        first = list(outcomes)
+        meta["planned"] = len(cells) + len(chosen)
+        outcomes = first + run_cells([c for c in chosen if c not in done], args,
+                                     lambda new: write_results(first + new, args.out, meta))
     meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - start)
     write_results(outcomes, args.out, meta)
     plot(outcomes, args.out, f"{args.dataset} {args.model}, {args.epochs} epochs, 1 rank, CPU, {args.jobs} runs at a "
                              f"time; load average {meta['load_before']:.1f} -> {meta['load_after']:.1f}")
-    for line in verdict(outcomes):
-        print(line)
+    for batch in sorted({o.cell.batch for o in outcomes}, reverse=True):
+        for line in verdict(outcomes, batch):
+            print(line)
     print(f"results: {args.out}.{{json,csv,png}} ({meta['seconds']:.0f} s)")
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
 

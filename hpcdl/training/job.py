@@ -29,6 +29,7 @@ from hpcdl.run.metrics import RunRecord
 from hpcdl.run.rundir import RunDir, claim
 from hpcdl.runtime import placement, world
 from hpcdl.runtime.console import print0
+from hpcdl.runtime.cpu_features import slow_bf16_warning
 from hpcdl.runtime.errors import UsageError, agree
 from hpcdl.runtime.faults import FaultInjector
 from hpcdl.runtime.signals import GracefulStop
@@ -210,6 +211,8 @@ def build_job(config: TrainConfig) -> Job:
     if config.use_adasum and me.size > 1:
         agree(lambda: check_adasum(config, me.size, cuda))
     amp_dtype = agree(lambda: choose_amp(config, me.device))
+    if warning := slow_bf16_warning(amp_dtype, me.device):
+        print0(warning)
     run = claim(config.output_dir, comm, resume=config.resume)
     try:
         return _build_rest(config, me, comm, run, faults, amp_dtype)

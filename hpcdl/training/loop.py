@@ -93,6 +93,21 @@ class EpochResult:
     stop: StopRequest | None  # the stop signal(s) that ended it early, if any
 
 
+def micro_batches(batch: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """The ``k`` micro-batches of a rank's batch: micro-batch j takes examples j, j+k, j+2k, ...
+
+    Ranks are dealt the epoch's samples round-robin (hpcdl.data.order), so micro-batch j of one rank's
+    batch of k*B is, example for example and in order, rank j's batch of B in a k-rank run. A run on one
+    rank with --batches-per-allreduce k therefore computes the k ranks' gradients bit for bit, and their
+    sum (each scaled by 1/k, exact) is the ranks' average: the two runs are bit-identical by construction.
+    """
+    if k == 1:
+        return [batch]
+    channels_last = batch.dim() == 4 and batch.is_contiguous(memory_format=torch.channels_last)
+    layout = torch.channels_last if channels_last and not batch.is_contiguous() else torch.contiguous_format
+    return [batch[j::k].contiguous(memory_format=layout) for j in range(k)]
+
+
 def nonfinite_flag(parameters: Sequence[torch.Tensor]) -> torch.Tensor:
     """1.0 on the device when any gradient holds inf or NaN, else 0.0: one fused norm, no host read."""
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -197,7 +212,7 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
         lr = trainer.schedule(epoch + progress.step_in_epoch / data.steps_per_epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        for x, y in zip(images_batch.chunk(k), labels.chunk(k), strict=True):
+        for x, y in zip(micro_batches(images_batch, k), micro_batches(labels, k), strict=True):
             with trainer.autocast():
                 logits = trainer.model(x)
                 loss = trainer.criterion(logits.float(), y)

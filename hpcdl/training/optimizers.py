@@ -2,9 +2,13 @@
 
 Every rule honours the loop's non-finite verdict: the loop sets ``optimizer.found_inf`` (a 0-dim
 device tensor, 1.0 = skip) before ``step()``. torch's fused SGD/Adam/AdamW read it on the device.
-timm's LARS and LAMB have no fused kernel that takes it, so :class:`SkipsNonFinite` reads the flag
-back to the host and leaves parameters and state untouched when it is set: one device sync per step
-on a GPU, nothing on a CPU.
+timm's LARS, LAMB and Muon and pytorch-optimizer's SOAP have no fused kernel that takes it, so
+:class:`SkipsNonFinite` reads the flag back to the host and leaves parameters and state untouched
+when it is set: one device sync per step on a GPU, nothing on a CPU.
+
+Muon is timm's, not ``torch.optim.Muon``: torch's takes 2-D parameters only (it refuses biases and
+convolution kernels), and Horovod wraps one optimizer, while timm's flattens a kernel to
+(out, in*kh*kw) and gives what is not a matrix its built-in AdamW at the same scheduled rate.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from timm.optim import Lamb, Lars
+from pytorch_optimizer.optimizer.soap import SOAP
+from timm.optim import Lamb, Lars, Muon
 from torch import nn
 
 from hpcdl.runtime.errors import UsageError
 from hpcdl.training.config import TrainConfig
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb", "muon", "soap")
 FUSED = ("sgd", "adam", "adamw")  # read found_inf on the device
 
 
@@ -44,12 +49,24 @@ class GuardedLamb(SkipsNonFinite, Lamb):
     """timm's LAMB (You et al. 2020): Adam moments with a per-layer trust ratio."""
 
 
+class GuardedMuon(SkipsNonFinite, Muon):
+    """timm's Muon (Jordan et al. 2024): momentum orthogonalised by Newton-Schulz for matrices, AdamW for the rest."""
+
+
+class GuardedSoap(SkipsNonFinite, SOAP):
+    """pytorch-optimizer's SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's factors."""
+
+
 def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """The ``--optimizer`` rule over the model's parameters, at learning rate ``lr``.
 
     SGD/Adam/AdamW use torch's fused kernels, which take the non-finite flag on the device. LARS keeps
     timm's trust coefficient (0.001) and applies the trust ratio to every parameter, as timm does
     when weight decay is on; LAMB keeps timm's defaults (betas 0.9/0.999, global gradient-norm clip 1).
+    Muon takes ``--momentum`` and otherwise timm's defaults (5 quintic Newton-Schulz steps in bf16, the
+    rate scaled per matrix to AdamW's update size, so one rate serves its AdamW part too). SOAP keeps
+    pytorch-optimizer's defaults (betas 0.95/0.95, eigenbases refreshed every 10 steps); its first step
+    only gathers the factors, as SOAP's reference does. Weight decay is decoupled in Muon and SOAP.
     """
     params = list(model.parameters())
     name = config.optimizer
@@ -62,6 +79,10 @@ def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch
                            weight_decay=config.weight_decay)
     if name == "lamb":
         return GuardedLamb(params, lr=lr, weight_decay=config.weight_decay)
+    if name == "muon":
+        return GuardedMuon(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    if name == "soap":
+        return GuardedSoap(params, lr=lr, weight_decay=config.weight_decay)
     if name != "sgd":
         raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {name})")
     return torch.optim.SGD(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
@@ -107,6 +128,6 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
         grad_worker_fraction=config.kfac_grad_worker_fraction,
         backward_passes_per_step=config.batches_per_allreduce,  # factors accumulate like the gradients
         factor_examples=config.kfac_factor_examples,
+        skip_layers=config.kfac_skip_layers,
         grad_scaler=scaler,  # its scale is divided out of G
     )
-        skip_layers=config.kfac_skip_layers,

@@ -145,3 +145,43 @@ def test_the_reduced_mode_runs_end_to_end_on_digits(tmp_path: Path) -> None:
     assert len(data["runs"]) == 2 + 2  # one rate per method at each batch
     assert all(r["returncode"] == 0 and r["epochs"] and r["epochs"][-1]["global_step"] == 2 for r in data["runs"])
     assert out.with_suffix(".png").exists() and out.with_suffix(".csv").exists()
+
+
+# ---- --tune: the same budget for every method (issue 29) -----------------------------------------------------
+
+
+def test_tune_gives_every_method_the_same_budget_of_valid_commands(study: Any, tmp_path: Path) -> None:
+    methods = ["sgd", "lamb", "lars", "kfac", "adamw", "muon", "soap"]
+    args = study.parse_args(["--tune", "--dry-run", "--methods", *methods])
+    cells = study.tune_cells(args.methods, (4096,), 0)
+    per_method = {m: [c for c in cells if c.method == m] for m in methods}
+    assert {len(v) for v in per_method.values()} == {len(study.TUNE_WARMUPS) * 2}  # rate x warm-up, K-FAC included
+    for cell in cells:
+        command = study.train_command(cell, args, tmp_path / cell.name)
+        config = parse_config(command[3:])
+        assert config.warmup_epochs == cell.warmup and config.base_lr == pytest.approx(cell.lr)
+        assert config.kfac == (cell.method == "kfac")
+        assert config.optimizer == ("sgd" if cell.method == "kfac" else cell.method)
+        assert f"-w{cell.warmup:g}-" in cell.name
+
+
+def test_tuning_keeps_the_most_accurate_setting_and_the_verdict_names_who_beats_kfac(study: Any) -> None:
+    Cell, Outcome = study.Cell, study.Outcome
+
+    def run(method: str, lr: float, warmup: float, seed: int, finals: list[float]) -> Any:
+        rows = [dict(global_step=4 * (i + 1), train_seconds=2.0 * (i + 1), test_accuracy=a)
+                for i, a in enumerate(finals)]
+        return Outcome(Cell(method, 4096, lr, seed, warmup), 0, rows)
+
+    tuning = [run("muon", 0.01, 0.5, 0, [0.97, 0.99]), run("muon", 0.02, 0.5, 0, [0.986, 0.99]),  # tie: faster wins
+              run("muon", 0.02, 1.0, 0, [0.95, 0.98]), run("kfac", 0.4, 0.5, 0, [0.98, 0.992]),
+              run("kfac", 0.4, 1.0, 1, [0.999, 0.999])]  # another seed: not a tuning run
+    assert sorted(study.tuned_settings(tuning, 0), key=lambda c: c.method) == [
+        Cell("kfac", 4096, 0.4, 0, 0.5), Cell("muon", 4096, 0.02, 0, 0.5)]
+    three = [run("muon", 0.02, 0.5, s, [0.986, 0.991]) for s in range(3)] + [
+        run("kfac", 0.4, 0.5, s, [0.98, 0.990]) for s in range(3)]
+    lines = study.verdict(tuning[:4] + three)
+    assert lines[0].startswith("muon beats K-FAC: final 99.10 % vs 99.00 %, 98.5 % in 2 s vs 4 s"), lines
+    assert any("muon          lr 0.02   wu 0.5 final 99.10 %" in line for line in lines), lines  # the 3-seed row
+    kfac_wins = [run("kfac", 0.4, 0.5, s, [0.986, 0.993]) for s in range(3)] + three[:3]
+    assert study.verdict(kfac_wins)[0].startswith("no method beats hpcdl's K-FAC: it is the most accurate (99.30 %)")

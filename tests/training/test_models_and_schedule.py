@@ -21,6 +21,23 @@ def test_cifar_resnets_have_the_papers_sizes(name: str, params: float) -> None:
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
+def test_mnist_resnet_has_batch_norm_residual_blocks_and_takes_28x28() -> None:
+    from torch import nn
+
+    from hpcdl.training.models import BasicBlock
+
+    model = build_model("mnist_resnet", 10, 1)
+    assert sum(p.numel() for p in model.parameters()) == 75_002
+    assert sum(isinstance(m, BasicBlock) for m in model.modules()) == 3
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 7
+    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    block = model.layers[0]  # a residual block: its output is relu(branch + input), so zeroing the branch passes x on
+    nn.init.zeros_(block.bn2.weight)
+    nn.init.zeros_(block.bn2.bias)
+    x = torch.rand(2, 16, 14, 14)
+    assert torch.equal(block.eval()(x), torch.relu(x))
+
+
 def test_torchvision_model_by_name_with_class_count_and_grey_input() -> None:
     model = build_model("resnet18", 7, 1)
     assert model(torch.randn(2, 1, 32, 32)).shape == (2, 7)
