@@ -85,22 +85,32 @@ def to_json(value: Any, indent: int | None = None) -> str:
 
 
 class RunRecord:
-    """Writes the run directory's metrics; a no-op object on ranks other than 0."""
+    """Writes the run directory's metrics; a no-op object on ranks other than 0.
 
-    def __init__(self, output_dir: Path, active: bool, resume: bool, run_id: str = "") -> None:
+    ``kept_through``: None for a new run; on a resume, the step of the checkpoint it continues from.
+    Rows of later steps were trained and then discarded (a crash after the checkpoint): they are
+    removed at once, atomically, as are TensorBoard's events of those steps (``purge_step``), so
+    that every record holds each step once, as trained by the run that goes on.
+    """
+
+    def __init__(self, output_dir: Path, active: bool, kept_through: int | None, run_id: str = "") -> None:
         self.active = active
         self.run_id = run_id
         self.path = output_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
         self.writer: Any = None
+        self.purge_step = None if kept_through is None else kept_through + 1
         if not active:
             return
-        if resume and self.path.exists():
+        if kept_through is not None and self.path.exists():
             try:
-                self.history = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+                rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise UsageError(f"{self.path} is unreadable ({type(exc).__name__}: {exc}); move it away to resume "
                                  "without the earlier epochs' rows") from None
+            self.history = [r for r in rows if _step_of(r) <= kept_through]
+            if len(self.history) < len(rows):
+                write_text_atomically(self.path, "".join(to_json(r) + "\n" for r in self.history), run_id or None)
 
     def log_epoch(self, row: dict[str, Any]) -> None:
         if not self.active:
@@ -108,10 +118,11 @@ class RunRecord:
         if self.writer is None:  # opened on first use: a run that trains nothing writes nothing
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"))
+            self.writer = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"), purge_step=self.purge_step)
         row = {**row, "run_id": self.run_id}
-        # A resumed run may repeat an epoch that was interrupted: the newer row replaces it.
-        self.history = [r for r in self.history if r["epoch"] != row["epoch"]] + [row]
+        if isinstance(row.get("global_step"), int):  # one row per step: a row of this step or later was gone back on
+            self.history = [r for r in self.history if _step_of(r) < row["global_step"]]
+        self.history.append(row)
         write_text_atomically(self.path, "".join(to_json(r) + "\n" for r in self.history), self.run_id or None)
         for key, value in row.items():  # against the optimizer step: an --eval-every row's epoch is fractional
             if key != "global_step" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -126,3 +137,9 @@ class RunRecord:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _step_of(row: dict[str, Any]) -> int:
+    """A row's optimizer step; rows of files from before steps were recorded count as step 0 (kept)."""
+    step = row.get("global_step")
+    return step if isinstance(step, int) else 0

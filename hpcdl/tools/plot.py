@@ -80,6 +80,23 @@ def _positive(values: list[float]) -> bool:
 def plot_runs(run_dirs: Sequence[Path], output: Path, labels: Sequence[str] | None = None) -> Path:
     """Draw the runs (all read and checked before anything is drawn) and write ``output`` atomically."""
     runs = [(labels[i] if labels else run_dir.name, read_metrics(run_dir)) for i, run_dir in enumerate(run_dirs)]
+    import matplotlib.pyplot as plt
+
+    fig = draw(runs)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=output.suffix.lstrip("."))
+    plt.close(fig)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(output, lambda handle: handle.write(image.getvalue()))
+    except OSError as exc:
+        raise UsageError(str(exc) if str(exc).startswith("cannot write") else f"cannot write {output}: {exc}") from None
+    return output
+
+
+def draw(runs: Sequence[tuple[str, list[dict[str, Any]]]]) -> Any:
+    """The figure of ``(label, rows)`` runs. Every row is a marker on its line, so that a run of one row (a single
+    evaluation, or one epoch) shows as a point instead of a line of zero length, which draws nothing."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,10 +108,10 @@ def plot_runs(run_dirs: Sequence[Path], output: Path, labels: Sequence[str] | No
         epochs = [r["epoch"] for r in rows]
         losses = [r["train_loss"] for r in rows], [r["test_loss"] for r in rows]
         all_losses += losses[0] + losses[1]
-        (line,) = ax_loss.plot(epochs, losses[0], label=f"{label} train")
-        ax_loss.plot(epochs, losses[1], "--", color=line.get_color(), label=f"{label} test")
-        ax_acc.plot(epochs, [r["test_accuracy"] for r in rows], color=line.get_color(), label=label)
-        ax_time.plot([r["elapsed_seconds"] for r in rows], [r["test_accuracy"] for r in rows],
+        (line,) = ax_loss.plot(epochs, losses[0], marker=".", label=f"{label} train")
+        ax_loss.plot(epochs, losses[1], "--", marker=".", color=line.get_color(), label=f"{label} test")
+        ax_acc.plot(epochs, [r["test_accuracy"] for r in rows], marker=".", color=line.get_color(), label=label)
+        ax_time.plot([r["elapsed_seconds"] for r in rows], [r["test_accuracy"] for r in rows], marker=".",
                      color=line.get_color(), label=label)
     # A log axis needs a positive value to show; a diverged run (NaN, inf) is drawn where it is finite.
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss", yscale="log" if _positive(all_losses) else "linear")
@@ -104,15 +121,7 @@ def plot_runs(run_dirs: Sequence[Path], output: Path, labels: Sequence[str] | No
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, dpi=110, format=output.suffix.lstrip("."))
-    plt.close(fig)
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(output, lambda handle: handle.write(image.getvalue()))
-    except OSError as exc:
-        raise UsageError(str(exc) if str(exc).startswith("cannot write") else f"cannot write {output}: {exc}") from None
-    return output
+    return fig
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -64,6 +64,11 @@ class Job:
     def output_dir(self) -> Path:
         return self.run.path
 
+    @property
+    def global_batch(self) -> int:
+        """Examples per optimizer step, all ranks."""
+        return self.world.size * self.config.batch_size * self.config.batches_per_allreduce
+
     def save(self) -> None:
         """Write a checkpoint of the stateful parts (collective)."""
         runstate.save(self.trainer.state, self.checkpointer, self.config)
@@ -282,7 +287,9 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
 
     criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     state = runstate.TrainState(model, optimizer, scaler, preconditioner)
-    record = agree(lambda: RunRecord(run.path, me.is_root, config.resume, run.run_id))
+    # A resume drops the records of the steps after its checkpoint: they were trained, then discarded.
+    kept_through = (resumed["global_step"] if resumed is not None else 0) if config.resume else None
+    record = agree(lambda: RunRecord(run.path, me.is_root, kept_through, run.run_id))
     trainer = Trainer(model=compiled, state=state, schedule=schedule, criterion=criterion, amp_dtype=amp_dtype,
                       data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
                       settings=LoopSettings.of(config))

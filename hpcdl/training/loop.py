@@ -29,7 +29,7 @@ from hpcdl.runtime.signals import GracefulStop, StopRequest
 from hpcdl.runtime.watchdog import StallWatchdog
 from hpcdl.runtime.world import World
 from hpcdl.training.config import TrainConfig
-from hpcdl.training.runstate import TrainState
+from hpcdl.training.runstate import TrainState, pause_after
 from hpcdl.training.schedule import LRSchedule
 
 LOG_POINT = "hpcdl.log_point"  # the profiler range of the only place a training epoch reads from the device
@@ -117,8 +117,9 @@ def nonfinite_flag(parameters: Sequence[torch.Tensor]) -> torch.Tensor:
     return (~torch.isfinite(torch.stack(norms).sum())).float()
 
 
-def apply_gradients(trainer: Trainer) -> torch.Tensor:
-    """Average gradients over ranks, precondition, step; the returned device flag is 1.0 for a failed step.
+def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Average gradients over ranks, precondition, step; returns device flags (skipped, failed): 1.0 when the
+    update was skipped for non-finite gradients, and when that counts as a failure (not fp16 loss scaling at work).
 
     Horovod's DistributedOptimizer allreduces in backward hooks and ``synchronize`` waits for them;
     K-FAC and the update then run inside ``skip_synchronize``. One rank has nothing to average (and
@@ -134,7 +135,8 @@ def apply_gradients(trainer: Trainer) -> torch.Tensor:
         optimizer.step()  # Horovod's Adasum applies the update inside backward; nothing here can skip it
         verdict = trainer.comm.allreduce(float(nonfinite_flag(params)))
         optimizer.zero_grad()
-        return torch.tensor(float(verdict > 0), device=trainer.device)
+        flag = torch.tensor(float(verdict > 0), device=trainer.device)
+        return flag, flag
     if trainer.world.size > 1:
         optimizer.synchronize()
     if scaler is not None:
@@ -154,30 +156,31 @@ def apply_gradients(trainer: Trainer) -> torch.Tensor:
     if scaler is not None:
         scaler.update()  # halves the scale after an overflow, on the device
     optimizer.zero_grad()
-    return failed
+    return found_inf, failed
 
 
 class HealthLog:
-    """Per-step failure flags kept on the device between log points, judged on the host at each."""
+    """Per-step (skipped, failed) flags kept on the device between log points, judged on the host at each."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.progress = trainer.state.progress
         self.limit = trainer.settings.max_nonfinite_steps
-        self.flags = torch.zeros(trainer.settings.log_every, device=trainer.device)
+        self.flags = torch.zeros(trainer.settings.log_every, 2, device=trainer.device)
         self.first_step = self.progress.global_step + 1
         self.count = 0
 
-    def record(self, failed: torch.Tensor) -> None:
-        self.flags[self.count].copy_(failed, non_blocking=True)
+    def record(self, flags: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.flags[self.count].copy_(torch.stack(flags), non_blocking=True)
         self.count += 1
 
     def judge(self) -> None:
-        """Read the flags; announce skipped steps; stop the run (one line) on a streak of failures."""
+        """Read the flags; count and announce skipped steps; stop the run (one line) on a streak of failures."""
         if not self.count:
             return
         progress, limit = self.progress, self.limit
-        for offset, failed in enumerate(self.flags[: self.count].tolist()):
+        for offset, (skipped, failed) in enumerate(self.flags[: self.count].tolist()):
             step = self.first_step + offset
+            progress.skipped_steps += int(skipped > 0)
             progress.nonfinite_streak = progress.nonfinite_streak + 1 if failed else 0
             if progress.nonfinite_streak >= limit:
                 raise DivergenceError(
@@ -227,9 +230,7 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
         images += len(images_batch) * trainer.world.size
         bar.update(1)
         watchdog.beat(step, phase="data")
-        last = (progress.step_in_epoch >= data.steps_per_epoch
-                or (settings.max_steps is not None and step >= settings.max_steps)
-                or (settings.eval_every is not None and step % settings.eval_every == 0))
+        last = pause_after(step, progress.step_in_epoch, data.steps_per_epoch, settings.max_steps, settings.eval_every)
         if last or health.count == settings.log_every:
             with torch.profiler.record_function(LOG_POINT):
                 watchdog.beat(phase="collective")

@@ -21,9 +21,13 @@ from the stateful parts of :class:`TrainState`) is a dict with:
 Resuming (``--resume``) is defined by three lists. :data:`MUST_MATCH`: fields that change what is
 being trained; a mismatch is refused with one line naming each. Everything else MAY change: the
 new value is applied to the restored state (an optimizer hyperparameter is written into the
-restored param groups) and recorded in the run's ``resumed_with_changes``. A run that already
-stopped for good (:data:`FINAL_REASONS`) is not trained further unless its stop condition was
-extended (more epochs or steps, a higher target).
+restored param groups) and recorded in the run's ``resumed_with_changes``, as is a change of world
+size (the run's ``segments`` keep each world size's share of the training apart).
+
+When a run is finished is decided here and nowhere else: :func:`finished` (a limit of the flags
+reached, :data:`FINAL_REASONS`), asked after every evaluation and by every resume, and
+:func:`pause_after` (the steps after which the loop must stop to evaluate, since a limit or an
+evaluation point may be reached there).
 """
 
 from __future__ import annotations
@@ -67,6 +71,26 @@ class Progress:
     last_test: dict[str, float] = field(default_factory=dict)  # test loss and accuracy after the last epoch
     stop_reason: str | None = None  # epochs, max_steps, target_accuracy, a signal name; None while running
     resumed_with_changes: list[str] = field(default_factory=list)
+    skipped_steps: int = 0  # optimizer steps whose update was skipped for non-finite gradients, all sessions
+    # The training in stretches of one world size and global batch (a resume elsewhere starts the next): each
+    # {world_size, global_batch, first_step, last_step, images, train_seconds}, so that no speed blends two.
+    segments: list[dict[str, Any]] = field(default_factory=list)
+
+    def begin_segment(self, world_size: int, global_batch: int) -> None:
+        """This session trains on ``world_size`` ranks: continue the last segment if it had the same, else start one."""
+        last = self.segments[-1] if self.segments else None
+        if last is None or (last["world_size"], last["global_batch"]) != (world_size, global_batch):
+            self.segments.append(dict(world_size=world_size, global_batch=global_batch, first_step=self.global_step + 1,
+                                      last_step=self.global_step, images=0, train_seconds=0.0))
+
+    def add_training(self, images: int, seconds: float) -> None:
+        """Count a part of an epoch just trained, in the run's totals and in the current segment."""
+        self.images_seen += images
+        self.train_seconds += seconds
+        if self.segments:
+            segment = self.segments[-1]
+            segment.update(last_step=self.global_step, images=segment["images"] + images,
+                           train_seconds=segment["train_seconds"] + seconds)
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,27 +153,35 @@ def resume_changes(saved: dict[str, Any], config: TrainConfig) -> list[str]:
             if k not in ignore and k in saved and saved[k] != now[k]]
 
 
-def limit_reached(config: TrainConfig, progress: Progress) -> str | None:
-    """Which of the flags' limits a resumed run has already reached (then it trains no further), or None."""
-    if config.max_steps is not None and progress.global_step >= config.max_steps:
-        return f"--max-steps {config.max_steps} already reached"
-    if progress.epochs_completed >= config.epochs:
-        return f"--epochs {config.epochs} already reached"
+def finished(config: TrainConfig, progress: Progress) -> str | None:
+    """Which limit of the flags ``progress`` has reached (one of :data:`FINAL_REASONS`), or None to train on.
+
+    The one rule: after an evaluation it says whether the run stops for good; on a resume, whether
+    there is anything left to train (a run is trained further exactly when its flags were raised).
+    """
     if config.target_accuracy is not None and progress.best_accuracy >= config.target_accuracy:
-        return f"--target-accuracy {config.target_accuracy:g} already reached (best {progress.best_accuracy:.4f})"
+        return "target_accuracy"
+    if config.max_steps is not None and progress.global_step >= config.max_steps:
+        return "max_steps"
+    if progress.epochs_completed >= config.epochs:
+        return "epochs"
     return None
 
 
-def stop_condition_extended(saved: dict[str, Any], config: TrainConfig, progress: Progress) -> bool:
-    """True when the flags let a run that stopped for ``progress.stop_reason`` train further."""
-    reason = progress.stop_reason
-    if reason == "epochs":
-        return config.epochs > progress.epochs_completed
-    if reason == "max_steps":
-        return config.max_steps is None or config.max_steps > progress.global_step
+def describe_limit(reason: str, config: TrainConfig, progress: Progress) -> str:
+    """The flag behind a :func:`finished` reason, for the line that says a run trains no further."""
     if reason == "target_accuracy":
-        return config.target_accuracy is None or config.target_accuracy > progress.best_accuracy
-    return True
+        return f"--target-accuracy {config.target_accuracy:g} already reached (best {progress.best_accuracy:.4f})"
+    return f"--max-steps {config.max_steps} already reached" if reason == "max_steps" else \
+        f"--epochs {config.epochs} already reached"
+
+
+def pause_after(step: int, step_in_epoch: int, steps_per_epoch: int, max_steps: int | None,
+                eval_every: int | None) -> bool:
+    """True when the loop must stop after optimizer step ``step`` (``step_in_epoch`` of its epoch, counted from 1)
+    to evaluate: the epoch's end, --max-steps, or an --eval-every point, where :func:`finished` may say stop."""
+    return (step_in_epoch >= steps_per_epoch or (max_steps is not None and step >= max_steps)
+            or (eval_every is not None and step % eval_every == 0))
 
 
 def restore(state: TrainState, saved: dict[str, Any], config: TrainConfig, rank: int, world_size: int,
@@ -170,12 +202,14 @@ def restore(state: TrainState, saved: dict[str, Any], config: TrainConfig, rank:
             if name in group:
                 group[name] = getattr(config, name)
     state.progress.load_state_dict(saved["progress"])
-    state.progress.resumed_with_changes = state.progress.resumed_with_changes + changes
     if changes:
         print0("resuming with changed flags: " + "; ".join(changes))
     old = saved["config"]
     saved_batch = saved["world_size"] * old["batch_size"] * old["batches_per_allreduce"]
     batch = world_size * config.batch_size * config.batches_per_allreduce
+    if saved["world_size"] != world_size:
+        changes.append(f"world size {saved['world_size']} -> {world_size}")
+    state.progress.resumed_with_changes = state.progress.resumed_with_changes + changes
     if saved["world_size"] == world_size and saved_batch == batch:
         set_rng_state(saved["rng"][rank])
     else:

@@ -54,28 +54,28 @@ def run(job: Job) -> TrainResult:
     trainer, config = job.trainer, job.config
     state, progress = trainer.state, trainer.state.progress
     if job.resumed is not None:
-        if (progress.stop_reason in runstate.FINAL_REASONS
-                and not runstate.stop_condition_extended(job.resumed["config"], config, progress)):
+        reached = runstate.finished(config, progress)
+        if reached is not None and reached == progress.stop_reason:
             print0(f"hpcdl: run {job.resumed['run_id']} in {job.output_dir} already finished "
                    f"(stopped by {progress.stop_reason} after {progress.epochs_completed} epoch(s)); nothing to "
                    "do. Raise --epochs, --max-steps or --target-accuracy to train further.")
             return TrainResult(state.model, {"stop_reason": progress.stop_reason, "already_finished": True})
-        reached = runstate.limit_reached(config, progress)
-        if reached:
+        if reached is not None:
             print0(f"hpcdl: run {job.resumed['run_id']} in {job.output_dir} is at step {progress.global_step} "
-                   f"({progress.epochs_completed} epoch(s) completed): {reached}; no further training")
+                   f"({progress.epochs_completed} epoch(s) completed): "
+                   f"{runstate.describe_limit(reached, config, progress)}; no further training")
             return TrainResult(state.model, {"stop_reason": progress.stop_reason, "already_finished": True})
         progress.stop_reason = None
-        if config.target_accuracy is not None and progress.best_accuracy < config.target_accuracy:
-            progress.time_to_target = None
+        if config.target_accuracy is None or progress.best_accuracy < config.target_accuracy:
+            progress.time_to_target = None  # the target of these flags is not reached yet
+    progress.begin_segment(job.world.size, job.global_batch)
 
     while progress.stop_reason is None:
         epoch_start = time.perf_counter()
         if progress.step_in_epoch == 0:  # mid-epoch resumes restored the exact RNG state instead
             torch.manual_seed(rank_seed(config.seed, progress.epoch, job.world.rank))
         result = train_one_epoch(trainer)
-        progress.train_seconds += result.seconds
-        progress.images_seen += result.images
+        progress.add_training(result.images, result.seconds)
         train_sums = add_sums(result.train, progress.epoch_sums)
         if result.stop and not result.complete:
             progress.epoch_sums = train_sums  # so that the resumed epoch's metrics cover all of it
@@ -146,15 +146,16 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
     """Epoch bookkeeping: progress, the metrics row, TensorBoard and the rank-0 line."""
     progress, config = job.state.progress, job.config
     epoch = progress.epoch
-    # With --eval-every, a row inside an epoch is labelled with the fractional epoch it was taken at.
+    # A row inside an epoch (an --eval-every point, --max-steps) is labelled with the fractional epoch reached.
     label: float = epoch + 1
-    if not result.complete and config.eval_every is not None:
+    if not result.complete:
         label = round(epoch + progress.step_in_epoch / job.trainer.data.steps_per_epoch, 4)
     if result.complete:
         progress.epoch, progress.step_in_epoch = epoch + 1, 0
         progress.epochs_completed = progress.epoch
-    # An evaluation inside an epoch keeps the epoch's sums going, so that its last row covers all of it.
-    progress.epoch_sums = {} if result.complete or config.eval_every is None else train_sums
+    # An evaluation inside an epoch (--eval-every, --max-steps) keeps the epoch's sums going, so that its last
+    # row covers all of it.
+    progress.epoch_sums = {} if result.complete else train_sums
     progress.last_test = test
     progress.best_accuracy = max(progress.best_accuracy, test["test_accuracy"])
     if (config.target_accuracy is not None and progress.time_to_target is None
@@ -166,6 +167,7 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
         "train_accuracy": train_accuracy, **test, "lr": job.state.optimizer.param_groups[0]["lr"],
         "images_per_second": result.images / max(result.seconds, 1e-9), "epoch_seconds": result.seconds,
         "train_seconds": progress.train_seconds, "elapsed_seconds": progress.elapsed_seconds,
+        "images_seen": progress.images_seen, "skipped_steps": progress.skipped_steps, "world_size": job.world.size,
     }
     write_results(lambda: job.record.log_epoch(row), job.comm, job.output_dir)
     where = (f"epoch {label:3d}/{config.epochs}" if isinstance(label, int)
@@ -179,19 +181,14 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
 def decide_stop(job: Job, result: EpochResult) -> str | None:
     """Why the run stops after this epoch, or None to go on.
 
-    A run that has reached its limit is finished even when a signal arrived in its last epoch: it
-    writes its summary now, since a resume would find the limit reached and train (and write) nothing.
+    A run that has reached its limit (:func:`runstate.finished`) is finished even when a signal arrived
+    in its last epoch: it writes its summary now, since a resume would find the limit reached and
+    train (and write) nothing.
     """
-    progress, config = job.state.progress, job.config
-    if progress.time_to_target is not None:
-        return "target_accuracy"
-    if config.max_steps is not None and progress.global_step >= config.max_steps:
-        return "max_steps"
-    if progress.epoch >= config.epochs:
-        return "epochs"
-    if result.stop:
-        return result.stop.name
-    return None
+    reached = runstate.finished(job.config, job.state.progress)
+    if reached is not None:
+        return reached
+    return result.stop.name if result.stop else None
 
 
 def replicas_identical(model: nn.Module, comm) -> bool:
@@ -209,14 +206,21 @@ def replicas_identical(model: nn.Module, comm) -> bool:
 def summarise(job: Job) -> dict[str, Any]:
     progress = job.state.progress
     last = progress.last_test
+    segments = [{**s, "images_per_second": s["images"] / max(s["train_seconds"], 1e-9)} for s in progress.segments]
     return {
         "best_accuracy": progress.best_accuracy,
         "final_accuracy": last.get("test_accuracy"),
         "final_test_loss": last.get("test_loss"),
-        "epochs": progress.epochs_completed,
+        "epochs": progress.epochs_completed,  # whole epochs; a run stopped inside one also shows epochs_trained
+        "epochs_trained": round(progress.epoch + progress.step_in_epoch / job.trainer.data.steps_per_epoch, 4),
         "global_steps": progress.global_step,
+        "images_seen": progress.images_seen,
+        "skipped_steps": progress.skipped_steps,  # updates skipped for non-finite gradients (fp16 overflows too)
         "world_size": job.world.size,
-        "images_per_second": progress.images_seen / max(progress.train_seconds, 1e-9),  # training time only
+        "world_sizes": sorted({s["world_size"] for s in progress.segments}),
+        # all sessions together, training time only; a resume on another world size: see segments
+        "images_per_second": progress.images_seen / max(progress.train_seconds, 1e-9),
+        "segments": segments,
         "train_seconds": progress.train_seconds,
         "target_accuracy": job.config.target_accuracy,
         "time_to_target_seconds": progress.time_to_target,

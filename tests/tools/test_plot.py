@@ -132,7 +132,7 @@ def written_by_a_run(run_dir: Path) -> Path:
     """metrics.jsonl and summary.json written by hpcdl's own writer, with values that were not finite."""
     from hpcdl.run.metrics import RunRecord
 
-    record = RunRecord(run_dir, active=True, resume=False, run_id="20261123T110000-node-1-abcdef")
+    record = RunRecord(run_dir, active=True, kept_through=None, run_id="20261123T110000-node-1-abcdef")
     record.log_epoch({k: v for k, v in row(1).items() if k != "run_id"})
     record.log_epoch({**{k: v for k, v in row(2).items() if k != "run_id"}, "train_loss": math.nan,
                       "test_loss": math.inf, "test_accuracy": -math.inf})
@@ -159,7 +159,7 @@ def test_what_a_run_writes_with_non_finite_values_every_reader_accepts(tmp_path:
     assert len(rows) == 3 and math.isnan(rows[1]["train_loss"]) and rows[2]["train_loss"] == row(3)["train_loss"]
     assert main([str(run), "-o", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == PNG
-    resumed = RunRecord(run, active=True, resume=True, run_id="20261123T110000-node-1-abcdef")  # --resume reads it
+    resumed = RunRecord(run, active=True, kept_through=30, run_id="20261123T110000-node-1-abcdef")  # --resume reads it
     assert [r["epoch"] for r in resumed.history] == [1, 2, 3]
 
 
@@ -167,3 +167,21 @@ def test_a_null_epoch_is_still_refused(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", [json.dumps({**row(1), "epoch": None})])
     with pytest.raises(UsageError, match="line 1: epoch=None is not a number"):
         read_metrics(run)
+
+
+def test_a_run_of_one_row_is_drawn_as_a_point_in_every_panel(tmp_path: Path) -> None:
+    """One evaluation (a one-epoch run, or --max-steps before the second) is a line of zero length: without a
+    marker the axes come out empty."""
+    from matplotlib.colors import to_rgba
+
+    from hpcdl.tools.plot import draw
+
+    fig = draw([("one", [row(1)])])
+    for ax in fig.axes:
+        fig.canvas.draw()
+        shown = [line for line in ax.lines if line.get_marker() not in (None, "", "None", " ")
+                 and line.get_markersize() > 0 and to_rgba(line.get_markerfacecolor())[3] > 0]
+        assert shown, f"{ax.get_title()}: the single row draws nothing"
+        x, y = shown[0].get_xydata()[0]
+        (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+        assert x0 <= x <= x1 and y0 <= y <= y1, ax.get_title()

@@ -6,17 +6,20 @@ summary, and its resume (Slurm's requeue) finds the limit reached and writes not
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
+from hpcdl.training.config import TrainConfig
 from hpcdl.training.loop import EpochResult
+from hpcdl.training.runstate import Progress
 from hpcdl.training.train import decide_stop
 
 
 def job(epoch: int, epochs: int, step: int = 10, max_steps: int | None = None) -> SimpleNamespace:
-    progress = SimpleNamespace(epoch=epoch, global_step=step, time_to_target=None)
-    config = SimpleNamespace(epochs=epochs, max_steps=max_steps)
+    progress = Progress(epoch=epoch, epochs_completed=epoch, global_step=step)
+    config = dataclasses.replace(TrainConfig(), epochs=epochs, max_steps=max_steps)
     return SimpleNamespace(state=SimpleNamespace(progress=progress), config=config)
 
 

@@ -127,7 +127,7 @@ def test_a_failed_results_write_is_one_line_on_every_rank_and_leaves_no_partial_
     from hpcdl.runtime.errors import StorageError
     from hpcdl.training.train import write_results
 
-    record = RunRecord(tmp_path, active=True, resume=False, run_id="r1")
+    record = RunRecord(tmp_path, active=True, kept_through=None, run_id="r1")
     record.log_epoch({"epoch": 1, "test_loss": 0.5})
     before = (tmp_path / "metrics.jsonl").read_bytes()
 

@@ -15,8 +15,9 @@ from hpcdl.training.runstate import (
     MUST_MATCH,
     Progress,
     check_format,
+    finished,
+    pause_after,
     resume_changes,
-    stop_condition_extended,
 )
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
@@ -55,12 +56,38 @@ def test_what_may_change_is_listed() -> None:
 
 @pytest.mark.parametrize("reason, flags, extended", [
     ("epochs", dict(epochs=15), False), ("epochs", dict(epochs=20), True),
-    ("max_steps", dict(max_steps=100), False), ("max_steps", dict(max_steps=200), True),
-    ("max_steps", dict(max_steps=None), True),
-    ("target_accuracy", dict(target_accuracy=0.9), False), ("target_accuracy", dict(target_accuracy=0.99), True),
-    ("SIGTERM", {}, True),
+    ("max_steps", dict(max_steps=100, epochs=20), False), ("max_steps", dict(max_steps=200, epochs=20), True),
+    ("max_steps", dict(max_steps=None, epochs=20), True),
+    ("target_accuracy", dict(target_accuracy=0.9, epochs=20), False),
+    ("target_accuracy", dict(target_accuracy=0.99, epochs=20), True),
+    ("target_accuracy", dict(target_accuracy=None, epochs=20), True),
+    ("SIGTERM", dict(epochs=20), True),
 ])
 def test_a_finished_run_trains_further_only_when_its_stop_condition_was_extended(reason: str, flags: dict,
                                                                                   extended: bool) -> None:
     progress = Progress(epochs_completed=15, global_step=100, best_accuracy=0.95, stop_reason=reason)
-    assert stop_condition_extended({}, dataclasses.replace(TrainConfig(), **flags), progress) is extended
+    reached = finished(dataclasses.replace(TrainConfig(), **flags), progress)
+    assert (reached is None) is extended
+    assert extended or reached == reason  # the limit it stopped at is the one still reached
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (dict(epochs=20, max_steps=50), "max_steps"),   # a lower limit than the one it stopped at: still finished
+    (dict(epochs=10), "epochs"),
+    (dict(epochs=20, target_accuracy=0.5), "target_accuracy"),  # the target comes first, as after an evaluation
+    (dict(epochs=15, max_steps=100, target_accuracy=0.9), "target_accuracy"),
+])
+def test_every_limit_of_the_flags_counts_whichever_the_run_stopped_at(flags: dict, reason: str) -> None:
+    progress = Progress(epochs_completed=15, global_step=100, best_accuracy=0.95, stop_reason="SIGTERM")
+    assert finished(dataclasses.replace(TrainConfig(), **flags), progress) == reason
+
+
+@pytest.mark.parametrize("step, in_epoch, max_steps, eval_every, pause", [
+    (10, 10, None, None, False), (22, 22, None, None, True),   # the epoch's end (22 steps)
+    (7, 7, 7, None, True), (8, 8, 7, None, True),             # --max-steps (and past it)
+    (15, 15, None, 5, True), (16, 16, None, 5, False),        # --eval-every's points count global steps
+    (27, 5, None, 9, True),
+])
+def test_the_loop_pauses_where_a_limit_or_an_evaluation_may_fall(step: int, in_epoch: int, max_steps: int | None,
+                                                                 eval_every: int | None, pause: bool) -> None:
+    assert pause_after(step, in_epoch, 22, max_steps, eval_every) is pause
