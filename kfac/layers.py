@@ -201,6 +201,7 @@ def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = ()) -> list[
     their Fisher block is not one Kronecker product of the shapes used here.
     """
     layers: list[KFACLayer] = []
+    grouped: list[str] = []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.Conv2d)) or _matches(name, module, skip_layers):
             continue
@@ -208,13 +209,13 @@ def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = ()) -> list[
             continue
         if isinstance(module, nn.Conv2d):
             if module.groups != 1:
-                warnings.warn(
-                    f"K-FAC skips {name or 'the model'} (Conv2d with groups={module.groups}): grouped and "
-                    "depthwise convolutions are left to the optimizer as they are",
-                    stacklevel=2,
-                )
+                grouped.append(f"{name or 'the model'} (groups={module.groups})")
                 continue
             layers.append(Conv2dLayer(name, module))
         else:
             layers.append(LinearLayer(name, module))
+    if grouped:  # one warning for all of them: a MobileNet has dozens
+        shown = ", ".join(grouped[:3]) + (f" and {len(grouped) - 3} more" if len(grouped) > 3 else "")
+        warnings.warn(f"K-FAC skips {len(grouped)} grouped or depthwise convolution(s), left to the optimizer as "
+                      f"they are: {shown}", stacklevel=2)
     return layers

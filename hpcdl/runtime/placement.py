@@ -81,8 +81,11 @@ def _by_host(rows: Sequence[RankRow]) -> dict[str, list[RankRow]]:
     return dict(hosts)
 
 
-def placement_error(rows: Sequence[RankRow], gpu_requested: bool) -> str | None:
+def placement_error(rows: Sequence[RankRow], gpu_requested: bool,
+                    without_gpu: str = "run with --device cpu") -> str | None:
     """The first placement mistake as one line naming the rank(s) and the fix, or None.
+
+    ``without_gpu``: how the calling program is told not to ask for a GPU (its own flag, not training's).
 
     Checked in the order a user should fix them: a rank that could not look at its GPU, GPUs
     asked for but absent, more ranks on a node than GPUs (some ranks get none), two ranks on one
@@ -100,12 +103,12 @@ def placement_error(rows: Sequence[RankRow], gpu_requested: bool) -> str | None:
             if not all(row.cuda_build for row in blind):
                 return (
                     f"a GPU run was asked for, but torch on {_ranks(r.rank for r in blind)} is a CPU-only build; "
-                    "install the CUDA build (HPCDL_GPU=1 make setup) or run with --device cpu"
+                    f"install the CUDA build (HPCDL_GPU=1 make setup) or {without_gpu}"
                 )
             return (
                 f"a GPU run was asked for, but {_ranks(r.rank for r in blind)} on {', '.join(hosts)} see no GPU; "
                 "request GPUs from the scheduler (--gres=gpu:N or --gpus-per-task=1), check CUDA_VISIBLE_DEVICES "
-                "and the driver (nvidia-smi), or run with --device cpu"
+                f"and the driver (nvidia-smi), or {without_gpu}"
             )
 
     for host, members in sorted(_by_host(rows).items()):

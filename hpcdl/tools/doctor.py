@@ -191,8 +191,8 @@ def horovod_nccl() -> str:
 def print_table(title: str, rows: Sequence[Row]) -> None:
     width = max(len(r.name) for r in rows)
     print(f"\n{title}")
-    for row in rows:
-        print(f"  {row.name:<{width}}  {row.value}")
+    for row in rows:  # printable only: Open MPI's library version ends in a NUL byte, which makes logs "binary"
+        print(f"  {row.name:<{width}}  {''.join(c for c in row.value if c.isprintable()).strip()}")
 
 
 def print_ranks(rows: Sequence[placement.RankRow], extras: Sequence[dict[str, Any]]) -> None:
@@ -220,7 +220,7 @@ def check_nodes(comm) -> tuple[list[nodes.NodeFacts], bool]:
     except nodes.ExchangeTimeout as err:
         print(f"doctor: rank {comm.Get_rank()} on {platform.node()}: no answer when {err} within "
               f"{nodes.EXCHANGE_TIMEOUT:.0f} s -- fix: check that this node reaches rank 0's node on the job's "
-              "interface (--iface)", file=sys.stderr, flush=True)
+              "interface (launch/mpirun.sh --iface)", file=sys.stderr, flush=True)
         comm.Abort(1)
         raise
     for line in failures:
@@ -291,7 +291,9 @@ def diagnose(expect_gpu: bool) -> int:
         print_ranks(rows, extras)
         if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
             raise Problem("MPI was initialised below THREAD_MULTIPLE", "use an MPI built with thread support")
-        error = placement.placement_error(rows, gpu_requested=expect_gpu)
+        error = placement.placement_error(rows, gpu_requested=expect_gpu,
+                                          without_gpu="check a CPU environment: leave out --expect-gpu and "
+                                                      "HPCDL_EXPECT_GPU")
         if error:
             print(f"doctor: {error}", file=sys.stderr)
             return int(comm.bcast(1, root=0))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from hpcdl.training.loop import LoopSettings, Trainer
 from hpcdl.training.models import build_model
 from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
+from kfac.assignment import grad_worker_count
 from kfac.precision import train_in_tf32
 
 
@@ -158,6 +160,22 @@ def check_adasum(config: TrainConfig, world_size: int, cuda: bool) -> None:
                          "gradients before the step, and Adasum steps inside backward")
 
 
+def check_grad_workers(config: TrainConfig, world_size: int) -> None:
+    """KAISA's gradient-worker groups must tile the ranks: one line naming the fractions that do on this world size
+    (a resume onto another world size is checked here too, before anything is loaded)."""
+    if not config.kfac or config.kfac_impl != "hpcdl":
+        return
+    fraction = config.kfac_grad_worker_fraction
+    try:
+        grad_worker_count(world_size, fraction)
+    except ValueError:
+        fits = ", ".join(f"{k}/{world_size}" if k < world_size else "1" for k in range(1, world_size + 1)
+                         if world_size % k == 0)
+        raise UsageError(f"--kfac-grad-worker-fraction {fraction:g} gives {fraction * world_size:g} gradient workers "
+                         f"per layer on {world_size} ranks, which do not divide them into groups; on {world_size} "
+                         f"ranks use one of {fits}") from None
+
+
 def refuse_earlier_checkpoints(path: Path, is_root: bool) -> None:
     """A new run must not mix its checkpoints with an earlier run's (the earlier ones would be pruned as its own)."""
     if is_root and checkpoint.list_checkpoints(checkpoint.checkpoint_dir(path)):
@@ -215,6 +233,7 @@ def build_job(config: TrainConfig) -> Job:
     faults = agree(lambda: FaultInjector(me.rank, world_size=me.size))
     if config.use_adasum and me.size > 1:
         agree(lambda: check_adasum(config, me.size, cuda))
+    agree(lambda: check_grad_workers(config, me.size))
     amp_dtype = agree(lambda: choose_amp(config, me.device))
     if warning := slow_bf16_warning(amp_dtype, me.device):
         print0(warning)
@@ -271,7 +290,11 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
                 if config.compile else model)
 
     peak_lr = config.base_lr * lr_scale(me.size, config.batches_per_allreduce, config.use_adasum, me.local_size, cuda)
-    schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, config.warmup_start_factor), peak_lr,
+    # A K-FAC preset holds the peak rate through the warm-up on any world size (check_kfac_preset refuses a ramp
+    # asked for): the ramp from --base-lr to N x --base-lr that N ranks would otherwise take defeats its KL clip.
+    start_factor = 1.0 if config.kfac_preset != "none" and config.warmup_start_factor is None \
+        else config.warmup_start_factor
+    schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, start_factor), peak_lr,
                           config.warmup_epochs, config.epochs, config.lr_schedule, config.lr_decay)
     optimizer = hvd.DistributedOptimizer(
         build_update_rule(config, model, schedule(0.0)),
@@ -282,8 +305,11 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     )
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    preconditioner = agree(lambda: build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"],
-                                                        scaler))
+    with warnings.catch_warnings(record=True) as said:  # K-FAC's warnings (layers it skips): one line, rank 0
+        preconditioner = agree(lambda: build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"],
+                                                            scaler))
+    for warning in said:
+        print0(f"hpcdl: {warning.category.__name__}: {warning.message}")
 
     criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     state = runstate.TrainState(model, optimizer, scaler, preconditioner)

@@ -56,6 +56,15 @@ FLAG_ROWS = {
     "negative stall timeout": (["--stall-timeout", "-1"], "--stall-timeout must be >= 0 (got -1.0)"),
     "keep no checkpoints": (["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1 (got 0)"),
     "not-a-number learning rate": (["--base-lr", "nan"], "--base-lr must be > 0 (got nan)"),
+    "seed beyond the generator's range": (["--seed", str(2**63)],
+                                          f"argument --seed: must be an integer in [0, 2**63 - 1] (got {2**63})"),
+    "negative seed": (["--seed", "-1"], "argument --seed: must be an integer in [0, 2**63 - 1] (got -1)"),
+    "large-batch preset with a warm-up ramp": (["--kfac-preset", "large-batch", "--warmup-start-factor", "0.1"],
+                                               "--kfac-preset large-batch holds the peak rate through the warm-up: "
+                                               "--warmup-start-factor 0.1 would ramp it"),
+    "large-batch preset with K-FAC off": (["--kfac-preset", "large-batch", "--no-kfac"],
+                                          "--kfac-preset large-batch is a K-FAC recipe (its momentum 0.5 is for "
+                                          "preconditioned steps) and K-FAC is turned off"),
 }
 
 
@@ -91,6 +100,30 @@ def test_resume_without_output_dir(tmp_path: Path) -> None:
     job = Job(result, 0.0, 0.0, tmp_path)
     assert_usage_error(job, "--resume needs --output-dir")
     assert not (tmp_path / "runs").exists()  # and it did not start a fresh run somewhere
+
+
+def test_the_largest_seed_trains(tmp_path: Path) -> None:
+    """The range the check names is the generators' own: its top value trains (data order, augmentation, init)."""
+    job = bad_run(tmp_path, "--seed", str(2**63 - 1), *SHORT)
+    assert job.rc == 0, job.tail()
+    assert checkpoint_steps(tmp_path / "run") == [2]
+
+
+def test_a_grad_worker_fraction_that_does_not_divide_the_world(tmp_path: Path) -> None:
+    job = run_job(3, tmp_path / "run", "--kfac", "--kfac-grad-worker-fraction", "0.5", *SHORT)
+    assert_usage_error(job, "--kfac-grad-worker-fraction 0.5 gives 1.5 gradient workers per layer on 3 ranks",
+                       "on 3 ranks use one of 1/3, 1")
+    assert not (tmp_path / "run" / "checkpoints").exists() or not checkpoint_steps(tmp_path / "run")
+
+
+def test_a_resume_onto_a_world_the_grad_worker_fraction_does_not_divide(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    flags = ("--kfac", "--kfac-grad-worker-fraction", "0.5", "--epochs", "1")
+    first = run_job(RANKS, run_dir, *flags, "--max-steps", "2")
+    assert first.rc == 0, first.tail()
+    job = run_job(3, run_dir, *flags, "--max-steps", "4", "--resume")
+    assert_usage_error(job, "--kfac-grad-worker-fraction 0.5 gives 1.5 gradient workers per layer on 3 ranks")
+    assert checkpoint_steps(run_dir) == [2]
 
 
 # ------------------------------------------------------------------ model, fault switch, run size
