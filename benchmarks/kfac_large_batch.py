@@ -48,10 +48,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpcdl.training.config import parse_config
+from hpcdl.run import outputs
+from hpcdl.runtime.console import RankZeroParser
+from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.numbers import integer, real
+from hpcdl.training.config import parse_config, seed_value
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_MNIST_DIR = Path.home() / ".cache" / "hpcdl" / "mnist"
 DEFAULT_KFAC_PYTORCH_SITE = Path(os.environ.get("KFAC_PYTORCH_SITE", Path.home() / ".cache" / "hpcdl" / "kfac-pytorch"))
 # kfac-pytorch 0.4.2 (github.com/gpauloski/kfac-pytorch), the commit the committed results used.
@@ -549,7 +552,8 @@ def _fmt(value: float | None) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = RankZeroParser(prog="benchmarks/kfac_large_batch.py",
+                            description=__doc__.split("\n\n")[0] if __doc__ else None)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--reduced", action="store_true", help="batch 128 (known rates) and 4096 (two rates), one seed")
     mode.add_argument("--target-cell", action="store_true",
@@ -561,36 +565,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
                         help="kfac-pytorch: its K-FAC with our damping carried over (did not learn at 4096); "
                              "kfac-pytorch-native: with its README's damping and clip")
-    parser.add_argument("--batches", nargs="+", type=int, default=None,
+    parser.add_argument("--batches", nargs="+", type=integer(1), default=None,
                         help=f"global batches (default: {FULL_BATCHES}; --reduced: {REDUCED_BATCHES})")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=seed_value, default=[0, 1, 2])
     parser.add_argument("--lrs", nargs="+", default=[], metavar="METHOD=LR",
                         help="the target cell's rate per method, instead of --rates-from")
     parser.add_argument("--rates-from", type=Path,
                         help="a results .json whose best batch-4096 rates the target cell uses")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--warmup-epochs", type=float, default=0.5)
-    parser.add_argument("--evals-per-epoch", type=int, default=4,
+    parser.add_argument("--epochs", type=integer(1), default=5)
+    parser.add_argument("--warmup-epochs", type=real(0), default=0.5)
+    parser.add_argument("--evals-per-epoch", type=integer(1), default=4,
                         help="test-set evaluations per epoch (MNIST; hpcdl.train --eval-every), for the time to target")
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--model", default="mnist_cnn")
     parser.add_argument("--data-dir", type=Path, default=None, help="MNIST's IDX files (default ~/.cache/hpcdl/mnist)")
     parser.add_argument("--kfac-pytorch-site", type=Path, default=DEFAULT_KFAC_PYTORCH_SITE,
                         help="directory holding kfac-pytorch's installed `kfac` package (outside the repository)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each gets --threads threads)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--damping", type=float, default=None,
+    parser.add_argument("--jobs", type=integer(1), default=2, help="runs at a time (each gets --threads threads)")
+    parser.add_argument("--threads", type=integer(1), default=1)
+    parser.add_argument("--damping", type=real(0, low_open=True), default=None,
                         help="hpcdl's and (carried over) kfac-pytorch's (default: the preset's; 0.1 up to 512)")
-    parser.add_argument("--kl-clip", type=float, default=None,
+    parser.add_argument("--kl-clip", type=real(0, low_open=True), default=None,
                         help="hpcdl's and (carried over) kfac-pytorch's (default: the preset's, or 0.001 up to 512)")
     parser.add_argument("--kfac-flags", default="", metavar="FLAGS",
                         help="hpcdl.train flags added to hpcdl's K-FAC runs, for ablations (e.g. \"--momentum 0.9\"); "
                              "the results name what they change")
-    parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
+    parser.add_argument("--micro-batch", type=integer(1), default=MICRO_BATCH,
                         help="examples per backward pass; larger global batches accumulate")
-    parser.add_argument("--max-steps", type=int, default=None, help="cut every run short (wiring checks)")
-    parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds before a run is killed")
-    parser.add_argument("--out", type=Path, default=None, help="results path without suffix")
+    parser.add_argument("--max-steps", type=integer(1), default=None, help="cut every run short (wiring checks)")
+    parser.add_argument("--run-timeout", type=real(0, low_open=True), default=3600.0,
+                        help="seconds before a run is killed")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results path without suffix (default: a new folder under runs/bench/; "
+                             "--refresh-results replaces benchmarks/results/kfac_large_batch*)")
+    outputs.add_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the runs' commands and exit")
     parser.add_argument("--report", nargs="+", metavar="JSON[@BATCHES]",
                         help="no runs: the markdown table, verdict and plot (--out) of these results files together; "
@@ -601,8 +609,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="pip-install kfac-pytorch (a local checkout or a pip URL; default: its public source at "
                              "the commit the results used) into --kfac-pytorch-site and exit")
     args = parser.parse_args(argv)
+    check_inputs(args)
     if args.install_kfac_pytorch or args.report:
-        args.out = args.out or RESULTS / "kfac_large_batch"
         return args
     if args.dataset == "mnist" and args.data_dir is None:
         args.data_dir = DEFAULT_MNIST_DIR
@@ -615,9 +623,51 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "or leave kfac-pytorch out of --methods")
     if args.jobs < 1 or args.threads < 1 or args.epochs < 1 or args.evals_per_epoch < 1:
         parser.error("--jobs, --threads, --epochs and --evals-per-epoch must be >= 1")
-    suffix = "_reduced" if args.reduced else "_target" if args.target_cell else "_tune" if args.tune else ""
-    args.out = args.out or RESULTS / f"kfac_large_batch{suffix}"
+    if args.keep and args.out is None and not args.refresh_results:
+        parser.error("--keep adds to the results at --out: name them (or add --refresh-results for the committed ones)")
     return args
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """One line for what would otherwise fail hours later: the files read, the flags passed on, --lrs' values."""
+    for source in args.report or []:
+        name, _, only = source.partition("@")
+        if only and not all(part.isdigit() and int(part) > 0 for part in only.split(",")):
+            raise UsageError(f"--report {source}: FILE@BATCHES takes global batches such as FILE@128,512")
+        results_file(Path(name), "--report")
+    if args.rates_from is not None:
+        results_file(args.rates_from, "--rates-from")
+    for item in args.lrs:
+        method, _, value = item.partition("=")
+        try:
+            real(0, low_open=True)(value)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--lrs {item}: {exc}") from None
+    try:
+        parse_config(shlex.split(args.kfac_flags))
+    except (ValueError, UsageError) as exc:  # shlex's unbalanced quote; hpcdl.train's refusal of every K-FAC run
+        raise UsageError(f"--kfac-flags {args.kfac_flags!r}: {exc}") from None
+
+
+def results_file(path: Path, flag: str) -> None:
+    """UsageError unless ``path`` is a results .json of this study."""
+    try:
+        runs = json.loads(path.read_text())["runs"]
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{flag} {path} is not a results file of this study (JSON with a \"runs\" list)") from None
+    if not isinstance(runs, list):
+        raise UsageError(f"{flag} {path} is not a results file of this study (JSON with a \"runs\" list)")
+
+
+def output_stem(args: argparse.Namespace) -> Path:
+    """Where this study writes (hpcdl.run.outputs' rule: benchmarks/results only with --refresh-results)."""
+    suffix = ("" if args.report else "_reduced" if args.reduced else "_target" if args.target_cell
+              else "_tune" if args.tune else "")
+    return outputs.results_stem(args.out, f"kfac_large_batch{suffix}", (".png",) if args.report else
+                                (".json", ".csv", ".png"), refresh_results=args.refresh_results,
+                                force=args.force or args.keep, flag="--out")
 
 
 def target_rates(args: argparse.Namespace) -> dict[str, float]:
@@ -743,7 +793,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.install_kfac_pytorch:
         return install_kfac_pytorch(args.install_kfac_pytorch, args.kfac_pytorch_site)
     if args.report:
-        return report(args.report, args.out)
+        return report(args.report, output_stem(args))
     if args.reduced:
         cells = reduced_cells(args.methods, args.batches or REDUCED_BATCHES, args.seeds[0])
     elif args.target_cell:
@@ -758,6 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for cell in cells:
             print(" ".join(train_command(cell, args, scratch / cell.name)))
         return 0
+    args.out = output_stem(args)
     load = os.getloadavg()[0]
     print(f"{len(cells)} runs, {args.jobs} at a time, {args.threads} thread(s) each; load average {load:.1f}",
           flush=True)
@@ -793,4 +844,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, program="kfac_large_batch")
