@@ -152,6 +152,7 @@ HPCDL_IMAGE_SYSTEM_DIRS=" bin boot dev etc lib lib32 lib64 libx32 opt proc run s
 #                   destination must already exist in a read-only image: the working directory's
 #                   top folder (e.g. /work, /scratch, /home: made in every image by make image) is bound;
 #   --cd            the working directory (Apptainer keeps it by itself);
+#   --home          the host's $HOME at /home/$USER (Apptainer binds $HOME by itself);
 #   $USER           ch-run refuses to start without it.
 # Apptainer binds $HOME, /tmp and $PWD by itself, applies the image's %environment, needs --nv for
 # GPUs and no --join (its ranks share the host's user namespace).
@@ -167,7 +168,8 @@ hpcdl_chrun_words() {
     # Under srun every task sees the same SLURM_STEP_ID, whichever job: name the group by the job.
     if [ -n "${SLURM_JOB_ID:-}" ]; then HPCDL_RANK_CMD+=(--join-tag "hpcdl-$SLURM_JOB_ID-$$"); fi
   fi
-  HPCDL_RANK_CMD+=(--set-env)
+  # --home: the host's $HOME at /home/$USER, as Apptainer binds it (caches such as matplotlib's write there).
+  HPCDL_RANK_CMD+=(--set-env --home)
   for item in VIRTUAL_ENV PYTHONPATH PYTHONHOME PYTHONSTARTUP PYTHONUSERBASE 'PIP_*' 'CONDA_*' LD_LIBRARY_PATH LD_PRELOAD; do
     HPCDL_RANK_CMD+=("--unset-env=$item")
   done

@@ -40,6 +40,12 @@ fi
 
 # ---------------------------------------------------------------- the mpirun command
 hpcdl_rank_command "$hpcdl_root"
+if [ -n "$HPCDL_IMAGE" ]; then
+  # The image's MPI must be this launcher's family; the doctor inside names the launcher's version.
+  if [ "$OPEN_MPI" = 1 ]; then hpcdl_check_image_mpi openmpi "$MPIRUN"; else hpcdl_check_image_mpi mpich "$MPIRUN"; fi
+  HPCDL_HOST_MPI="$("$MPIRUN" --version 2>/dev/null | grep -v -e '^\[' -e '^ *$' | head -n 1 || true)"
+  export HPCDL_HOST_MPI
+fi
 CMD=("$MPIRUN")
 if [ "$OPEN_MPI" = 1 ]; then
   # PMIx's shared-memory store (gds ds21) takes a lock that two jobs starting at the same moment on one

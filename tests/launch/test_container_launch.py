@@ -87,7 +87,7 @@ def test_a_directory_image_runs_under_chrun_with_what_charliecloud_needs(tmp_pat
     assert result.returncode == 0, result.stderr
     line = shown_command(result)
     top = "/" + str(work.resolve()).split("/")[1]
-    assert f"ch-run --join --set-env" in line
+    assert "ch-run --join --set-env --home" in line
     for leak in ("VIRTUAL_ENV", "PYTHONPATH", "PIP_\\*", "LD_LIBRARY_PATH"):
         assert f"--unset-env={leak}" in line, line
     assert f"-b {top}:{top} --cd {work.resolve()} {image} -- python -m hpcdl.train" in line, line
@@ -184,3 +184,39 @@ def test_unknown_build_option_and_family_are_one_line() -> None:
                    "--mpi must be openmpi or mpich (got 'lam')")
     one_error_line(subprocess.run(["bash", str(BUILD), "--frobnicate"], capture_output=True, text=True, timeout=60),
                    "unknown option --frobnicate")
+
+
+# ------------------------------------------------------------------------- launch/mpirun.sh
+
+def mpirun_dry(*args: str, env: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(MPIRUN_SH), "--dry-run", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=60)
+
+
+def fake_hydra(bin_dir: Path) -> Path:
+    """An MPICH-family mpiexec as far as --version goes (what the parser and the family check read)."""
+    hydra = bin_dir / "mpiexec.hydra"
+    hydra.write_text("#!/bin/sh\nprintf 'HYDRA build details:\\n    Version:    4.0.2\\n'\n")
+    hydra.chmod(0o755)
+    return hydra
+
+
+def test_mpirun_sh_picks_chrun_for_a_directory_image(tmp_path: Path) -> None:
+    image = fake_image(tmp_path)
+    result = mpirun_dry("-np", "2", "--image", str(image), env=env_with(fake_chrun(tmp_path)))
+    assert result.returncode == 0, result.stderr
+    assert f"ch-run --join --set-env --home" in result.stderr and f"{image} -- python -m hpcdl.train" in result.stderr
+    assert "-x HPCDL_HOST_MPI" in result.stderr  # the doctor inside names the launcher
+
+
+@pytest.mark.parametrize("family, launcher", [("mpich", "open-mpi"), ("openmpi", "hydra")])
+def test_mpirun_sh_refuses_a_launcher_of_the_other_family(family: str, launcher: str, tmp_path: Path) -> None:
+    image = fake_image(tmp_path, family=family)
+    bin_dir = fake_chrun(tmp_path)
+    args = ["-np", "2", "--image", str(image)]
+    if launcher == "hydra":
+        args += ["--mpirun", str(fake_hydra(bin_dir))]
+    result = mpirun_dry(*args, env=env_with(bin_dir))
+    other = "openmpi" if family == "mpich" else "mpich"
+    one_error_line(result, f"the image's MPI is {family} but the launcher is")
+    assert f"({other} family)" in result.stderr
