@@ -10,7 +10,8 @@ host, where they talk through shared memory. Each node here is a network namespa
 address on a private 10.x.y.0/24 (the launcher's side, the bridge, is .254) and, for every command
 started in it, its own UTS namespace with the node's hostname -- two "nodes" with one hostname would
 let Open MPI's shared-memory transport cross between them. Open MPI reaches the nodes through
-``launch/vcluster-rsh`` (``--mca plm_rsh_agent``), which looks the host up in this tool's state file.
+``launch/vcluster-rsh`` (``--mca plm_rsh_agent``), which looks the host up in that one cluster's state
+file (``HPCDL_VCLUSTER``, set by ``launch/mpirun.sh --vcluster``).
 The nodes share the machine's file system, as cluster nodes share /home and /scratch, except for
 one directory, ``/run/hpcdl-vcluster/<name>.local``, which is each node's own (a bind mount in a
 mount namespace per command): node-local storage, like a compute node's /tmp.
