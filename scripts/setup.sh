@@ -201,7 +201,9 @@ else
     # PyTorch >= 2.1 headers need C++17; 0.28.1 pins C++14 (every Horovod build fix: horovod_build.py).
     "$VENV/bin/python" "$ROOT/scripts/horovod_build.py" patch-sdist "$SRC" || fail "see the line above"
     mkdir -p "$WHEEL_DIR"
-    (eval "$BUILD_ENV" && cd "$SRC" && "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps . -w "$BUILD/dist") >"$BUILD/build.log" 2>&1 ||
+    # The venv's bin first: Horovod's setup.py looks for `cmake` on PATH (the pip-installed one above),
+    # and without one it tries to download CMake (no network inside an image build).
+    (eval "$BUILD_ENV" && export PATH="$VENV/bin:$PATH" && cd "$SRC" && "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps . -w "$BUILD/dist") >"$BUILD/build.log" 2>&1 ||
       { tail -n 30 "$BUILD/build.log" >&2; fail "Horovod did not build; full log: $BUILD/build.log"; }
     cp "$BUILD"/dist/horovod-*.whl "$WHEEL_DIR/"
     WHEEL="$(find "$WHEEL_DIR" -maxdepth 1 -name 'horovod-*.whl' | head -n 1)"
