@@ -416,6 +416,24 @@ def _reduced_seconds() -> str:
     return f"{meta['seconds']:.0f} s for its {len(results('kfac_large_batch_reduced')['runs'])} runs"
 
 
+MODERN = {"muon": "Muon", "soap": "SOAP", "adamw": "AdamW"}
+
+
+@figure("lb.modern.finals")
+def _modern_finals() -> str:
+    """Final accuracy of each newer optimizer's pilot run (seed 0, batch 4096), from whichever files exist."""
+    names = sorted(p.stem for p in RESULTS.glob("kfac_large_batch_modern_*.json"))
+    finals = {o.cell.method: o.final_accuracy for o in _outcomes(*names) if o.cell.batch == 4096}
+    return ", ".join(f"{label} {percent(finals[m]) if finals[m] is not None else 'failed'}"
+                     for m, label in MODERN.items() if m in finals)
+
+
+@figure("lb.kfac.seed0")
+def _kfac_seed0() -> str:
+    run = next(o for o in _outcomes(*TARGET_CELL) if o.cell.method == "kfac" and o.cell.seed == 0)
+    return percent(run.final_accuracy)
+
+
 # ---- the input pipeline (benchmarks/loader_throughput.py) ----------------------------------------------
 
 PIPELINES = {"pil-folder": "old path: PIL decode + transforms, float32 batches",
