@@ -387,8 +387,9 @@ def cache_key(
 
 
 def mpi_id(version_output: str) -> str:
-    """'Open_MPI_4.1.4' from `mpirun --version` ('mpirun (Open MPI) 4.1.4'; 'MPICH_4.0.2' from Hydra's table), skipping warnings such as
-    '[node:123] opal_ifinit: unable to find network interfaces.' that Open MPI may print first."""
+    """'Open_MPI_4.1.4' from `mpirun --version` ('mpirun (Open MPI) 4.1.4'; 'MPICH_4.0.2' from Hydra's
+    table), skipping warnings such as '[node:123] opal_ifinit: unable to find network interfaces.' that
+    Open MPI may print first."""
     hydra = re.search(r"HYDRA build details:.*?Version:\s*(\S+)", version_output, re.S)
     if hydra:  # MPICH's mpirun (Hydra) prints a table: 'MPICH_4.0.2'
         return f"MPICH_{hydra.group(1)}"

@@ -282,6 +282,7 @@ def add_common_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
                         help="run every rank inside this container image (HPCDL_IMAGE)")
     common.add_argument("--runtime", metavar="NAME", default=e("HPCDL_RUNTIME", ""),
                         help=f"the container runtime: {_one_of(RUNTIMES)} (HPCDL_RUNTIME; default: "
+                             f"by the image's kind: charliecloud for a directory or .sqfs, else "
                              f"{' or '.join(AUTO_RUNTIMES)}, whichever is on PATH)")
     common.add_argument("--bind", metavar="LIST", default=e("HPCDL_BIND", ""),
                         help="extra container bind mounts, comma separated (HPCDL_BIND)")
@@ -386,9 +387,15 @@ def check_runtime(name: str, image: str, machine: Machine) -> str:
     if not os.path.exists(image):
         raise LaunchError(f"container image not found: {image} (build it with: apptainer build hpcdl.sif "
                           "Singularity.def)")
-    for candidate in [name] if name else AUTO_RUNTIMES:
+    # No name: by the image's kind. A directory or SquashFS file is what `make image` writes for
+    # Charliecloud (launch/common.sh); anything else is a SIF for Apptainer or Singularity.
+    charliecloud_kind = os.path.isdir(image) or image.endswith((".sqfs", ".squashfs"))
+    candidates = [name] if name else (["charliecloud"] if charliecloud_kind else list(AUTO_RUNTIMES))
+    for candidate in candidates:
         if machine.which(RUNTIMES[candidate]):
             return candidate
+    if charliecloud_kind and not name:
+        name = "charliecloud"
     if name and RUNTIMES[name] != name:
         raise LaunchError(f"no container runtime found ({name}: {RUNTIMES[name]} is not on PATH)")
     raise LaunchError(f"no container runtime found ({name or _one_of(AUTO_RUNTIMES)} not on PATH); on TACC "

@@ -140,11 +140,64 @@ def check_launcher_agrees(world_size: int, env: dict[str, str] | None = None) ->
     for name in LAUNCHER_SIZE_VARS:
         value = env.get(name, "")
         if value.isdigit() and int(value) > 1 and world_size == 1:
+            inside = image_labels().get("hpcdl.mpi.family") if env.get("HPCDL_IN_CONTAINER") == "1" else None
+            where = (f"; the image's MPI is {inside}, the launcher is {launcher_outside(env)}" if inside else "")
             raise Problem(
-                f"the launcher started {value} tasks ({name}) but MPI sees a world of 1: every rank runs alone",
+                f"the launcher started {value} tasks ({name}) but MPI sees a world of 1: every rank runs alone{where}",
                 "launch with the MPI that mpi4py and Horovod were built against (srun needs --mpi=pmix for "
                 "Open MPI; an image's MPI must be of the host launcher's family)",
             )
+
+
+# ---------------------------------------------------------------- inside an image
+
+IMAGE_FILE = Path("/opt/hpcdl/image")  # written by containers/build.sh: kind, environment and source keys
+LABELS_FILE = Path("/opt/hpcdl/labels")  # written by containers/install.sh: MPI family and versions
+
+
+def image_labels(path: Path = LABELS_FILE) -> dict[str, str]:
+    """The image's labels ('hpcdl.mpi.family' -> 'openmpi', ...), empty outside an hpcdl image."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    return dict(line.split(" ", 1) for line in lines if " " in line)
+
+
+def launcher_outside(env: dict[str, str]) -> str:
+    """Which launcher started this process, from the variables each one sets (its family is what
+    must match the image's MPI)."""
+    if env.get("OMPI_COMM_WORLD_SIZE"):
+        return f"Open MPI mpirun ({env.get('HPCDL_HOST_MPI') or 'version not passed on'})"
+    if env.get("PMIX_RANK") and env.get("SLURM_STEP_ID"):
+        return "Slurm srun --mpi=pmix"
+    if env.get("PMI_RANK") or env.get("PMI_SIZE"):
+        return "MPICH-family (PMI: mpiexec.hydra, Intel MPI, MVAPICH2, ibrun)"
+    if env.get("SLURM_STEP_ID"):
+        return "Slurm srun without an MPI plugin (--mpi=pmix missing?)"
+    return "none (one process)"
+
+
+def container_rows(env: dict[str, str], mpi_library: str, world_size: int,
+                   image_file: Path = IMAGE_FILE, labels_file: Path = LABELS_FILE) -> list[Row]:
+    """Which image, which MPI inside and which launcher outside, and whether they talk; [] on the host."""
+    if env.get("HPCDL_IN_CONTAINER") != "1":
+        return []
+    try:
+        image = image_file.read_text().strip()
+    except OSError:
+        image = env.get("HPCDL_IMAGE_KIND", "an hpcdl image without /opt/hpcdl/image")
+    labels = image_labels(labels_file)
+    inside = labels.get("hpcdl.mpi.family", "?")
+    launched = launcher.first_number(LAUNCHER_SIZE_VARS, env)
+    talk = (f"yes: MPI sees the {world_size} rank(s) the launcher started" if launched in (None, world_size)
+            else f"NO: the launcher started {launched}, MPI sees {world_size}")
+    return [
+        Row("image", image),
+        Row("MPI inside", f"{inside}: {mpi_library}"),
+        Row("launcher outside", launcher_outside(env)),
+        Row("inside and outside talk", talk),
+    ]
 
 
 def cuda_devices() -> list[str]:
@@ -254,7 +307,13 @@ def diagnose(expect_gpu: bool) -> int:
     from hpcdl.runtime import world as world_module
 
     world = world_module.init()
-    check_launcher_agrees(world.size)
+    try:
+        check_launcher_agrees(world.size)
+    except Problem as problem:
+        # Every rank is "rank 0 of 1" here: only the launcher's rank 0 says it, once.
+        if not launcher.first_number(launcher.RANK_VARS):
+            print(f"doctor: {problem}", file=sys.stderr)
+        return 1
     comm = world_module.comm()
     rows = placement.gather_rows(world, comm)  # collective; a broken GPU becomes a row's `problem`
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
@@ -285,6 +344,7 @@ def diagnose(expect_gpu: bool) -> int:
                 Row("MPI thread level", THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
                 Row("CUDA devices", ", ".join(cuda_devices()) or "none (CPU)"),
                 Row("world size", str(world.size)),
+                *container_rows(dict(os.environ), MPI.Get_library_version().splitlines()[0].strip(), world.size),
             ],
         )
         print_nodes(node_rows)

@@ -11,6 +11,7 @@ data, few and short runs:
     limit checkpoints inside the image, requeues the job, and it resumes to the end.
 """
 
+# ruff: noqa: F811 - pytest fixtures imported by name and taken as arguments
 from __future__ import annotations
 
 import json
@@ -131,7 +132,7 @@ def test_a_lost_node_ends_the_containerised_job_naming_it(make_vcluster, hpcdl_i
 
 @pytest.mark.timeout(500)
 def test_slurm_job_in_the_image_checkpoints_on_sigusr1_requeues_and_resumes(
-        slurm: SlurmCluster, hpcdl_image: Path, tmp_path: Path) -> None:  # noqa: F811
+        slurm: SlurmCluster, hpcdl_image: Path, tmp_path: Path) -> None:
     epochs = 4
     env = {key: "" for key in os.environ if key.startswith("HPCDL_")}  # no launch settings of the caller's
     env.update(OMP_NUM_THREADS="1")

@@ -175,7 +175,8 @@ def test_build_without_root_is_one_line(tmp_path: Path) -> None:
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root to drop to another user (setpriv)")
     result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(BUILD)],
-                            capture_output=True, text=True, timeout=60, cwd="/", env=dict(os.environ, HOME=str(tmp_path)))
+                            capture_output=True, text=True, timeout=60, cwd="/",
+                            env=dict(os.environ, HOME=str(tmp_path)))
     one_error_line(result, "building the image needs root")
 
 
@@ -205,7 +206,7 @@ def test_mpirun_sh_picks_chrun_for_a_directory_image(tmp_path: Path) -> None:
     image = fake_image(tmp_path)
     result = mpirun_dry("-np", "2", "--image", str(image), env=env_with(fake_chrun(tmp_path)))
     assert result.returncode == 0, result.stderr
-    assert f"ch-run --join --set-env --home" in result.stderr and f"{image} -- python -m hpcdl.train" in result.stderr
+    assert "ch-run --join --set-env --home" in result.stderr and f"{image} -- python -m hpcdl.train" in result.stderr
     assert "-x HPCDL_HOST_MPI" in result.stderr  # the doctor inside names the launcher
 
 

@@ -47,10 +47,11 @@ def test_the_sdist_patch_refuses_what_it_does_not_know(tmp_path: Path) -> None:
 
 
 def test_the_patch_command_line_is_one_line_on_error(tmp_path: Path) -> None:
-    ok = subprocess.run([sys.executable, str(REPO / "scripts/horovod_build.py"), "patch-sdist", str(fake_sdist(tmp_path))],
+    script = str(REPO / "scripts/horovod_build.py")
+    ok = subprocess.run([sys.executable, script, "patch-sdist", str(fake_sdist(tmp_path))],
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "2 file(s) changed" in ok.stderr
-    bad = subprocess.run([sys.executable, str(REPO / "scripts/horovod_build.py"), "patch-sdist", str(tmp_path / "x")],
+    bad = subprocess.run([sys.executable, script, "patch-sdist", str(tmp_path / "x")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
@@ -62,7 +63,8 @@ def test_setup_patches_through_horovod_build_only() -> None:
 
 
 def test_mpi_ids_name_family_and_version() -> None:
-    assert horovod_build.mpi_id("mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/\n") == "Open_MPI_4.1.4"
+    open_mpi = "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/\n"
+    assert horovod_build.mpi_id(open_mpi) == "Open_MPI_4.1.4"
     assert horovod_build.mpi_id(HYDRA_VERSION) == "MPICH_4.0.2"
 
 
