@@ -21,6 +21,8 @@
 #   HPCDL_BIND     extra bind mounts for the container, comma separated SRC[:DST] (e.g. /scratch,/work)
 #   HPCDL_NV       1/0: pass --nv to the runtime   default: 1 when nvidia-smi exists
 #   HPCDL_DRY_RUN  1 = print the command, do not run it
+#   HPCDL_JOIN_CT  ranks per host for ch-run --join where the launcher does not say it (mpirun.sh sets it
+#                  for MPICH-family launchers; Open MPI and Slurm set variables ch-run reads)
 
 HPCDL_ENTRY="${HPCDL_ENTRY:-hpcdl.train}"
 HPCDL_IMAGE="${HPCDL_IMAGE:-}"
@@ -165,6 +167,8 @@ hpcdl_chrun_words() {
   # (frontera-rtx.sbatch --launcher image-mpirun, argument 1 > 0) there is one ch-run: nothing to join.
   if [ "${1:-0}" = 0 ]; then
     HPCDL_RANK_CMD+=(--join)
+    # ch-run counts its peers from Open MPI's or Slurm's variables; other launchers say it here.
+    if [ -n "${HPCDL_JOIN_CT:-}" ]; then HPCDL_RANK_CMD+=(--join-ct "$HPCDL_JOIN_CT"); fi
     # Under srun every task sees the same SLURM_STEP_ID, whichever job: name the group by the job.
     if [ -n "${SLURM_JOB_ID:-}" ]; then HPCDL_RANK_CMD+=(--join-tag "hpcdl-$SLURM_JOB_ID-$$"); fi
   fi

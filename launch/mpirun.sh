@@ -39,6 +39,8 @@ if [ -n "$VCLUSTER" ]; then
 fi
 
 # ---------------------------------------------------------------- the mpirun command
+# ch-run --join learns the ranks per host from Open MPI's variables; MPICH's Hydra sets none it reads.
+if [ "$OPEN_MPI" != 1 ] && [[ "$RANKS_PER_HOST" =~ ^[0-9]+$ ]]; then HPCDL_JOIN_CT="$RANKS_PER_HOST"; fi
 hpcdl_rank_command "$hpcdl_root"
 if [ -n "$HPCDL_IMAGE" ]; then
   # The image's MPI must be this launcher's family; the doctor inside names the launcher's version.
