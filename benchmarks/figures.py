@@ -239,6 +239,13 @@ for _name, _key in (("kfac_convergence_mnist", "mnist1"), ("kfac_convergence_mni
     FIGURES[f"{_key}.cpu"] = functools.partial(lambda n: times(results(n)["verdict"]["median_cpu_ratio"]), _name)
 
 
+@figure("mnist.hpcdl_s0")
+def _mnist_hpcdl_s0() -> str:
+    """Epochs to 99.0 % of the first batch-128 pair rerun through hpcdl.train (seed 0)."""
+    pair = results("kfac_convergence_mnist_hpcdl_train_s0")["verdict"]["pairs"][0]
+    return f"SGD {pair['sgd_epochs']:g} vs K-FAC {pair['kfac_epochs']:g} epochs"
+
+
 @figure("mnist.budgets")
 def _budgets() -> str:
     rows = [(f"{n} epoch{'s' if n > 1 else ''}", *_mnist_budget(f"kfac_convergence_mnist_budget{n}")) for n in (1, 2)]
