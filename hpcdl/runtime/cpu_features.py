@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-SLOW_BF16_WARNING = ("warning: --amp bf16 on a CPU without native bf16 (no AVX512_BF16, AMX or Arm BF16) is about "
-                     "12x slower than fp32 here; leave --amp off on this CPU")
+SLOW_BF16_WARNING = ("warning: --amp bf16 on a CPU without native bf16 (no AVX512_BF16, AMX or Arm BF16) runs about "
+                     "12x slower than fp32; leave --amp off on this CPU")
 
 
 def native_bf16() -> bool:
