@@ -221,3 +221,23 @@ def test_mpirun_sh_refuses_a_launcher_of_the_other_family(family: str, launcher:
     other = "openmpi" if family == "mpich" else "mpich"
     one_error_line(result, f"the image's MPI is {family} but the launcher is")
     assert f"({other} family)" in result.stderr
+
+
+def test_the_documented_container_commands_are_the_ones_the_tests_run() -> None:
+    """docs/cluster.md's Charliecloud commands, checked against what tests/cluster/test_container_runs.py runs."""
+    docs = (REPO / "docs" / "cluster.md").read_text()
+    runs = (REPO / "tests" / "cluster" / "test_container_runs.py").read_text()
+    block = docs[docs.index("IMG=$(make -s image | tail -n 1)"):]
+    block = block[:block.index("```")]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()[1:] if line.strip()]
+    assert commands == ["launch/mpirun.sh -np 4 --image $IMG --entry hpcdl.doctor",
+                        "launch/mpirun.sh -np 2 --image $IMG -- --epochs 2",
+                        "sbatch launch/slurm.sbatch --image $IMG -- --epochs 4"], commands
+    # The same launchers and flags in the tests (the image comes from the same build: make image = build.sh).
+    assert '"-np", "4", "--image", str(hpcdl_image), "--entry", "hpcdl.doctor"' in runs
+    assert '"-np", "2", *extra, "--", *TRAIN, "--epochs", "2"' in runs and '"--image", str(hpcdl_image)' in runs
+    assert 'REPO / "launch" / "slurm.sbatch"' in runs
+    assert '"--image", str(hpcdl_image), "--", *TRAIN, "--epochs", str(epochs)' in runs
+    assert "epochs = 4" in runs
+    make = subprocess.run(["make", "-n", "-s", "image"], capture_output=True, text=True, cwd=REPO)
+    assert make.stdout.strip() == "bash containers/build.sh", make.stdout
