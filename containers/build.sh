@@ -95,6 +95,7 @@ say "hpcdl-$VARIANT image: environment $ENV_KEY, source $SRC_KEY ($IMAGES)"
 SCRATCH=""
 cleanup() { if [ -n "$SCRATCH" ] && [ -e "$SCRATCH" ]; then rm -rf --one-file-system "$SCRATCH"; fi; }
 trap cleanup EXIT
+trap 'exit 143' TERM INT HUP # so that the EXIT trap removes the scratch on a kill too
 
 copy_source() { # DEST: the repository's files, as Singularity.def's %files copies them
   mkdir -p "$1"
