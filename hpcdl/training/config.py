@@ -33,7 +33,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                       warmup_epochs=0.0, weight_decay=5e-4),
 }
 # What ``--kfac-preset`` changes, over the dataset's preset (given flags win). large-batch: K-FAC on, with
-# the settings measured at a global batch of 4096 on MNIST (docs/kfac.md, "Large global batches"): factors
+# the settings measured at a global batch of 4096 on MNIST (benchmarks/results/kfac_large_batch.md): factors
 # (the default) and decompositions every step, the factors' statistics from 512 examples per pass (which
 # keeps a step's cost near 1.1x SGD's), damping 0.003, a KL clip ten times the default's, and
 # momentum 0.5 (a preconditioned step needs less of it than SGD's 0.9).

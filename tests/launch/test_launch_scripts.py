@@ -424,7 +424,7 @@ def test_missing_container_runtime_is_a_clear_error(tmp_path: Path, fakes: Path)
     assert result.returncode == 2
     assert result.stderr == ("error: --runtime must be apptainer, singularity or charliecloud, "
                              "got 'no-such-runtime'\n")
-    # A runtime it knows but cannot run here: refused before mpirun starts (tests/runtime/test_launch_args.py
+    # A runtime it knows but cannot run here: refused before mpirun starts (tests/launch/test_launch_args.py
     # checks every runtime with a PATH of its own; here, what this machine lacks).
     for runtime, program in (("singularity", "singularity"), ("charliecloud", "ch-run")):
         (fakes / program).unlink(missing_ok=True)
