@@ -147,11 +147,11 @@ def test_no_import_cycle() -> None:
 
 
 @pytest.mark.parametrize("edges, expected", [
-    ({"hpcdl.runtime.world": {"hpcdl.run.checkpoint"}, "hpcdl.run.checkpoint": set()},
-     ["hpcdl.runtime.world (runtime) imports hpcdl.run.checkpoint (run)"]),
+    ({"hpcdl.runtime.world": {"hpcdl.run.checkpoint_files"}, "hpcdl.run.checkpoint_files": set()},
+     ["hpcdl.runtime.world (runtime) imports hpcdl.run.checkpoint_files (run)"]),
     ({"hpcdl.data.spec": {"hpcdl.collectives.ring"}, "hpcdl.collectives.ring": set()},
      ["hpcdl.data.spec (data) imports hpcdl.collectives.ring (collectives)"]),
-    ({"hpcdl.training.job": {"hpcdl.run.checkpoint"}, "hpcdl.run.checkpoint": set()}, []),
+    ({"hpcdl.training.job": {"hpcdl.run.checkpoint_files"}, "hpcdl.run.checkpoint_files": set()}, []),
 ])
 def test_the_layer_check_catches_an_upward_or_sideways_import(edges, expected) -> None:
     assert upward_imports(edges) == expected

@@ -56,11 +56,11 @@ def batches(workers: int) -> Iterator[Any]:
 def write_checkpoint(directory: Path, step: int, size: int) -> Path:
     import torch
 
-    from hpcdl.run import checkpoint
+    from hpcdl.run import checkpoint_files
 
     state = {"model": {"w": torch.zeros(4)}, "optimizer": {}, "epoch": 0, "step_in_epoch": step, "global_step": step,
              "config": {}, "world_size": size}
-    return checkpoint.save(directory, state, keep=1)
+    return checkpoint_files.save(directory, state, keep=1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,7 +5,7 @@ GradScaler, a K-FAC preconditioner, the run's progress. A checkpoint is one dict
 header (what the file is and what produced it), ``run_id``, ``global_step``, ``world_size``, each
 part's state under its name (None for a part the run does not have) and every rank's random
 state under ``rng``. What the parts mean, and what a resume may change, is the caller's business
-(:mod:`hpcdl.training.runstate` for training). Files are written by :mod:`hpcdl.run.checkpoint`.
+(:mod:`hpcdl.training.runstate` for training). Files are written by :mod:`hpcdl.run.checkpoint_files`.
 
 Both directions are collective: rank 0 writes or reads, every rank learns how it went, and a
 failure is the same one-line error on every rank (:func:`~hpcdl.runtime.errors.rank0_then_all`).
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hpcdl.run import checkpoint
+from hpcdl.run import checkpoint_files
 from hpcdl.runtime.errors import StorageError, UsageError, describe, rank0_then_all
 from hpcdl.runtime.faults import FaultInjector
 from hpcdl.runtime.watchdog import StallWatchdog
@@ -52,7 +52,7 @@ class Checkpointer:
 
     def __init__(self, run_path: Path, run_id: str, comm: Any, keep: int,
                  watchdog: StallWatchdog | None = None, faults: FaultInjector | None = None) -> None:
-        self.directory = checkpoint.checkpoint_dir(run_path)
+        self.directory = checkpoint_files.checkpoint_dir(run_path)
         self.run_id = run_id
         self.comm = comm
         self.keep = keep
@@ -77,8 +77,8 @@ class Checkpointer:
                      "rng": rng}
             hook = self.faults.while_saving(global_step) if self.faults is not None else None
             try:
-                checkpoint.save(self.directory, state, self.keep, before_rename=hook, run_id=self.run_id)
-            except checkpoint.CheckpointError as exc:
+                checkpoint_files.save(self.directory, state, self.keep, before_rename=hook, run_id=self.run_id)
+            except checkpoint_files.CheckpointError as exc:
                 print(f"hpcdl: not saving: {exc}", flush=True)
             except (OSError, RuntimeError) as exc:  # torch reports a failed write (e.g. ENOSPC) as RuntimeError
                 raise StorageError(f"could not write the checkpoint of step {global_step} to {self.directory} "
@@ -93,8 +93,8 @@ class Checkpointer:
         """Rank 0 reads the newest readable checkpoint, ``check``s it and broadcasts it (None: there is none)."""
 
         def read() -> dict[str, Any] | None:
-            found = checkpoint.list_checkpoints(self.directory)
-            state, path = checkpoint.load_latest(self.directory, set_aside=True)
+            found = checkpoint_files.list_checkpoints(self.directory)
+            state, path = checkpoint_files.load_latest(self.directory, set_aside=True)
             if state is None and found:
                 raise UsageError(f"none of the {len(found)} checkpoint(s) in {self.directory} is readable (see "
                                  "above); move them away to start from scratch")

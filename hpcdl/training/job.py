@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from hpcdl.data import DataSpec, InputPipeline, build_pipeline
-from hpcdl.run import checkpoint
+from hpcdl.run import checkpoint_files
 from hpcdl.run.checkpointer import Checkpointer
 from hpcdl.run.metrics import RunRecord
 from hpcdl.run.rundir import RunDir, claim
@@ -178,7 +178,7 @@ def check_grad_workers(config: TrainConfig, world_size: int) -> None:
 
 def refuse_earlier_checkpoints(path: Path, is_root: bool) -> None:
     """A new run must not mix its checkpoints with an earlier run's (the earlier ones would be pruned as its own)."""
-    if is_root and checkpoint.list_checkpoints(checkpoint.checkpoint_dir(path)):
+    if is_root and checkpoint_files.list_checkpoints(checkpoint_files.checkpoint_dir(path)):
         raise UsageError(f"{path} already holds checkpoints of an earlier run: add --resume to continue it, or "
                          "choose another --output-dir")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpcdl.run import checkpoint
+from hpcdl.run import checkpoint_files
 from hpcdl.run.checkpointer import Checkpointer, load_parts, rng_state, set_rng_state
 from hpcdl.runtime.errors import StorageError, UsageError
 from tests.support.comm import OneRank
@@ -47,7 +47,7 @@ def test_only_the_newest_are_kept_and_the_check_sees_the_newest(tmp_path: Path) 
     saver = Checkpointer(tmp_path, "run-1", OneRank(), keep=2)
     for step in (1, 2, 3):
         saver.save(parts(step), {}, global_step=step)
-    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(saver.directory)] == [3, 2]
+    assert [checkpoint_files.step_of(p) for p in checkpoint_files.list_checkpoints(saver.directory)] == [3, 2]
     seen = []
     saver.read_latest(lambda state, path: seen.append((state["global_step"], path.name)))
     assert seen == [(3, "ckpt-000000003.pt")]
@@ -63,7 +63,7 @@ def test_a_failed_write_is_a_storage_error_and_leaves_the_earlier_checkpoint(tmp
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(StorageError, match=r"could not write the checkpoint of step 2 to .*checkpoints \(.*No space"):
         saver.save(parts(0), {}, global_step=2)
-    assert [p.name for p in checkpoint.list_checkpoints(saver.directory)] == ["ckpt-000000001.pt"]
+    assert [p.name for p in checkpoint_files.list_checkpoints(saver.directory)] == ["ckpt-000000001.pt"]
 
 
 def test_none_readable_is_one_line_and_no_checkpoint_is_none(tmp_path: Path) -> None:

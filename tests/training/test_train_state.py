@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpcdl.run import checkpoint
+from hpcdl.run import checkpoint_files
 from hpcdl.run.checkpointer import Checkpointer
 from hpcdl.training import runstate
 from hpcdl.training.config import TrainConfig
@@ -43,7 +43,7 @@ def test_a_saved_checkpoint_has_the_documented_layout(tmp_path: Path) -> None:
     state = train_state(0)
     state.progress.global_step, state.progress.epoch = 12, 1
     runstate.save(state, Checkpointer(tmp_path, "run-a", OneRank(), keep=1), TrainConfig())
-    saved = torch.load(checkpoint.list_checkpoints(tmp_path / "checkpoints")[0], weights_only=True)
+    saved = torch.load(checkpoint_files.list_checkpoints(tmp_path / "checkpoints")[0], weights_only=True)
     assert set(saved) == DOCUMENTED
     assert (saved["format"], saved["format_version"], saved["global_step"]) == (FORMAT, FORMAT_VERSION, 12)
     assert saved["progress"] == dataclasses.asdict(state.progress)
@@ -60,7 +60,7 @@ def test_a_file_in_the_documented_layout_restores_with_the_changes_applied(tmp_p
         "model": source.model.state_dict(), "optimizer": source.optimizer.state_dict(), "scaler": None, "kfac": None,
         "rng": [rng],
     }
-    checkpoint.save(tmp_path / "checkpoints", old, keep=1)
+    checkpoint_files.save(tmp_path / "checkpoints", old, keep=1)
     expected_next = torch.rand(2)  # what the restored RNG state gives
 
     config = dataclasses.replace(TrainConfig(), weight_decay=5e-4, epochs=30)

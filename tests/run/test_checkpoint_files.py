@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdl.run import atomic, checkpoint
-from hpcdl.run.checkpoint import CheckpointError
+from hpcdl.run import atomic, checkpoint_files
+from hpcdl.run.checkpoint_files import CheckpointError
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
@@ -36,56 +36,56 @@ def names(directory: Path) -> list[str]:
 
 
 def test_save_then_read_round_trip_leaves_only_the_final_file(tmp_path: Path) -> None:
-    path = checkpoint.save(tmp_path, state(7, 3.0), keep=3)
+    path = checkpoint_files.save(tmp_path, state(7, 3.0), keep=3)
     assert path.name == "ckpt-000000007.pt" and names(tmp_path) == ["ckpt-000000007.pt"]
-    loaded = checkpoint.read(path)
+    loaded = checkpoint_files.read(path)
     assert loaded["global_step"] == 7 and torch.equal(loaded["model"]["w"], torch.full((4, 4), 3.0))
 
 
 def test_keep_k_prunes_the_oldest(tmp_path: Path) -> None:
     for step in (10, 20, 30, 40, 50):
-        checkpoint.save(tmp_path, state(step), keep=2)
+        checkpoint_files.save(tmp_path, state(step), keep=2)
     assert names(tmp_path) == ["ckpt-000000040.pt", "ckpt-000000050.pt"]
-    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [50, 40]
+    assert [checkpoint_files.step_of(p) for p in checkpoint_files.list_checkpoints(tmp_path)] == [50, 40]
 
 
 def test_pruning_never_deletes_the_file_just_written(tmp_path: Path) -> None:
     """Even when a higher-numbered file is in the folder (set aside by hand, say), the new one stays."""
-    checkpoint.save(tmp_path, state(100), keep=1)
-    written = checkpoint.save(tmp_path, state(30), keep=1)
+    checkpoint_files.save(tmp_path, state(100), keep=1)
+    written = checkpoint_files.save(tmp_path, state(30), keep=1)
     assert written.exists()
 
 
 def test_non_finite_model_is_refused_and_good_checkpoints_stay(tmp_path: Path) -> None:
-    good = checkpoint.save(tmp_path, state(10), keep=3)
+    good = checkpoint_files.save(tmp_path, state(10), keep=3)
     before = good.read_bytes()
     for bad in (float("nan"), float("inf")):
         with pytest.raises(CheckpointError, match="non-finite"):
-            checkpoint.save(tmp_path, state(20, bad), keep=1)
+            checkpoint_files.save(tmp_path, state(20, bad), keep=1)
     assert names(tmp_path) == ["ckpt-000000010.pt"] and good.read_bytes() == before
 
 
 def test_a_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     """The process dies (here: raises) after writing the temporary file: no new name ever appears."""
-    checkpoint.save(tmp_path, state(10), keep=3)
+    checkpoint_files.save(tmp_path, state(10), keep=3)
 
     def crash(temporary: Path) -> None:
         assert temporary.exists() and temporary.name.startswith(".ckpt-000000020.pt.tmp-")
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, state(20), keep=3, before_rename=crash)
+        checkpoint_files.save(tmp_path, state(20), keep=3, before_rename=crash)
     assert names(tmp_path) == ["ckpt-000000010.pt"]
-    assert checkpoint.load_latest(tmp_path)[1].name == "ckpt-000000010.pt"
+    assert checkpoint_files.load_latest(tmp_path)[1].name == "ckpt-000000010.pt"
 
 
 def test_leftover_temporary_of_a_killed_writer_is_ignored_then_removed(tmp_path: Path) -> None:
     """Callers that pass no run id (pid-named temporaries) keep the behaviour they had."""
-    checkpoint.save(tmp_path, state(10), keep=3)
+    checkpoint_files.save(tmp_path, state(10), keep=3)
     leftover = tmp_path / ".ckpt-000000020.pt.tmp-4242"
     leftover.write_bytes(b"half a checkpoint")
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-000000010.pt"]
-    checkpoint.save(tmp_path, state(20), keep=3)
+    assert [p.name for p in checkpoint_files.list_checkpoints(tmp_path)] == ["ckpt-000000010.pt"]
+    checkpoint_files.save(tmp_path, state(20), keep=3)
     assert names(tmp_path) == ["ckpt-000000010.pt", "ckpt-000000020.pt"]
 
 
@@ -97,14 +97,14 @@ def test_temporaries_carry_the_run_id_and_clean_up_spares_other_runs(tmp_path: P
     """Two runs writing one folder (which the run-directory lock prevents, but a clean-up must never make
     worse): a run removes its own abandoned temporary, never the other's, which may be mid-write."""
     seen: list[str] = []
-    checkpoint.save(tmp_path, state(10), keep=3, run_id=MINE, before_rename=lambda t: seen.append(t.name))
+    checkpoint_files.save(tmp_path, state(10), keep=3, run_id=MINE, before_rename=lambda t: seen.append(t.name))
     assert seen == [f".ckpt-000000010.pt.tmp-{MINE}"]
     mine = tmp_path / f".ckpt-000000015.pt.tmp-{MINE}"
     theirs = tmp_path / f".ckpt-000000015.pt.tmp-{OTHER}"
     legacy = tmp_path / ".ckpt-000000015.pt.tmp-4242"
     for path in (mine, theirs, legacy):
         path.write_bytes(b"half a checkpoint")
-    checkpoint.save(tmp_path, state(20), keep=3, run_id=MINE)
+    checkpoint_files.save(tmp_path, state(20), keep=3, run_id=MINE)
     assert names(tmp_path) == sorted([legacy.name, theirs.name, "ckpt-000000010.pt", "ckpt-000000020.pt"])
 
 
@@ -136,11 +136,11 @@ def _disk_fails(code: int, as_torch_does: bool):
 def test_a_failed_write_is_one_line_naming_the_file_and_leaves_the_previous_checkpoint(
     tmp_path: Path, monkeypatch, code: int, as_torch_does: bool, words: str
 ) -> None:
-    good = checkpoint.save(tmp_path, state(10), keep=1, run_id=MINE)
+    good = checkpoint_files.save(tmp_path, state(10), keep=1, run_id=MINE)
     before = good.read_bytes()
-    monkeypatch.setattr(checkpoint.torch, "save", _disk_fails(code, as_torch_does))
+    monkeypatch.setattr(checkpoint_files.torch, "save", _disk_fails(code, as_torch_does))
     with pytest.raises(atomic.WriteError) as raised:
-        checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
+        checkpoint_files.save(tmp_path, state(20), keep=1, run_id=MINE)
     line = str(raised.value)
     assert line.startswith(f"cannot write {tmp_path / 'ckpt-000000020.pt'}: {words}")
     assert "\n" not in line and raised.value.errno == code and isinstance(raised.value, OSError)
@@ -155,7 +155,7 @@ def test_a_failed_write_is_one_line_naming_the_file_and_leaves_the_previous_chec
     ],
 )
 def test_a_folder_that_refuses_new_files(tmp_path: Path, monkeypatch, code: int, words: str) -> None:
-    good = checkpoint.save(tmp_path, state(10), keep=1, run_id=MINE)
+    good = checkpoint_files.save(tmp_path, state(10), keep=1, run_id=MINE)
     real_open = os.open
 
     def refusing_open(path, flags, *args, **kwargs):
@@ -169,8 +169,8 @@ def test_a_folder_that_refuses_new_files(tmp_path: Path, monkeypatch, code: int,
         match=rf"^cannot write {re.escape(str(tmp_path))}/ckpt-000000020.pt: "
         rf"{re.escape(words)}",
     ):
-        checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
-    assert names(tmp_path) == ["ckpt-000000010.pt"] and checkpoint.read(good)["global_step"] == 10
+        checkpoint_files.save(tmp_path, state(20), keep=1, run_id=MINE)
+    assert names(tmp_path) == ["ckpt-000000010.pt"] and checkpoint_files.read(good)["global_step"] == 10
 
 
 def test_an_uncreatable_checkpoint_folder_is_one_line(tmp_path: Path) -> None:
@@ -179,23 +179,23 @@ def test_an_uncreatable_checkpoint_folder_is_one_line(tmp_path: Path) -> None:
         atomic.WriteError,
         match=r"cannot write .*file/checkpoints: Not a directory \(ENOTDIR\): a component of the path is a file",
     ):
-        checkpoint.save(tmp_path / "file" / "checkpoints", state(10), keep=1)
+        checkpoint_files.save(tmp_path / "file" / "checkpoints", state(10), keep=1)
 
 
 def test_a_failed_rename_leaves_no_temporary(tmp_path: Path, monkeypatch) -> None:
-    checkpoint.save(tmp_path, state(10), keep=1, run_id=MINE)
+    checkpoint_files.save(tmp_path, state(10), keep=1, run_id=MINE)
 
     def refuse(src, dst) -> None:
         raise OSError(errno.EACCES, os.strerror(errno.EACCES))
 
     monkeypatch.setattr(os, "replace", refuse)
     with pytest.raises(atomic.WriteError, match="Permission denied"):
-        checkpoint.save(tmp_path, state(20), keep=1, run_id=MINE)
+        checkpoint_files.save(tmp_path, state(20), keep=1, run_id=MINE)
     assert names(tmp_path) == ["ckpt-000000010.pt"]
 
 
 def test_pruning_that_fails_only_warns(tmp_path: Path, monkeypatch, capsys) -> None:
-    checkpoint.save(tmp_path, state(10), keep=1)
+    checkpoint_files.save(tmp_path, state(10), keep=1)
     real_unlink = Path.unlink
 
     def unlink(self: Path, missing_ok: bool = False) -> None:
@@ -204,7 +204,7 @@ def test_pruning_that_fails_only_warns(tmp_path: Path, monkeypatch, capsys) -> N
         real_unlink(self, missing_ok=missing_ok)
 
     monkeypatch.setattr(Path, "unlink", unlink)
-    checkpoint.save(tmp_path, state(20), keep=1)
+    checkpoint_files.save(tmp_path, state(20), keep=1)
     assert names(tmp_path) == ["ckpt-000000010.pt", "ckpt-000000020.pt"]
     assert "hpcdl: warning: could not prune" in capsys.readouterr().err
 
@@ -226,10 +226,10 @@ def test_text_results_are_written_atomically(tmp_path: Path, monkeypatch) -> Non
 
 
 def test_truncated_newest_is_skipped_saying_so(tmp_path: Path, capsys) -> None:
-    checkpoint.save(tmp_path, state(10), keep=3)
-    newest = checkpoint.save(tmp_path, state(20), keep=3)
+    checkpoint_files.save(tmp_path, state(10), keep=3)
+    newest = checkpoint_files.save(tmp_path, state(20), keep=3)
     newest.write_bytes(newest.read_bytes()[:100])
-    loaded, path = checkpoint.load_latest(tmp_path)
+    loaded, path = checkpoint_files.load_latest(tmp_path)
     assert path.name == "ckpt-000000010.pt" and loaded["global_step"] == 10
     assert "hpcdl: skipping checkpoint: ckpt-000000020.pt is unreadable" in capsys.readouterr().err
     assert newest.exists()  # without set_aside nothing is renamed
@@ -237,21 +237,21 @@ def test_truncated_newest_is_skipped_saying_so(tmp_path: Path, capsys) -> None:
 
 def test_set_aside_renames_only_unreadable_files_newer_than_the_one_used(tmp_path: Path, capsys) -> None:
     for step in (10, 20, 30):
-        checkpoint.save(tmp_path, state(step), keep=5)
+        checkpoint_files.save(tmp_path, state(step), keep=5)
     (tmp_path / "ckpt-000000030.pt").write_bytes(b"")
-    loaded, path = checkpoint.load_latest(tmp_path, set_aside=True)
+    loaded, path = checkpoint_files.load_latest(tmp_path, set_aside=True)
     assert path.name == "ckpt-000000020.pt"
     assert names(tmp_path) == ["ckpt-000000010.pt", "ckpt-000000020.pt", "ckpt-000000030.pt.unreadable"]
     assert "set ckpt-000000030.pt aside as ckpt-000000030.pt.unreadable" in capsys.readouterr().err
     # The next save of step 30 is not pruned by a stale, unreadable "newest" file.
-    checkpoint.save(tmp_path, state(30), keep=2)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-000000030.pt", "ckpt-000000020.pt"]
+    checkpoint_files.save(tmp_path, state(30), keep=2)
+    assert [p.name for p in checkpoint_files.list_checkpoints(tmp_path)] == ["ckpt-000000030.pt", "ckpt-000000020.pt"]
 
 
 def test_no_readable_checkpoint_renames_nothing(tmp_path: Path) -> None:
     for step in (10, 20):
-        checkpoint.save(tmp_path, state(step), keep=5).write_bytes(b"garbage")
-    assert checkpoint.load_latest(tmp_path, set_aside=True) == (None, None)
+        checkpoint_files.save(tmp_path, state(step), keep=5).write_bytes(b"garbage")
+    assert checkpoint_files.load_latest(tmp_path, set_aside=True) == (None, None)
     assert names(tmp_path) == ["ckpt-000000010.pt", "ckpt-000000020.pt"]
 
 
@@ -268,18 +268,18 @@ class RunsCode:
 def test_a_checkpoint_that_would_run_code_is_refused_unexecuted(tmp_path: Path) -> None:
     marker = tmp_path / "it-ran"
     folder = tmp_path / "checkpoints"
-    checkpoint.save(folder, state(10), keep=3)
+    checkpoint_files.save(folder, state(10), keep=3)
     torch.save({**state(20), "payload": RunsCode(marker)}, folder / "ckpt-000000020.pt")
     with pytest.raises(CheckpointError, match=r"ckpt-000000020.pt is unreadable \(UnpicklingError"):
-        checkpoint.read(folder / "ckpt-000000020.pt")
-    assert checkpoint.load_latest(folder)[1].name == "ckpt-000000010.pt"
+        checkpoint_files.read(folder / "ckpt-000000020.pt")
+    assert checkpoint_files.load_latest(folder)[1].name == "ckpt-000000010.pt"
     assert not marker.exists()
 
 
 def test_a_torch_file_that_is_not_an_hpcdl_checkpoint(tmp_path: Path) -> None:
     torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "ckpt-000000005.pt")
     with pytest.raises(CheckpointError, match="ckpt-000000005.pt is not an hpcdl checkpoint"):
-        checkpoint.read(tmp_path / "ckpt-000000005.pt")
+        checkpoint_files.read(tmp_path / "ckpt-000000005.pt")
 
 
 def _tmpfs(mount: Path, options: str) -> None:
@@ -294,12 +294,12 @@ def test_full_disk_is_reported_as_the_os_error(tmp_path: Path) -> None:
     mount = tmp_path / "small"
     _tmpfs(mount, "size=64k")
     try:
-        good = checkpoint.save(mount, state(10), keep=3, run_id=MINE)
+        good = checkpoint_files.save(mount, state(10), keep=3, run_id=MINE)
         before = good.read_bytes()
         big = state(20)
         big["model"] = {"w": torch.zeros(100_000)}  # 400 kB into 64 kB
         with pytest.raises(OSError) as raised:
-            checkpoint.save(mount, big, keep=3, run_id=MINE)
+            checkpoint_files.save(mount, big, keep=3, run_id=MINE)
         assert raised.value.errno == errno.ENOSPC
         assert str(raised.value).startswith(
             f"cannot write {mount / 'ckpt-000000020.pt'}: No space left on device (ENOSPC)"
@@ -314,7 +314,7 @@ def test_read_only_file_system(tmp_path: Path) -> None:
     _tmpfs(mount, "size=64k,ro")
     try:
         with pytest.raises(atomic.WriteError, match=r"cannot write .*ckpt-000000010.pt: Read-only file system"):
-            checkpoint.save(mount, state(10), keep=3, run_id=MINE)
+            checkpoint_files.save(mount, state(10), keep=3, run_id=MINE)
         assert os.listdir(mount) == []
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
