@@ -49,6 +49,27 @@ def launched(env: Mapping[str, str] | None = None) -> bool:
     return any(env.get(name) for name in LAUNCHED_VARS)
 
 
+SAME_MPI_FIX = ("launch with the MPI that mpi4py and Horovod were built against (srun needs --mpi=pmix for "
+                "Open MPI; an image's MPI must be of the host launcher's family)")
+
+
+def started_alone(world_size: int, env: Mapping[str, str] | None = None) -> str | None:
+    """Why MPI's world of 1 is wrong for this process (the launcher started more tasks), or None.
+
+    The classic symptom of a launcher whose MPI does not match the one mpi4py was built against (srun
+    without --mpi=pmix, an MPICH launcher for an Open MPI image): every task initialises MPI alone and
+    would train as "rank 0 of 1", N copies of one run.
+    """
+    env = os.environ if env is None else env
+    if world_size != 1:
+        return None
+    for name in SIZE_VARS:
+        value = env.get(name, "").strip()
+        if value.isdigit() and int(value) > 1:
+            return f"the launcher started {value} tasks ({name}) but MPI sees a world of 1: every rank runs alone"
+    return None
+
+
 def current_rank() -> int:
     """This process's global rank: MPI's once initialised, else the launcher's variable, else 0."""
     mpi = sys.modules.get("mpi4py.MPI")

@@ -137,16 +137,11 @@ LAUNCHER_SIZE_VARS = launcher.SIZE_VARS
 def check_launcher_agrees(world_size: int, env: dict[str, str] | None = None) -> None:
     """Raise Problem for the classic 'every rank is rank 0 of 1' mismatch."""
     env = dict(os.environ) if env is None else env
-    for name in LAUNCHER_SIZE_VARS:
-        value = env.get(name, "")
-        if value.isdigit() and int(value) > 1 and world_size == 1:
-            inside = image_labels().get("hpcdl.mpi.family") if env.get("HPCDL_IN_CONTAINER") == "1" else None
-            where = (f"; the image's MPI is {inside}, the launcher is {launcher_outside(env)}" if inside else "")
-            raise Problem(
-                f"the launcher started {value} tasks ({name}) but MPI sees a world of 1: every rank runs alone{where}",
-                "launch with the MPI that mpi4py and Horovod were built against (srun needs --mpi=pmix for "
-                "Open MPI; an image's MPI must be of the host launcher's family)",
-            )
+    alone = launcher.started_alone(world_size, env)
+    if alone is not None:
+        inside = image_labels().get("hpcdl.mpi.family") if env.get("HPCDL_IN_CONTAINER") == "1" else None
+        where = (f"; the image's MPI is {inside}, the launcher is {launcher_outside(env)}" if inside else "")
+        raise Problem(f"{alone}{where}", launcher.SAME_MPI_FIX)
 
 
 # ---------------------------------------------------------------- inside an image

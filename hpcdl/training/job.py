@@ -28,7 +28,7 @@ from hpcdl.run import checkpoint_files
 from hpcdl.run.checkpointer import Checkpointer
 from hpcdl.run.metrics import RunRecord
 from hpcdl.run.rundir import RunDir, claim
-from hpcdl.runtime import placement, world
+from hpcdl.runtime import launcher, placement, world
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.cpu_features import slow_bf16_warning
 from hpcdl.runtime.errors import UsageError, agree
@@ -225,6 +225,8 @@ def build_job(config: TrainConfig) -> Job:
     if deterministic(config):
         world.fix_reduction_order()
     me = world.init()
+    if (alone := launcher.started_alone(me.size)) is not None:  # N copies of one run otherwise
+        raise UsageError(f"{alone}; {launcher.SAME_MPI_FIX}")
     comm = world.comm()
     cuda = me.device.type == "cuda"
     placement.verify(me, comm, gpu_requested=config.device == "cuda")

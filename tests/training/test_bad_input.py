@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,6 +126,33 @@ def test_a_resume_onto_a_world_the_grad_worker_fraction_does_not_divide(tmp_path
     job = run_job(3, run_dir, *flags, "--max-steps", "4", "--resume")
     assert_usage_error(job, "--kfac-grad-worker-fraction 0.5 gives 1.5 gradient workers per layer on 3 ranks")
     assert checkpoint_steps(run_dir) == [2]
+
+
+def test_a_launcher_whose_mpi_is_not_ours_is_one_line_not_n_runs(tmp_path: Path) -> None:
+    """Two tasks that a launcher of another MPI started (MVAPICH's variables, which Open MPI ignores): each
+    initialises MPI alone. Without the check each would train as rank 0 of 1, N copies of one run; with it
+    the launcher's rank 0 prints one line, every task exits 2, and nothing is written."""
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))}
+        env.update(MV2_COMM_WORLD_SIZE="2", MV2_COMM_WORLD_RANK=str(rank), MV2_COMM_WORLD_LOCAL_RANK=str(rank),
+                   OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HPCDL_FAULT="")
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcdl.train", "--output-dir", str(tmp_path / f"run{rank}"),
+                                       "--no-progress", *SHORT], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+        results.append((proc.returncode, out, err))
+    assert [rc for rc, _, _ in results] == [2, 2], results
+    lines = [line for _, out, err in results for line in (out + err).splitlines() if line.strip()]
+    assert lines == ["hpcdl.train: error: the launcher started 2 tasks (MV2_COMM_WORLD_SIZE) but MPI sees a world "
+                     "of 1: every rank runs alone; launch with the MPI that mpi4py and Horovod were built against "
+                     "(srun needs --mpi=pmix for Open MPI; an image's MPI must be of the host launcher's family)"]
+    assert not any((tmp_path / f"run{rank}" / "checkpoints").exists() for rank in range(2))
 
 
 # ------------------------------------------------------------------ model, fault switch, run size
