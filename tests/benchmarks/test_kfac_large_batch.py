@@ -3,7 +3,6 @@ tiny end-to-end run (digits, two steps per run), so that a renamed flag on eithe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,16 +15,6 @@ from hpcdl.training.config import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "kfac_large_batch.py"
-
-
-@pytest.fixture(scope="module")
-def study() -> Any:
-    spec = importlib.util.spec_from_file_location("kfac_large_batch", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kfac_large_batch"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_reduced_run_is_a_valid_hpcdl_train_command(study: Any, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@ one line naming the argument, before any run starts (not a traceback hours into 
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +16,6 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "kfac_large_batch.py"
 RESULTS = "benchmarks/results/kfac_large_batch_target.json"
 DIGITS = ["--dataset", "digits", "--methods", "sgd", "--dry-run"]
-
-
-@pytest.fixture(scope="module")
-def study() -> Any:
-    spec = importlib.util.spec_from_file_location("kfac_large_batch", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kfac_large_batch"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 BAD = {
