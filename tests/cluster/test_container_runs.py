@@ -108,11 +108,7 @@ def test_a_lost_node_ends_the_containerised_job_naming_it(make_vcluster, hpcdl_i
                   "--epochs", "30", "--stall-timeout", str(stall), "--output-dir", str(out)],
                  tmp_path / "job.log", timeout=400, env=clean_env())
     try:
-        deadline = time.monotonic() + 240
-        while not list((out / "checkpoints").glob("ckpt-*.pt")):
-            assert job.proc.poll() is None, f"the job ended before its first checkpoint\n{job.tail()}"
-            assert time.monotonic() < deadline, f"no checkpoint after 240 s\n{job.tail()}"
-            time.sleep(0.5)
+        job.wait_for_checkpoint(out)
         node2 = cluster.node("node2")
         assert cluster.crash(node2), "node2 had no processes to kill"
         lost_at = time.monotonic()

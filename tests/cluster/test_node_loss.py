@@ -27,11 +27,7 @@ def start_and_lose_node2(make_vcluster, tmp_path: Path, how: str) -> tuple[objec
     job = Launch(["--vcluster", cluster.name, "-np", "4", "--output-dir", str(out), *TRAIN],
                  tmp_path / "job.log", timeout=400)
     try:
-        deadline = time.monotonic() + 240
-        while not list((out / "checkpoints").glob("ckpt-*.pt")):
-            assert job.proc.poll() is None, f"the job ended before its first checkpoint\n{job.tail()}"
-            assert time.monotonic() < deadline, f"no checkpoint after 240 s\n{job.tail()}"
-            time.sleep(0.5)
+        job.wait_for_checkpoint(out)
         time.sleep(1)
         node2 = cluster.node("node2")
         if how == "cut":

@@ -104,6 +104,14 @@ class Launch:
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.text.splitlines()[-lines:])
 
+    def wait_for_checkpoint(self, run_dir: Path, seconds: float = 240) -> None:
+        """Block until the job has written its first checkpoint; fail if it ends or takes longer."""
+        deadline = time.monotonic() + seconds
+        while not list((run_dir / "checkpoints").glob("ckpt-*.pt")):
+            assert self.proc.poll() is None, f"the job ended before its first checkpoint\n{self.tail()}"
+            assert time.monotonic() < deadline, f"no checkpoint after {seconds:.0f} s\n{self.tail()}"
+            time.sleep(0.5)
+
 
 def run_launch(args: Sequence[str], log: Path, timeout: float = 240) -> tuple[int, str]:
     job = Launch(args, log, timeout)
