@@ -90,6 +90,8 @@ Options every launch script takes (each also read from the environment variable 
   --dry-run         print the command and stop (HPCDL_DRY_RUN=1)
   -h, --help        this text
   --                end of launcher options; everything after it goes to the entry module
+HPCDL_JOIN_CT (environment only): ranks per host for ch-run --join where the launcher does not
+say it (srun and Open MPI set variables ch-run reads)
 HPCDL_ROOT (environment only) is the repository; it is found by itself, set it when the
 script cannot tell (a copy of the script submitted from elsewhere).
 EOF

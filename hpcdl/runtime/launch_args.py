@@ -221,6 +221,8 @@ HPCDL_VCLUSTER_STATE (environment only): where the virtual clusters are listed
   (default /run/hpcdl-vcluster)
 PMIX_MCA_gds (environment only): PMIx's data store under Open MPI (default hash: the shared-memory
   store's lock can fail when two jobs start at the same moment on one machine)
+HPCDL_JOIN_CT (environment only): ranks per host for ch-run --join where the launcher does not
+  say it (set here for MPICH-family launchers; Open MPI and Slurm set variables ch-run reads)
 HPCDL_ROOT (environment only) is the repository; it is found by itself, set it when the
   script cannot tell (a copy of the script submitted from elsewhere).
 Host lists count slots as Open MPI does: HOST alone is one slot, a repeated host adds up
