@@ -132,7 +132,9 @@ check_command() {
   local arg missing=()
   for arg in "${args[@]:$i}"; do
     case "$arg" in
-      --*) printf '%s\n' "$help" | grep -qE -- "(^|[ ,\[])${arg%%=*}([ =,]|\]|$)" || missing+=("$arg") ;;
+      # A here-string, not a pipe: grep -q stops at the first match, and under pipefail the writer's
+      # SIGPIPE would make a flag that is there look missing (seen once in CI).
+      --*) grep -qE -- "(^|[ ,\[])${arg%%=*}([ =,]|\]|$)" <<<"$help" || missing+=("$arg") ;;
     esac
   done
   [ ${#missing[@]} -eq 0 ] || { echo "$target does not accept ${missing[*]}"; return 1; }
@@ -181,7 +183,7 @@ if [ $DRY_RUN = 1 ]; then
   for f in scripts/setup.sh scripts/horovod_build.py benchmarks/make_gpu_wheelhouse.sh; do
     if [ -f "$f" ]; then record "file $f" "dry-run ok"; else record "file $f" "DRY-RUN FAILED: missing"; fi
   done
-  if "$PY" scripts/horovod_build.py env --help 2>&1 | grep -q -- "--cache"; then
+  if grep -q -- "--cache" <<<"$("$PY" scripts/horovod_build.py env --help 2>&1)"; then
     record "horovod_build.py env --gpu --cache --mpi" "dry-run ok"
   else
     record "horovod_build.py env --gpu --cache --mpi" "DRY-RUN FAILED: flags not accepted"
