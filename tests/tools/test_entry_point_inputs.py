@@ -70,6 +70,7 @@ CASES = [
     *[("kfac_convergence", [flag, "-1"], flag) for flag in ("--epochs", "--seeds", "--batch-size", "--evals-per-epoch",
                                                            "--threads", "--ranks")],
     *[("kfac_convergence", [flag, v], flag) for flag in ("--target", "--sgd-lrs") for v in ("nan", "inf", "-1", "0")],
+    *[("kfac_convergence", ["--run-timeout", v], "--run-timeout") for v in ("nan", "inf", "-1", "0")],
     ("kfac_convergence", ["--target", "1.5"], "--target"),
     *[("kfac_eigen_scaling", [flag, "0"], flag) for flag in ("--threads", "--steps", "--batch-size")],
     *[("kfac_eigen_scaling", ["--fraction", v], "--fraction") for v in ("nan", "0", "2")],
