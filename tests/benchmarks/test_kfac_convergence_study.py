@@ -7,7 +7,6 @@ right answers are worked out by hand below, and run one tiny study on the digits
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.scripts import load_benchmark
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
@@ -26,12 +27,7 @@ SCRIPT = REPO / "benchmarks" / "kfac_convergence.py"
 
 @pytest.fixture(scope="module")
 def study() -> Any:
-    spec = importlib.util.spec_from_file_location("kfac_convergence", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kfac_convergence"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kfac_convergence")
 
 
 def curve(accuracies: list[float], seconds_per_point: float, evals_per_epoch: int = 4) -> list[dict[str, float]]:
