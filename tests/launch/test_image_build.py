@@ -46,6 +46,7 @@ def test_the_sdist_patch_refuses_what_it_does_not_know(tmp_path: Path) -> None:
         horovod_build.patch_sdist(tmp_path / "empty")
 
 
+@pytest.mark.processes
 def test_the_patch_command_line_is_one_line_on_error(tmp_path: Path) -> None:
     script = str(REPO / "scripts/horovod_build.py")
     ok = subprocess.run([sys.executable, script, "patch-sdist", str(fake_sdist(tmp_path))],
@@ -80,6 +81,7 @@ def test_mpi4py_keys_differ_by_mpi_python_and_compiler() -> None:
     assert base not in others and len(others) == 4
 
 
+@pytest.mark.processes
 def test_prereqs_check_names_what_is_missing_or_nothing() -> None:
     done = subprocess.run(["bash", str(REPO / "containers/prereqs.sh"), "--check"], capture_output=True, text=True)
     if done.returncode == 0:

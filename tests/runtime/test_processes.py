@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from hpcdl.runtime.processes import pid_alive
 
 
@@ -13,6 +15,7 @@ def test_this_process_and_init_are_alive() -> None:
     assert pid_alive(os.getpid()) and pid_alive(1)  # pid 1 is alive whether or not we may signal it
 
 
+@pytest.mark.processes
 def test_a_process_that_ended_and_was_reaped_is_not() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

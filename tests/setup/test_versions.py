@@ -127,6 +127,7 @@ def test_container_builds_with_the_pinned_procedure() -> None:
     assert not own_installs, f"Singularity.def installs {own_installs} itself instead of through setup.sh"
 
 
+@pytest.mark.processes
 def test_container_cuda_matches_the_pinned_torch() -> None:
     """Horovod's NCCL build in the image uses the base image's nvcc: it must be torch's CUDA release."""
     torch = pytest.importorskip("torch")
