@@ -18,7 +18,8 @@
 # --sif also writes IMAGE.sif (siftool; Apptainer has not run it here).
 # Settings: HPCDL_WHEELHOUSE (default $HPCDL_CACHE/wheelhouse, made by make wheelhouse),
 # HPCDL_CACHE (default ~/.cache/hpcdl), HPCDL_IMAGES (default $HPCDL_CACHE/images),
-# HPCDL_DEBIAN_MIRROR (default http://deb.debian.org/debian), CUDA_HOME (default /usr/local/cuda).
+# HPCDL_DEBIAN_MIRROR (default http://deb.debian.org/debian), CUDA_HOME (default /usr/local/cuda),
+# HPCDL_MOUNT_POINTS (extra paths whose top folders the image gets as mount points, comma-separated).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,6 +50,21 @@ while [ "$#" -gt 0 ]; do
 done
 case "$MPI" in openmpi) VARIANT=cpu ;; mpich) VARIANT=mpich ;; *) die "--mpi must be openmpi or mpich (got '$MPI')" ;; esac
 LINK="${LINK:-$ROOT/images/hpcdl-$VARIANT}"
+# Mount points: ch-run binds only onto folders that exist in a read-only image, and launch/common.sh
+# binds the working directory's top folder. The usual HPC file systems' names (TACC's numbered ones
+# included), this repository's and $HOME's top folders, and HPCDL_MOUNT_POINTS (comma-separated) are made.
+MOUNT_POINTS=(work work1 work2 scratch scratch1 scratch2 scratch3 home home1 data gpfs lustre project projects corral corral-repl fs global)
+IFS=, read -r -a extra <<<"${HPCDL_MOUNT_POINTS:-}"
+for path in "$ROOT" "$HOME" ${extra[@]+"${extra[@]}"}; do
+  [[ "$path" == /?* ]] || die "HPCDL_MOUNT_POINTS holds absolute paths, comma-separated (got '$path')"
+  top="${path#/}"
+  top="${top%%/*}"
+  case " bin boot dev etc lib lib32 lib64 libx32 opt proc run sbin sys usr var ch tmp root mnt " in
+    *" $top "*) ;; # the image's own folders: launch/common.sh refuses to bind over them
+    *) MOUNT_POINTS+=("$top") ;;
+  esac
+done
+mapfile -t MOUNT_POINTS < <(printf '%s\n' "${MOUNT_POINTS[@]}" | LC_ALL=C sort -u)
 
 # ---------------------------------------------------------------- prerequisites, each one line
 [ "$(id -u)" = 0 ] || die "building the image needs root (mmdebstrap writes a Debian root, ch-run -w installs into it); run make image as root, or use a prebuilt image"
@@ -85,6 +101,7 @@ SRC_KEY="$(
   cd "$ROOT"
   find "${SOURCES[@]}" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-8
 )"
+SRC_KEY="$(printf '%s %s\n' "$SRC_KEY" "${MOUNT_POINTS[*]}" | sha256sum | cut -c1-8)"
 ENV_DIR="$IMAGES/env-$VARIANT-$ENV_KEY"
 IMAGE="$IMAGES/hpcdl-$VARIANT-$ENV_KEY-$SRC_KEY"
 mkdir -p "$IMAGES"
@@ -141,9 +158,7 @@ else
     ENV_KEY="$BUILT_KEY" ENV_DIR="$IMAGES/env-$VARIANT-$BUILT_KEY" IMAGE="$IMAGES/hpcdl-$VARIANT-$BUILT_KEY-$SRC_KEY"
   fi
   rmdir "$SCRATCH/opt/hpcdl/wheelhouse" "$SCRATCH/opt/hpcdl/cache/wheels" "$SCRATCH/opt/hpcdl/cache" 2>/dev/null || true
-  # Mount points: ch-run binds only onto folders that exist in a read-only image (launch/common.sh
-  # binds the working directory's top folder; --bind SRC:/mnt/N for anything else).
-  mkdir -p "$SCRATCH"/{work,scratch,data,gpfs,lustre,project,home} "$SCRATCH"/mnt/{0,1,2,3,4,5,6,7,8,9}
+  mkdir -p "$SCRATCH"/mnt/{0,1,2,3,4,5,6,7,8,9} # --bind SRC:/mnt/N for anything else
   # ch-run's --set-env reads /ch/environment; Apptainer reads /.singularity.d (for the SIF).
   mkdir -p "$SCRATCH/ch" "$SCRATCH/.singularity.d/env" "$SCRATCH/.singularity.d/actions"
   cat >"$SCRATCH/ch/environment" <<ENV
@@ -176,6 +191,7 @@ else
   cp -al "$ENV_DIR" "$SCRATCH"
   rm -rf "$SCRATCH/opt/hpcdl/src" # new files, never the environment's hard-linked ones
   copy_source "$SCRATCH/opt/hpcdl/src"
+  for top in "${MOUNT_POINTS[@]}"; do mkdir -p "$SCRATCH/$top"; done
   # Compiled once here: at run time the image is read-only.
   chroot "$SCRATCH" /opt/hpcdl/venv/bin/python -m compileall -q /opt/hpcdl/src/hpcdl /opt/hpcdl/src/kfac >/dev/null
   printf 'hpcdl-%s environment=%s source=%s built=%s\n' "$VARIANT" "$ENV_KEY" "$SRC_KEY" "$(date -u +%FT%TZ)" >"$SCRATCH/opt/hpcdl/image"

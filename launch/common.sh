@@ -154,7 +154,8 @@ HPCDL_IMAGE_SYSTEM_DIRS=" bin boot dev etc lib lib32 lib64 libx32 opt proc run s
 #   --unset-env     what must not leak in from the host: a venv's VIRTUAL_ENV, PYTHONPATH, PIP_*, ...;
 #   -b              binds: ch-run binds only /tmp (and /dev, /proc, /sys) by itself, and a bind's
 #                   destination must already exist in a read-only image: the working directory's
-#                   top folder (e.g. /work, /scratch, /home: made in every image by make image) is bound;
+#                   top folder is bound (make image makes /work, /scratch1, /home1, ..., the building
+#                   checkout's and $HOME's top folders, and HPCDL_MOUNT_POINTS');
 #   --cd            the working directory (Apptainer keeps it by itself);
 #   --home          the host's $HOME at /home/$USER (Apptainer binds $HOME by itself);
 #   $USER           ch-run refuses to start without it.
@@ -187,10 +188,10 @@ hpcdl_chrun_words() {
       top="${cwd#/}"
       top="/${top%%/*}"
       case "$HPCDL_IMAGE_SYSTEM_DIRS" in
-        *" ${top#/} "*) hpcdl_die "cannot run in $cwd with Charliecloud: $top is the image's own; run from a folder under /work, /scratch, /home or /tmp" ;;
+        *" ${top#/} "*) hpcdl_die "cannot run in $cwd with Charliecloud: $top is the image's own; run from a folder under /tmp or a file system such as /work or /scratch" ;;
       esac
       if [ -d "$HPCDL_IMAGE" ] && [ ! -d "$HPCDL_IMAGE$top" ]; then
-        hpcdl_die "the image $HPCDL_IMAGE has no $top to bind the working directory $cwd onto; run from /work, /scratch, /home or /tmp, or rebuild it with make image"
+        hpcdl_die "the image $HPCDL_IMAGE has no $top to bind the working directory $cwd onto (Charliecloud binds only onto existing folders); run from under /tmp or a folder the image has, or rebuild it with HPCDL_MOUNT_POINTS=$top make image"
       fi
       HPCDL_RANK_CMD+=(-b "$top:$top") ;;
   esac

@@ -23,9 +23,10 @@ BUILD = REPO / "containers" / "build.sh"
 
 
 def fake_image(root: Path, family: str = "openmpi") -> Path:
-    """A directory with what launch/common.sh reads of an hpcdl image: labels and mount points."""
+    """A directory with what launch/common.sh reads of an hpcdl image: labels and the mount points
+    `make image` run from this checkout makes (this repository's top folder among them)."""
     image = root / "hpcdl-cpu"
-    for folder in ("opt/hpcdl", "work", "tmp", "mnt/0", "root"):
+    for folder in ("opt/hpcdl", REPO.parts[1], "tmp", "mnt/0", "root"):
         (image / folder).mkdir(parents=True, exist_ok=True)
     (image / "opt/hpcdl/labels").write_text(f"hpcdl.mpi.family {family}\nhpcdl.torch 2.13.0\n")
     return image
@@ -129,6 +130,7 @@ def test_runtime_charliecloud_and_a_bind_to_mnt(tmp_path: Path) -> None:
         ("bind destination missing", "bind destination /nonexistent does not exist in the image"),
         ("launcher of the other family", "the image's MPI is mpich but the launcher is srun --mpi=pmix"),
         ("system folder as working directory", "is the image's own"),
+        ("working directory with no mount point", "has no /srv to bind the working directory /srv onto"),
     ],
 )
 def test_bad_container_input_is_one_line(case: str, expected: str, tmp_path: Path) -> None:
@@ -159,6 +161,10 @@ def test_bad_container_input_is_one_line(case: str, expected: str, tmp_path: Pat
         args = ["--image", str(fake_image(tmp_path / "m", family="mpich"))]
     elif case == "system folder as working directory":
         cwd = Path("/usr/share")
+    elif case == "working directory with no mount point":
+        cwd = Path("/srv")  # a host folder the image (made for this checkout) has no mount point for
+        if not cwd.is_dir():
+            pytest.skip("this machine has no /srv")
     one_error_line(sbatch_dry(*args, env=env, cwd=cwd), expected)
 
 
@@ -186,6 +192,9 @@ def test_unknown_build_option_and_family_are_one_line() -> None:
                    "--mpi must be openmpi or mpich (got 'lam')")
     one_error_line(subprocess.run(["bash", str(BUILD), "--frobnicate"], capture_output=True, text=True, timeout=60),
                    "unknown option --frobnicate")
+    one_error_line(subprocess.run(["bash", str(BUILD)], capture_output=True, text=True, timeout=60,
+                                  env=dict(os.environ, HPCDL_MOUNT_POINTS="/check,data")),
+                   "HPCDL_MOUNT_POINTS holds absolute paths, comma-separated (got 'data')")
 
 
 # ------------------------------------------------------------------------- launch/mpirun.sh
