@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hpcdl.bench import studies
 from hpcdl.run import outputs
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
@@ -217,13 +218,14 @@ def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..
 # ---- running the grid ---------------------------------------------------------------------------
 
 
-def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> list[str]:
+def train_flags(cell: Cell, args: argparse.Namespace) -> list[str]:
+    """hpcdl.train's flags for one cell: the study's whole recipe (methods differ only here)."""
     micro = min(cell.batch, args.micro_batch)
     if cell.batch % micro:
         raise SystemExit(f"kfac_large_batch: error: global batch {cell.batch} is not a multiple of {micro}")
     accumulate = cell.batch // micro
     flags = [
-        sys.executable, "-m", "hpcdl.train", "--dataset", args.dataset, "--model", args.model,
+        "--dataset", args.dataset, "--model", args.model,
         "--epochs", str(args.epochs), "--batch-size", str(micro), "--batches-per-allreduce", str(accumulate),
         "--test-batch-size", "1000",
         # the rate is per backward pass and scaled by the accumulation: give the peak rate for the whole batch
@@ -231,7 +233,7 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
         "--warmup-epochs", str(args.warmup_epochs if cell.warmup is None else cell.warmup),
         "--warmup-start-factor", "1.0" if cell.method == "kfac" else "0.1",  # docstring: why
         "--weight-decay", "5e-4", "--seed", str(cell.seed),
-        "--output-dir", str(output_dir), "--no-progress", "--device", "cpu", "--log-every", "1000",
+        "--device", "cpu", "--log-every", "1000",
         "--stall-timeout", "0",
     ]
     if args.dataset == "mnist" and args.evals_per_epoch > 1:  # time to target at a finer grain than an epoch
@@ -267,52 +269,18 @@ def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> lis
     return flags
 
 
-def run_environment(cell: Cell, args: argparse.Namespace) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
-    paths = [str(REPO), str(REPO / "benchmarks")]
-    if cell.method.startswith("kfac-pytorch"):
-        paths.insert(0, str(args.kfac_pytorch_site))  # its `kfac` before the repository's
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
+def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> list[str]:
+    """The whole command line of one cell's run (what --dry-run prints and the results record)."""
+    return studies.train_command([*train_flags(cell, args), "--output-dir", str(output_dir), "--no-progress"])
 
 
-def launch(cell: Cell, args: argparse.Namespace, scratch: Path) -> tuple[subprocess.Popen[str], Path, list[str], float]:
-    output_dir = scratch / cell.name
-    command = train_command(cell, args, output_dir)
-    # A scratch working directory: `python -m` puts the working directory first on sys.path. The log goes
-    # to a file, so that a run nobody is reading yet never blocks on a full pipe.
-    with (scratch / f"{cell.name}.log").open("w") as log:
-        proc = subprocess.Popen(command, cwd=scratch, env=run_environment(cell, args), stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
-    return proc, output_dir, command, time.perf_counter()
-
-
-def collect(cell: Cell, proc: subprocess.Popen[str], output_dir: Path, command: list[str], start: float,
-            timeout: float) -> Outcome:
-    killed = ""
-    try:
-        proc.wait(timeout=max(timeout - (time.perf_counter() - start), 1))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        killed = f"\n(killed after {timeout:.0f} s)"
-    log = (output_dir.parent / f"{cell.name}.log").read_text() + killed
-    outcome = Outcome(cell, proc.returncode, wall_seconds=time.perf_counter() - start, command=command)
-    metrics = output_dir / "metrics.jsonl"
-    if metrics.exists():
-        outcome.epochs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    if proc.returncode != 0:
-        outcome.error = "\n".join(log.strip().splitlines()[-3:])
-    return outcome
-
-
-def first_to_end(running: Sequence[tuple[Any, subprocess.Popen[str], Any, Any, float]], timeout: float) -> int:
-    """Index of the first run to end (or to pass ``timeout``): a slow run does not hold up the free slot."""
-    while True:
-        for index, (_, proc, _, _, start) in enumerate(running):
-            if proc.poll() is not None or time.perf_counter() - start > timeout:
-                return index
-        time.sleep(0.5)
+def starter(cell: Cell, args: argparse.Namespace, scratch: Path) -> Callable[[], studies.StartedRun]:
+    """Starts one cell's run in ``scratch``; kfac-pytorch's site goes first on PYTHONPATH, so that its
+    ``kfac`` shadows the repository's, and benchmarks/ is there for --kfac-impl's plugins."""
+    paths = [str(args.kfac_pytorch_site)] if cell.method.startswith("kfac-pytorch") else []
+    return lambda: studies.start_train(train_flags(cell, args), scratch / cell.name, threads=args.threads,
+                                       env={"PYTHONWARNINGS": "ignore"},
+                                       python_path=[*paths, str(REPO / "benchmarks")])
 
 
 def run_cells(cells: Sequence[Cell], args: argparse.Namespace,
@@ -320,14 +288,11 @@ def run_cells(cells: Sequence[Cell], args: argparse.Namespace,
     """Run every cell, ``--jobs`` at a time, printing one line per finished run (``after_each`` saves)."""
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="kfac_large_batch-") as tmp:
-        scratch = Path(tmp)
-        pending, running = list(cells), []
-        while pending or running:
-            while pending and len(running) < args.jobs:
-                cell = pending.pop(0)
-                running.append((cell, *launch(cell, args, scratch)))
-            cell, proc, output_dir, command, start = running.pop(first_to_end(running, args.run_timeout))
-            outcome = collect(cell, proc, output_dir, command, start, args.run_timeout)
+        starters = [starter(cell, args, Path(tmp)) for cell in cells]
+        for index, run in studies.run_pool(starters, args.jobs, args.run_timeout):
+            cell = cells[index]
+            outcome = Outcome(cell, run.returncode, epochs=run.rows, wall_seconds=run.wall_seconds,
+                              command=run.command, error=run.log_tail)
             outcomes.append(outcome)
             reached = "  ".join(
                 f"{t:.1%}: " + (f"{r[0]} steps {r[1]:.0f} s" if (r := outcome.to_target(t)) else "-") for t in TARGETS)
