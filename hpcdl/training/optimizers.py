@@ -104,8 +104,11 @@ def load_factory(spec: str) -> Callable[..., Any]:
 
 
 def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Callable[..., float],
-                         scaler: torch.amp.GradScaler | None) -> Any:
+                         scaler: torch.amp.GradScaler | None, communicator: Any = None) -> Any:
     """hpcdl's K-FAC (``kfac/``), another implementation through ``--kfac-impl``, or None.
+
+    ``communicator`` (a ``kfac.comm.Communicator``; default: the job's) lets a plugin watch K-FAC's
+    collectives, e.g. benchmarks/kfac_traffic.py's byte counts.
 
     The plugin point exists so that benchmarks can run another K-FAC (kfac-pytorch) inside this same
     training loop: ``module:function`` is called as ``function(config, model, current_lr, scaler)`` and
@@ -130,4 +133,5 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
         factor_examples=config.kfac_factor_examples,
         skip_layers=config.kfac_skip_layers,
         grad_scaler=scaler,  # its scale is divided out of G
+        communicator=communicator,
     )

@@ -45,6 +45,7 @@ ENTRIES: dict[str, Callable[[list[str]], object]] = {
     "deterministic_cost": benchmark("deterministic_cost"), "kfac_convergence": benchmark("kfac_convergence"),
     "kfac_eigen_scaling": benchmark("kfac_eigen_scaling", "main"), "kfac_overhead": benchmark("kfac_overhead", "main"),
     "loader_throughput": benchmark("loader_throughput", "main"), "train_throughput": benchmark("train_throughput", "main"),
+    "kfac_traffic": benchmark("kfac_traffic"),
 }
 
 
@@ -78,6 +79,10 @@ CASES = [
     *[("loader_throughput", [flag, "-1"], flag) for flag in ("--images", "--classes", "--workers", "--batch-size",
                                                             "--batches", "--rounds")],
     *[("train_throughput", [flag, "0"], flag) for flag in ("--steps", "--rounds")],
+    *[("kfac_traffic", ["count", flag, "1"], flag) for flag in ("--ranks", "--steps")],
+    *[("kfac_traffic", ["count", "--fractions", v], "--fractions") for v in ("nan", "0", "1.5", "0.3")],
+    *[("kfac_traffic", ["count", "--timeout", v], "--timeout") for v in ("nan", "inf", "0")],
+    ("kfac_traffic", ["measure", "--repeats", "0"], "--repeats"),
 ]
 
 

@@ -1,0 +1,425 @@
+"""What distributed K-FAC puts on the wire per step beside the gradients, and what that costs at scale.
+
+    # 1. counted: short hpcdl.train runs of the large-batch cell on 4 ranks, each grad-worker fraction, whose
+    #    K-FAC communicator counts every collective (--kfac-impl kfac_traffic:counted), beside the byte model
+    .venv/bin/python benchmarks/kfac_traffic.py count --ranks 4 --fractions 1 0.5 0.25
+    # 2. measured on a network (as root, a virtual cluster of 2 nodes x 2 ranks over 1 Gbit/s links): Horovod
+    #    allreduce at several sizes fits alpha and B; K-FAC's own per-step collectives, replayed, are held out
+    .venv/bin/python -m hpcdl.tools.vcluster up --nodes 2 --name lb --rate 1gbit
+    PYTHONPATH=benchmarks launch/mpirun.sh --vcluster lb -np 4 --entry kfac_traffic -- measure --out runs/bench/traffic
+    # 3. the alpha-beta model's prediction for ResNet-50 at 64-1,024 ranks from the byte model and the fit
+    .venv/bin/python benchmarks/kfac_traffic.py predict --measured runs/bench/traffic_measure.json
+
+Counted bytes are the payloads this rank hands to each collective (a ring allreduce of n bytes moves
+2(N-1)/N n in and out of every rank; a broadcast delivers n to every other member). The byte model
+(:func:`kfac_round_bytes`) derives the same payloads from the layers' factor sizes and kfac's own work
+assignment; ``count`` checks it equals the counts, so that it can stand in for a ResNet-50 run this
+machine cannot make. Everything is written under ``--out`` (default runs/bench/); benchmarks/results only
+with --refresh-results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hpcdl.bench.alphabeta import AlphaBeta, fit_ring, network
+from hpcdl.run import outputs
+from hpcdl.runtime.console import RankZeroParser
+from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.numbers import integer, real
+from kfac.assignment import assign_work
+from kfac.comm import Communicator, Group, Handle, default_communicator
+from kfac.factors import upper_size
+from kfac.layers import find_layers
+from kfac.solve import eigen_shapes
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ("factors", "decompositions", "directions")
+# The large-batch cell (kfac_large_batch.md): global batch 4096 on 4 ranks is 1024 each.
+CELL = ["--dataset", "mnist", "--model", "mnist_cnn", "--batch-size", "1024", "--kfac-preset", "large-batch",
+        "--base-lr", "0.1", "--device", "cpu", "--no-progress", "--stall-timeout", "0", "--log-every", "1000"]
+RANKS_AT_SCALE = (64, 128, 256, 512, 1024)
+FP32 = 4
+
+
+# ---- counting: a Communicator that watches the real one ---------------------------------------------------
+
+
+class _CountingGroup(Group):
+    def __init__(self, inner: Group, tally: dict[str, list[int]]) -> None:
+        super().__init__(inner.ranks)
+        self._inner, self._tally = inner, tally
+
+    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
+        kind = name.split(".")[1]  # kfac.decompositions.<root>, kfac.directions.<root>
+        self._tally[kind][0] += tensor.numel() * tensor.element_size()
+        self._tally[kind][1] += root == self.ranks[0]  # one round: the first root's broadcast
+        return self._inner.broadcast_async(tensor, root, name)
+
+    def wait(self, handle: Handle) -> None:
+        self._inner.wait(handle)
+
+
+class CountingCommunicator(Communicator):
+    """The job's communicator, counting bytes and rounds per kind of collective."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self._inner = inner
+        self.rank, self.size = inner.rank, inner.size
+        self.tally: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind -> [bytes, rounds]
+
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
+        self.tally["factors"][0] += tensor.numel() * tensor.element_size()
+        self.tally["factors"][1] += name == "kfac.factors.0"
+        return self._inner.allreduce_sum_async(tensor, name)
+
+    def wait(self, handle: Handle) -> Tensor:
+        return self._inner.wait(handle)
+
+    def groups(self, partition: Sequence[Sequence[int]]) -> Group:
+        return _CountingGroup(self._inner.groups(partition), self.tally)
+
+
+class _Counted:
+    """hpcdl's K-FAC with a counting communicator; after every step this rank's counts go to
+    $KFAC_TRAFFIC_DIR/rank<R>.json (a job may end without running exit handlers)."""
+
+    def __init__(self, preconditioner: Any, comm: CountingCommunicator, model: nn.Module) -> None:
+        self._preconditioner, self._comm, self._steps = preconditioner, comm, 0
+        self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self._out = Path(os.environ["KFAC_TRAFFIC_DIR"]) / f"rank{comm.rank}.json"
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self._preconditioner.step(*args, **kwargs)
+        self._steps += 1
+        self._out.write_text(json.dumps(dict(
+            rank=self._comm.rank, world=self._comm.size, steps=self._steps, gradient_bytes=self._gradient_bytes,
+            tally={kind: dict(bytes=b, rounds=r) for kind, (b, r) in self._comm.tally.items()})))
+
+    def __getattr__(self, name: str) -> Any:  # state_dict, load_state_dict, timings, ...
+        return getattr(self._preconditioner, name)
+
+
+def counted(config: Any, model: nn.Module, current_lr: Any, scaler: Any) -> _Counted:
+    """``--kfac-impl kfac_traffic:counted``: hpcdl's own K-FAC, its collectives counted."""
+    from hpcdl.training.optimizers import build_preconditioner
+
+    comm = CountingCommunicator(default_communicator())
+    preconditioner = build_preconditioner(replace(config, kfac_impl="hpcdl"), model, current_lr, scaler, comm)
+    return _Counted(preconditioner, comm, model)
+
+
+# ---- the byte model ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layers:
+    """What K-FAC's traffic depends on, per preconditioned layer: factor sizes and gradient elements."""
+
+    a_dims: tuple[int, ...]
+    g_dims: tuple[int, ...]
+    grad_numels: tuple[int, ...]
+    parameters: int  # all trainable parameters: the gradient allreduce
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Layers:
+        layers = find_layers(model, ())
+        return cls(tuple(layer.a_dim for layer in layers), tuple(layer.g_dim for layer in layers),
+                   tuple(layer.a_dim * layer.g_dim for layer in layers),
+                   sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def kfac_round_bytes(layers: Layers, world: int, fraction: float, rank: int = 0) -> dict[str, int]:
+    """Payload bytes ``rank`` hands to collectives in one round of each kind (fp32, the eigen method):
+
+    factors: one allreduce per layer of both factors' upper triangles and two counts;
+    decompositions: every member of the rank's worker group broadcasts the eigenvectors and eigenvalues
+    of the factors it owns (at least one number, so every rank issues the same operations);
+    directions (fraction < 1): every member of the rank's receiver block broadcasts the preconditioned
+    gradients of the layers it is the grad worker for.
+    """
+    a, g = layers.a_dims, layers.g_dims
+    factors = sum(upper_size(x) + upper_size(y) + 2 for x, y in zip(a, g, strict=True)) * FP32
+    work = assign_work(list(a), list(g), world, fraction)
+    group = next(grp for grp in work.worker_groups() if rank in grp)
+    block = next(blk for blk in work.receiver_blocks() if rank in blk)
+
+    def numel(shapes: Sequence[Sequence[int]]) -> int:
+        return sum(math.prod(shape) for shape in shapes)
+
+    decompositions = 0
+    if len(group) > 1:
+        for root in group:
+            owned = work.owned_factors(root)
+            decompositions += max(1, sum(numel(eigen_shapes(a[i] if kind == "A" else g[i])) for i, kind in owned))
+    directions = 0
+    if len(block) > 1:
+        for root in block:
+            mine = [i for i in range(len(a)) if work.gradient_source(i, root) == root]
+            directions += max(1, sum(layers.grad_numels[i] for i in mine))
+    return dict(factors=factors, decompositions=decompositions * FP32, directions=directions * FP32)
+
+
+def per_step_bytes(layers: Layers, world: int, fraction: float, factor_every: int,
+                   inverse_every: int) -> dict[str, float]:
+    """Average payload bytes per optimizer step, gradients included."""
+    rounds = kfac_round_bytes(layers, world, fraction)
+    return dict(gradients=layers.parameters * FP32, factors=rounds["factors"] / factor_every,
+                decompositions=rounds["decompositions"] / inverse_every, directions=rounds["directions"])
+
+
+# ---- the alpha-beta model of one step's collectives ---------------------------------------------------------
+
+
+def broadcast_seconds(model: AlphaBeta, nbytes: float, ranks: int) -> float:
+    """The better of MPI's two usual broadcasts: a binomial tree (log2(p) steps of n bytes; small messages)
+    and scatter + allgather (log2(p) + p-1 latencies, 2(p-1)/p n bytes; large ones)."""
+    if ranks < 2:
+        return 0.0
+    steps = math.ceil(math.log2(ranks))
+    tree = steps * (model.alpha + nbytes / model.bandwidth)
+    scatter_allgather = (steps + ranks - 1) * model.alpha + 2 * (ranks - 1) / ranks * nbytes / model.bandwidth
+    return min(tree, scatter_allgather)
+
+
+def step_seconds(model: AlphaBeta, layers: Layers, world: int, fraction: float, factor_every: int,
+                 inverse_every: int) -> dict[str, float]:
+    """Seconds per optimizer step of each kind of collective, none overlapped with anything."""
+    rounds = kfac_round_bytes(layers, world, fraction)
+    work = assign_work(list(layers.a_dims), list(layers.g_dims), world, fraction)
+    group, block = len(work.worker_groups()[0]), len(work.receiver_blocks()[0])
+    per_layer = len(layers.a_dims)
+    factors = (2 * (world - 1) * model.alpha * (per_layer - 1)  # one allreduce per layer: latencies add up
+               + model.ring_seconds(rounds["factors"], world))
+    return dict(gradients=model.ring_seconds(layers.parameters * FP32, world),
+                factors=factors / factor_every,
+                decompositions=sum(broadcast_seconds(model, rounds["decompositions"] / group, group)
+                                   for _ in range(group)) / inverse_every,
+                directions=sum(broadcast_seconds(model, rounds["directions"] / block, block) for _ in range(block)))
+
+
+# ---- 1. count ---------------------------------------------------------------------------------------------------
+
+
+def mnist_layers() -> Layers:
+    from hpcdl.training.models import build_model
+
+    return Layers.of(build_model("mnist_cnn", 10, 1))
+
+
+def count(args: argparse.Namespace) -> dict[str, Any]:
+    """Short real runs per fraction; each rank's counts beside the byte model's."""
+    from hpcdl.training.config import parse_config
+
+    preset = parse_config(["--kfac-preset", "large-batch"])
+    layers, runs = mnist_layers(), []
+    for fraction in args.fractions:
+        folder = args.scratch / f"f{fraction:g}"
+        folder.mkdir(parents=True, exist_ok=True)
+        command = ["mpirun", "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
+                   "hpcdl.train", *CELL, "--epochs", "1", "--max-steps", str(args.steps), "--data-dir",
+                   str(args.data_dir), "--kfac-grad-worker-fraction", repr(fraction), "--kfac-impl",
+                   "kfac_traffic:counted", "--output-dir", str(folder / "run")]
+        env = dict(os.environ, KFAC_TRAFFIC_DIR=str(folder), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(REPO / "benchmarks"), str(REPO)]))
+        print(f"[count] fraction {fraction:g}: {args.ranks} ranks, {args.steps} steps", flush=True)
+        done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True, timeout=args.timeout)
+        if done.returncode != 0:
+            tail = (done.stdout + done.stderr).strip().splitlines()[-1:]
+            raise UsageError(f"the counted run (fraction {fraction:g}) failed: {' '.join(tail)}")
+        for rank in range(args.ranks):
+            counts = json.loads((folder / f"rank{rank}.json").read_text())
+            model = kfac_round_bytes(layers, args.ranks, fraction, rank)
+            runs.append(dict(fraction=fraction, rank=rank, steps=counts["steps"], counted=counts["tally"],
+                             gradient_bytes=counts["gradient_bytes"], model_round_bytes=model))
+    return dict(kind="count", ranks=args.ranks, steps=args.steps,
+                layers=dict(a_dims=layers.a_dims, g_dims=layers.g_dims, parameters=layers.parameters),
+                factor_every=preset.kfac_factor_update_freq, inverse_every=preset.kfac_inv_update_freq, runs=runs)
+
+
+def check_counts(report: dict[str, Any]) -> list[str]:
+    """Where the byte model and the counts disagree (per round of each kind), as lines; none when they agree."""
+    wrong = []
+    for run in report["runs"]:
+        for kind in KINDS:
+            tally = run["counted"].get(kind, dict(bytes=0, rounds=0))
+            per_round = tally["bytes"] / tally["rounds"] if tally["rounds"] else 0
+            if per_round != run["model_round_bytes"][kind]:
+                wrong.append(f"fraction {run['fraction']:g} rank {run['rank']} {kind}: counted {per_round:.0f} B a "
+                             f"round, the model says {run['model_round_bytes'][kind]}")
+    return wrong
+
+
+# ---- 2. measure (under mpirun, on the network to model) --------------------------------------------------------
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Fit alpha and B to Horovod allreduces; then time K-FAC's own per-step collectives, held out of the fit."""
+    import horovod.torch as hvd
+
+    hvd.init()
+    world, rank = hvd.size(), hvd.rank()
+    torch.set_num_threads(1)
+
+    def timed(run: Any, repeats: int) -> float:
+        run()  # warm: Horovod negotiates a new name once
+        hvd.allreduce(torch.zeros(1), name="barrier")
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        return float(hvd.allreduce(torch.tensor(best), op=hvd.Max, name="max").item())  # the slowest rank
+
+    sizes = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB
+    fit_rows = []
+    for nbytes in sizes:
+        buffer = torch.zeros(nbytes // FP32)
+        fit_rows.append((nbytes, timed(lambda b=buffer, n=nbytes: hvd.allreduce_(b, name=f"fit.{n}"), args.repeats)))
+    fitted = fit_ring([n for n, _ in fit_rows], [t for _, t in fit_rows], world)
+
+    layers = mnist_layers()
+    rounds = kfac_round_bytes(layers, world, 1.0, rank)
+    per_layer = [(upper_size(a) + upper_size(g) + 2) for a, g in zip(layers.a_dims, layers.g_dims, strict=True)]
+    factor_buffers = [torch.zeros(n) for n in per_layer]
+    work = assign_work(list(layers.a_dims), list(layers.g_dims), world, 1.0)
+    sends = {root: max(1, sum(math.prod(s) for i, kind in work.owned_factors(root)
+                              for s in eigen_shapes(layers.a_dims[i] if kind == "A" else layers.g_dims[i])))
+             for root in range(world)}
+    decomposition_buffers = {root: torch.zeros(n) for root, n in sends.items()}
+
+    def factors() -> None:  # what K-FAC does at a factor update: one allreduce per layer, all in flight at once
+        handles = [hvd.allreduce_async_(b, name=f"kfac.factors.{i}", op=hvd.Sum) for i, b in enumerate(factor_buffers)]
+        for handle in handles:
+            hvd.synchronize(handle)
+
+    def decompositions() -> None:  # every rank broadcasts the decompositions it owns
+        handles = [hvd.broadcast_async_(b, root, name=f"kfac.decompositions.{root}")
+                   for root, b in decomposition_buffers.items()]
+        for handle in handles:
+            hvd.synchronize(handle)
+
+    held_out = dict(factors=timed(factors, args.repeats), decompositions=timed(decompositions, args.repeats))
+    predicted = dict(factors=(2 * (world - 1) * fitted.alpha * (len(per_layer) - 1)
+                              + fitted.ring_seconds(rounds["factors"], world)),
+                     decompositions=sum(broadcast_seconds(fitted, n * FP32, world) for n in sends.values()))
+    hvd.shutdown()
+    if rank != 0:
+        return None
+    return dict(kind="measure", world=world, fit_rows=fit_rows, alpha=fitted.alpha, bandwidth=fitted.bandwidth,
+                round_bytes=rounds, held_out=held_out, predicted=predicted,
+                error={k: (predicted[k] - held_out[k]) / held_out[k] for k in held_out},
+                load=os.getloadavg()[0])
+
+
+# ---- 3. predict --------------------------------------------------------------------------------------------------
+
+
+def resnet50_layers() -> Layers:
+    from torchvision.models import resnet50
+
+    return Layers.of(resnet50())
+
+
+def predict(args: argparse.Namespace) -> dict[str, Any]:
+    """K-FAC's and the gradients' seconds per step for ResNet-50 at 64-1,024 ranks, fraction 1 and 1/8."""
+    from hpcdl.training.config import parse_config
+
+    preset = parse_config(["--kfac-preset", "large-batch"])
+    networks = {"HDR100 InfiniBand (100 Gbit/s, 1 us)": network(100, 1.0)}
+    if args.measured:
+        fit = json.loads(args.measured.read_text())
+        networks["fitted on the virtual 1 Gbit/s link"] = AlphaBeta(fit["alpha"], fit["bandwidth"])
+    layers, rows = resnet50_layers(), []
+    for name, model in networks.items():
+        for ranks in RANKS_AT_SCALE:
+            for fraction in (1.0, 1 / 8):
+                seconds = step_seconds(model, layers, ranks, fraction, preset.kfac_factor_update_freq,
+                                       preset.kfac_inv_update_freq)
+                nbytes = per_step_bytes(layers, ranks, fraction, preset.kfac_factor_update_freq,
+                                        preset.kfac_inv_update_freq)
+                rows.append(dict(network=name, ranks=ranks, fraction=fraction, seconds=seconds, bytes=nbytes))
+    return dict(kind="predict", factor_every=preset.kfac_factor_update_freq, inverse_every=preset.kfac_inv_update_freq,
+                layers=len(layers.a_dims), parameters=layers.parameters, rows=rows)
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = RankZeroParser(prog="benchmarks/kfac_traffic.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="phase", required=True, parser_class=RankZeroParser)
+    c = sub.add_parser("count", help="counted real runs beside the byte model")
+    c.add_argument("--ranks", type=integer(2), default=4)
+    c.add_argument("--fractions", type=real(0, low_open=True, high=1), nargs="+", default=[1.0, 0.5, 0.25],
+                   help="grad-worker fractions (k/ranks, k dividing ranks)")
+    c.add_argument("--steps", type=integer(2), default=6)
+    c.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "hpcdl" / "mnist")
+    c.add_argument("--timeout", type=real(0, low_open=True), default=900.0, help="seconds per counted run")
+    m = sub.add_parser("measure", help="(under mpirun) fit alpha-beta, time K-FAC's collectives held out")
+    m.add_argument("--repeats", type=integer(1), default=5)
+    p = sub.add_parser("predict", help="ResNet-50 at 64-1,024 ranks")
+    p.add_argument("--measured", type=Path, help="a measure phase's .json (its fitted alpha and B)")
+    for each in (c, m, p):
+        each.add_argument("--out", type=Path, help="results path without suffix (default runs/bench/...)")
+        each.add_argument("--refresh-results", action="store_true")
+        each.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+    if args.phase == "count":
+        for fraction in args.fractions:
+            if abs(fraction * args.ranks - round(fraction * args.ranks)) > 1e-9 or args.ranks % round(
+                    fraction * args.ranks):
+                raise UsageError(f"--fractions: {fraction:g} x {args.ranks} ranks is not a whole divisor of the ranks")
+        if not (args.data_dir / "train-images-idx3-ubyte").exists():
+            raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
+    if args.phase == "predict" and args.measured and not args.measured.is_file():
+        raise UsageError(f"--measured: no such file {args.measured}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    stem = outputs.results_stem(args.out, f"kfac_traffic_{args.phase}", (".json",),
+                                refresh_results=args.refresh_results, force=args.force, flag="--out")
+    if args.phase == "count":
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kfac_traffic-") as tmp:
+            args.scratch = Path(tmp)
+            report = count(args)
+        wrong = check_counts(report)
+        report["model_equals_counts"] = not wrong
+        print("\n".join(wrong) or "the byte model equals every counted round, every rank and fraction")
+    elif args.phase == "measure":
+        report = measure(args)
+        if report is None:
+            return 0
+        print(f"alpha {report['alpha'] * 1e6:.0f} us, B {report['bandwidth'] / 1e6:.0f} MB/s; K-FAC's collectives "
+              + ", ".join(f"{k} {report['held_out'][k] * 1e3:.1f} ms measured, {report['predicted'][k] * 1e3:.1f} "
+                          f"predicted" for k in report["held_out"]))
+    else:
+        report = predict(args)
+        for row in report["rows"]:
+            print(f"{row['network']:40s} {row['ranks']:5d} ranks f={row['fraction']:<6.3g} "
+                  + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, program="kfac_traffic")

@@ -1,0 +1,94 @@
+"""benchmarks/kfac_traffic.py: the byte model equals what hpcdl's K-FAC really hands to its collectives.
+
+Each rank of a 4-rank job is played in this process by a loopback communicator that reports rank r of 4
+(sums and broadcasts change nothing, so the numbers are meaningless but every collective the real rank
+would issue is issued, with its real size). The counts of the real preconditioner, wrapped by the
+benchmark's counting communicator, must equal the model for every rank and grad-worker fraction: the model
+then stands for K-FAC's traffic where no run can be made (ResNet-50 at 1,024 ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from hpcdl.training.models import build_model
+from kfac import KFACPreconditioner
+from kfac.comm import Communicator, Group
+from tests.support.scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def traffic() -> ModuleType:
+    return load_benchmark("kfac_traffic")
+
+
+class _Loop(Group):
+    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Any:
+        return None
+
+    def wait(self, handle: Any) -> None:
+        return None
+
+
+class Loopback(Communicator):
+    """Rank ``rank`` of ``size`` as far as K-FAC can tell; nothing is sent."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Any:
+        return tensor
+
+    def wait(self, handle: Any) -> Tensor:
+        return handle  # type: ignore[no-any-return]
+
+    def groups(self, partition: Sequence[Sequence[int]]) -> Group:
+        return _Loop(next(group for group in partition if self.rank in group))
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_the_byte_model_equals_the_counted_collectives_of_every_kind(traffic: ModuleType, fraction: float,
+                                                                     rank: int) -> None:
+    torch.manual_seed(0)
+    model = build_model("mnist_cnn", 10, 1)
+    comm = traffic.CountingCommunicator(Loopback(rank, 4))
+    preconditioner = KFACPreconditioner(model, factor_update_freq=1, inv_update_freq=1, grad_worker_fraction=fraction,
+                                        communicator=comm, lr=0.1)
+    steps = 2
+    for _ in range(steps):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.randn(8, 1, 28, 28)), torch.randint(0, 10, (8,))).backward()
+        preconditioner.step()
+    expected = traffic.kfac_round_bytes(traffic.Layers.of(model), 4, fraction, rank)
+    for kind in traffic.KINDS:
+        counted_bytes, rounds = comm.tally.get(kind, [0, 0])
+        assert rounds == (steps if expected[kind] else 0), kind
+        assert counted_bytes == steps * expected[kind], kind
+    assert expected["factors"] > 0 and (expected["directions"] > 0) == (fraction < 1)
+
+
+def test_the_check_names_a_round_the_model_gets_wrong(traffic: ModuleType) -> None:
+    run = dict(fraction=0.5, rank=1, counted={"factors": dict(bytes=200, rounds=2)},
+               model_round_bytes=dict(factors=100, decompositions=0, directions=0))
+    assert traffic.check_counts(dict(runs=[run])) == []
+    run["model_round_bytes"]["factors"] = 101
+    assert traffic.check_counts(dict(runs=[run])) == [
+        "fraction 0.5 rank 1 factors: counted 100 B a round, the model says 101"]
+
+
+def test_at_scale_the_ring_terms_follow_the_alpha_beta_model(traffic: ModuleType) -> None:
+    layers = traffic.resnet50_layers()
+    assert len(layers.a_dims) == 54 and layers.parameters == 25_557_032  # torchvision's ResNet-50
+    net = traffic.network(100, 1.0)
+    small, large = (traffic.step_seconds(net, layers, n, 1.0, 1, 1) for n in (64, 1024))
+    # the gradients' ring: the bandwidth term hardly grows, the latency term does
+    assert large["gradients"] > small["gradients"]
+    assert large["gradients"] < 2 * small["gradients"]
+    assert large["decompositions"] > small["decompositions"]  # every rank broadcasts its share to all
