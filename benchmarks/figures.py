@@ -555,6 +555,26 @@ def _traffic_fit() -> str:
     return f"α = {1e6 * m['alpha']:.0f} µs, B = {m['bandwidth'] / 1e6:.0f} MB/s"
 
 
+@figure("traffic.ratio1")
+def _traffic_ratio1() -> str:
+    """K-FAC's payload bytes per step over the gradients', fraction 1, rank 0."""
+    run = next(x for x in results("kfac_traffic_count")["runs"] if x["rank"] == 0 and x["fraction"] == 1.0)
+    return times(sum(v["bytes"] for v in run["counted"].values()) / run["steps"] / run["gradient_bytes"], 1)
+
+
+@figure("traffic.resnet1024")
+def _traffic_resnet1024() -> str:
+    """ResNet-50 on HDR100 at 1,024 ranks: K-FAC's predicted ms per step at fraction 1 and 1/8, and the gradients'."""
+    rows = [r for r in results("kfac_traffic_predict")["rows"] if r["ranks"] == 1024 and r["network"].startswith("HDR")]
+
+    def kfac(r: dict[str, Any]) -> float:
+        return 1000 * sum(v for k, v in r["seconds"].items() if k != "gradients")
+
+    one, eighth = (next(r for r in rows if r["fraction"] == f) for f in (1.0, 0.125))
+    return (f"{kfac(one):.0f} ms a step at fraction 1, {kfac(eighth):.0f} ms at 1/8, against "
+            f"{1000 * one['seconds']['gradients']:.0f} ms for the gradients")
+
+
 @figure("traffic.resnet50")
 def _traffic_resnet50() -> str:
     r = results("kfac_traffic_predict")

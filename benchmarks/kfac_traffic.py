@@ -25,7 +25,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -202,11 +201,9 @@ def step_seconds(model: AlphaBeta, layers: Layers, world: int, fraction: float, 
     rounds = kfac_round_bytes(layers, world, fraction)
     work = assign_work(list(layers.a_dims), list(layers.g_dims), world, fraction)
     group, block = len(work.worker_groups()[0]), len(work.receiver_blocks()[0])
-    per_layer = len(layers.a_dims)
-    factors = (2 * (world - 1) * model.alpha * (per_layer - 1)  # one allreduce per layer: latencies add up
-               + model.ring_seconds(rounds["factors"], world))
+    # The per-layer allreduces are all in flight together and Horovod fuses them (Tensor Fusion): one ring.
     return dict(gradients=model.ring_seconds(layers.parameters * FP32, world),
-                factors=factors / factor_every,
+                factors=model.ring_seconds(rounds["factors"], world) / factor_every,
                 decompositions=sum(broadcast_seconds(model, rounds["decompositions"] / group, group)
                                    for _ in range(group)) / inverse_every,
                 directions=sum(broadcast_seconds(model, rounds["directions"] / block, block) for _ in range(block)))
@@ -230,23 +227,28 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
     for fraction in args.fractions:
         folder = args.scratch / f"f{fraction:g}"
         folder.mkdir(parents=True, exist_ok=True)
-        command = ["mpirun", "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
-                   "hpcdl.train", *CELL, "--epochs", "1", "--max-steps", str(args.steps), "--data-dir",
-                   str(args.data_dir), "--kfac-grad-worker-fraction", repr(fraction), "--kfac-impl",
-                   "kfac_traffic:counted", "--output-dir", str(folder / "run")]
+        train = [*CELL, "--epochs", "1", "--max-steps", str(args.steps), "--data-dir", str(args.data_dir),
+                 "--kfac-grad-worker-fraction", repr(fraction), "--kfac-impl", "kfac_traffic:counted",
+                 "--output-dir", str(folder / "run")]
+        where = ["--vcluster", args.vcluster] if args.vcluster else []  # virtual nodes: over their shaped links
+        command = ["bash", str(REPO / "launch" / "mpirun.sh"), *where, "-np", str(args.ranks), "--threads", "1",
+                   "--mpi-args=-x KFAC_TRAFFIC_DIR", "--", *train]
         env = dict(os.environ, KFAC_TRAFFIC_DIR=str(folder), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(REPO / "benchmarks"), str(REPO)]))
         print(f"[count] fraction {fraction:g}: {args.ranks} ranks, {args.steps} steps", flush=True)
         done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0:
-            tail = (done.stdout + done.stderr).strip().splitlines()[-1:]
+            tail = [line for line in (done.stdout + done.stderr).splitlines() if line.strip(" -")][-1:]
             raise UsageError(f"the counted run (fraction {fraction:g}) failed: {' '.join(tail)}")
+        summary = json.loads((folder / "run" / "summary.json").read_text())
+        seconds_per_step = summary["train_seconds"] / summary["global_steps"]
         for rank in range(args.ranks):
             counts = json.loads((folder / f"rank{rank}.json").read_text())
             model = kfac_round_bytes(layers, args.ranks, fraction, rank)
             runs.append(dict(fraction=fraction, rank=rank, steps=counts["steps"], counted=counts["tally"],
-                             gradient_bytes=counts["gradient_bytes"], model_round_bytes=model))
-    return dict(kind="count", ranks=args.ranks, steps=args.steps,
+                             gradient_bytes=counts["gradient_bytes"], model_round_bytes=model,
+                             seconds_per_step=seconds_per_step))
+    return dict(kind="count", ranks=args.ranks, steps=args.steps, vcluster=args.vcluster, load=os.getloadavg()[0],
                 layers=dict(a_dims=layers.a_dims, g_dims=layers.g_dims, parameters=layers.parameters),
                 factor_every=preset.kfac_factor_update_freq, inverse_every=preset.kfac_inv_update_freq, runs=runs)
 
@@ -314,8 +316,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
             hvd.synchronize(handle)
 
     held_out = dict(factors=timed(factors, args.repeats), decompositions=timed(decompositions, args.repeats))
-    predicted = dict(factors=(2 * (world - 1) * fitted.alpha * (len(per_layer) - 1)
-                              + fitted.ring_seconds(rounds["factors"], world)),
+    predicted = dict(factors=fitted.ring_seconds(rounds["factors"], world),  # fused, as at training time
                      decompositions=sum(broadcast_seconds(fitted, n * FP32, world) for n in sends.values()))
     hvd.shutdown()
     if rank != 0:
@@ -370,6 +371,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     c.add_argument("--steps", type=integer(2), default=6)
     c.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "hpcdl" / "mnist")
     c.add_argument("--timeout", type=real(0, low_open=True), default=900.0, help="seconds per counted run")
+    c.add_argument("--vcluster", help="run on this virtual cluster (launch/mpirun.sh --vcluster): seconds per step "
+                                      "over its links besides the bytes")
     m = sub.add_parser("measure", help="(under mpirun) fit alpha-beta, time K-FAC's collectives held out")
     m.add_argument("--repeats", type=integer(1), default=5)
     p = sub.add_parser("predict", help="ResNet-50 at 64-1,024 ranks")
@@ -393,8 +396,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    comm = None
+    if args.phase == "measure":  # under mpirun: rank 0 decides where, every rank learns it
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
     stem = outputs.results_stem(args.out, f"kfac_traffic_{args.phase}", (".json",),
-                                refresh_results=args.refresh_results, force=args.force, flag="--out")
+                                refresh_results=args.refresh_results, force=args.force, flag="--out", comm=comm)
     if args.phase == "count":
         import tempfile
 
