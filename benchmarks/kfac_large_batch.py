@@ -224,12 +224,14 @@ def train_flags(cell: Cell, args: argparse.Namespace) -> list[str]:
     if cell.batch % micro:
         raise SystemExit(f"kfac_large_batch: error: global batch {cell.batch} is not a multiple of {micro}")
     accumulate = cell.batch // micro
+    if micro % args.ranks:
+        raise SystemExit(f"kfac_large_batch: error: {micro} examples a pass do not split over {args.ranks} ranks")
     flags = [
         "--dataset", args.dataset, "--model", args.model,
-        "--epochs", str(args.epochs), "--batch-size", str(micro), "--batches-per-allreduce", str(accumulate),
-        "--test-batch-size", "1000",
-        # the rate is per backward pass and scaled by the accumulation: give the peak rate for the whole batch
-        "--base-lr", repr(cell.lr / accumulate), "--lr-schedule", "cosine",
+        "--epochs", str(args.epochs), "--batch-size", str(micro // args.ranks),
+        "--batches-per-allreduce", str(accumulate), "--test-batch-size", "1000",
+        # the rate is per rank and backward pass, scaled by ranks x accumulation: the peak for the whole batch
+        "--base-lr", repr(cell.lr / accumulate / args.ranks), "--lr-schedule", "cosine",
         "--warmup-epochs", str(args.warmup_epochs if cell.warmup is None else cell.warmup),
         "--warmup-start-factor", "1.0" if cell.method == "kfac" else "0.1",  # docstring: why
         "--weight-decay", "5e-4", "--seed", str(cell.seed),
@@ -271,16 +273,17 @@ def train_flags(cell: Cell, args: argparse.Namespace) -> list[str]:
 
 def train_command(cell: Cell, args: argparse.Namespace, output_dir: Path) -> list[str]:
     """The whole command line of one cell's run (what --dry-run prints and the results record)."""
-    return studies.train_command([*train_flags(cell, args), "--output-dir", str(output_dir), "--no-progress"])
+    return studies.train_command([*train_flags(cell, args), "--output-dir", str(output_dir), "--no-progress"],
+                                 args.ranks, args.vcluster, args.threads)
 
 
 def starter(cell: Cell, args: argparse.Namespace, scratch: Path) -> Callable[[], studies.StartedRun]:
     """Starts one cell's run in ``scratch``; kfac-pytorch's site goes first on PYTHONPATH, so that its
     ``kfac`` shadows the repository's, and benchmarks/ is there for --kfac-impl's plugins."""
     paths = [str(args.kfac_pytorch_site)] if cell.method.startswith("kfac-pytorch") else []
-    return lambda: studies.start_train(train_flags(cell, args), scratch / cell.name, threads=args.threads,
-                                       env={"PYTHONWARNINGS": "ignore"},
-                                       python_path=[*paths, str(REPO / "benchmarks")])
+    return lambda: studies.start_train(train_flags(cell, args), scratch / cell.name, ranks=args.ranks,
+                                       threads=args.threads, env={"PYTHONWARNINGS": "ignore"},
+                                       python_path=[*paths, str(REPO / "benchmarks")], vcluster=args.vcluster)
 
 
 def run_cells(cells: Sequence[Cell], args: argparse.Namespace,
@@ -548,6 +551,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="directory holding kfac-pytorch's installed `kfac` package (outside the repository)")
     parser.add_argument("--jobs", type=integer(1), default=2, help="runs at a time (each gets --threads threads)")
     parser.add_argument("--threads", type=integer(1), default=1)
+    parser.add_argument("--ranks", type=integer(1), default=1,
+                        help="ranks of each run (the global batch is split over them; under mpirun)")
+    parser.add_argument("--vcluster", default=None, metavar="NAME",
+                        help="run each job on this virtual cluster (launch/mpirun.sh --vcluster), e.g. 2 nodes over "
+                             "a 1 Gbit/s link")
     parser.add_argument("--damping", type=real(0, low_open=True), default=None,
                         help="hpcdl's and (carried over) kfac-pytorch's (default: the preset's; 0.1 up to 512)")
     parser.add_argument("--kl-clip", type=real(0, low_open=True), default=None,
@@ -781,8 +789,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta: dict[str, Any] = dict(
         epochs=args.epochs, warmup_epochs=args.warmup_epochs, dataset=args.dataset, model=args.model, jobs=args.jobs,
         threads=args.threads, load_before=load, max_steps=args.max_steps, damping=args.damping, kl_clip=args.kl_clip,
-        evals_per_epoch=args.evals_per_epoch, kfac_preset=dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples,
-                                                               momentum=_PRESET.momentum),
+        evals_per_epoch=args.evals_per_epoch, ranks=args.ranks, vcluster=args.vcluster,
+        kfac_preset=dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum),
         argv=sys.argv[1:] if argv is None else list(argv), planned=len(cells))
     kept = kept_outcomes(args.out) if args.keep else []
     done = {o.cell for o in kept}
@@ -799,7 +807,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      lambda new: write_results(first + new, args.out, meta))
     meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - start)
     write_results(outcomes, args.out, meta)
-    plot(outcomes, args.out, f"{args.dataset} {args.model}, {args.epochs} epochs, 1 rank, CPU, {args.jobs} runs at a "
+    where = f"{args.ranks} ranks on {args.vcluster}" if args.vcluster else f"{args.ranks} rank(s)"
+    plot(outcomes, args.out, f"{args.dataset} {args.model}, {args.epochs} epochs, {where}, CPU, {args.jobs} runs at a "
                              f"time; load average {meta['load_before']:.1f} -> {meta['load_after']:.1f}")
     for batch in sorted({o.cell.batch for o in outcomes}, reverse=True):
         for line in verdict(outcomes, batch):

@@ -40,8 +40,12 @@ def check_flags(flags: Sequence[str]) -> TrainConfig:
     return parse_config(list(flags))
 
 
-def train_command(flags: Sequence[str], ranks: int = 1) -> list[str]:
-    """``python -m hpcdl.train FLAGS``, under ``mpirun -np RANKS`` for more than one rank."""
+def train_command(flags: Sequence[str], ranks: int = 1, vcluster: str | None = None, threads: int = 1) -> list[str]:
+    """``python -m hpcdl.train FLAGS``, under ``mpirun -np RANKS`` for more than one rank, or on the nodes of a
+    virtual cluster through launch/mpirun.sh."""
+    if vcluster is not None:
+        return ["bash", str(REPO / "launch" / "mpirun.sh"), "--vcluster", vcluster, "-np", str(ranks), "--threads",
+                str(threads), "--", *flags]
     command = [sys.executable, "-m", "hpcdl.train", *flags]
     return command if ranks == 1 else ["mpirun", "-np", str(ranks), "--bind-to", "none", *command]
 
@@ -61,10 +65,11 @@ class StartedRun:
 
 
 def start_train(flags: Sequence[str], output_dir: Path, *, ranks: int = 1, threads: int = 1,
-                env: dict[str, str] | None = None, python_path: Sequence[str] = ()) -> StartedRun:
+                env: dict[str, str] | None = None, python_path: Sequence[str] = (),
+                vcluster: str | None = None) -> StartedRun:
     """Start hpcdl.train into ``output_dir``, its log to ``output_dir``.log; ``python_path`` goes before the
     repository on PYTHONPATH (a plugin's package that must shadow one of ours, e.g. kfac-pytorch's ``kfac``)."""
-    command = train_command([*flags, "--output-dir", str(output_dir), "--no-progress"], ranks)
+    command = train_command([*flags, "--output-dir", str(output_dir), "--no-progress"], ranks, vcluster, threads)
     run_env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
     run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [*python_path, str(REPO), run_env.get("PYTHONPATH", "")]))
     output_dir.parent.mkdir(parents=True, exist_ok=True)
