@@ -540,6 +540,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the target cell's rate per method, instead of --rates-from")
     parser.add_argument("--rates-from", type=Path,
                         help="a results .json whose best batch-4096 rates the target cell uses")
+    parser.add_argument("--tuned-from", type=Path,
+                        help="a --tune results .json: the target cell runs each method's tuned rate and warm-up")
     parser.add_argument("--epochs", type=integer(1), default=5)
     parser.add_argument("--warmup-epochs", type=real(0), default=0.5)
     parser.add_argument("--evals-per-epoch", type=integer(1), default=4,
@@ -610,6 +612,8 @@ def check_inputs(args: argparse.Namespace) -> None:
         results_file(Path(name), "--report")
     if args.rates_from is not None:
         results_file(args.rates_from, "--rates-from")
+    if args.tuned_from is not None:
+        results_file(args.tuned_from, "--tuned-from")
     for item in args.lrs:
         method, _, value = item.partition("=")
         try:
@@ -769,6 +773,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report(args.report, output_stem(args))
     if args.reduced:
         cells = reduced_cells(args.methods, args.batches or REDUCED_BATCHES, args.seeds[0])
+    elif args.target_cell and args.tuned_from:
+        tuned = {c.method: c for c in tuned_settings(load_outcomes(args.tuned_from), 0)}
+        missing = [m for m in args.methods if m not in tuned]
+        if missing:
+            raise UsageError(f"--tuned-from {args.tuned_from} has no tuning runs of {', '.join(missing)}")
+        cells = [Cell(m, b, tuned[m].lr, s, tuned[m].warmup) for b in args.batches or (4096,) for s in args.seeds
+                 for m in args.methods]
     elif args.target_cell:
         rates = target_rates(args)
         cells = [Cell(m, b, rates[m], s) for b in args.batches or (4096,) for s in args.seeds for m in args.methods]

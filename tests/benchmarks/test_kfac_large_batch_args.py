@@ -33,6 +33,7 @@ BAD = {
     "unparsable rate": (["--target-cell", "--lrs", "sgd=fast"], "--lrs sgd=fast: not a number: 'fast'"),
     "zero rate": (["--target-cell", "--lrs", "sgd=0"], "--lrs sgd=0: must be a finite number > 0 (got 0)"),
     "missing rates file": (["--target-cell", "--rates-from", "no/such.json"], "--rates-from no/such.json: No such"),
+    "missing tuning file": (["--target-cell", "--tuned-from", "no/such.json"], "--tuned-from no/such.json: No such"),
     "missing report": (["--report", "no/such.json"], "--report no/such.json: No such file"),
     "report of another file": (["--report", "pyproject.toml"], "--report pyproject.toml is not a results file"),
     "report batches": (["--report", f"{RESULTS}@big"], "FILE@BATCHES takes global batches such as FILE@128,512"),
