@@ -440,18 +440,6 @@ def _reduced_seconds() -> str:
     return f"{meta['seconds']:.0f} s for its {len(results('kfac_large_batch_reduced')['runs'])} runs"
 
 
-MODERN = {"muon": "Muon", "soap": "SOAP", "adamw": "AdamW"}
-
-
-@figure("lb.modern.finals")
-def _modern_finals() -> str:
-    """Final accuracy of each newer optimizer's pilot run (seed 0, batch 4096), from whichever files exist."""
-    names = sorted(p.stem for p in RESULTS.glob("kfac_large_batch_modern_*.json"))
-    finals = {o.cell.method: o.final_accuracy for o in _outcomes(*names) if o.cell.batch == 4096}
-    return ", ".join(f"{label} {percent(finals[m]) if finals[m] is not None else 'failed'}"
-                     for m, label in MODERN.items() if m in finals)
-
-
 # The equal-budget study (--tune): every method's best of 2 rates x 2 warm-ups on seed 0, then seeds 1 and 2.
 TUNE = "kfac_large_batch_tune"
 TUNE_NAMES = {"kfac": "hpcdl's K-FAC", "muon": "Muon", "soap": "SOAP", "adamw": "AdamW", "lamb": "LAMB", "lars": "LARS",
@@ -506,10 +494,39 @@ def _tune_headline() -> str:
         f"{TUNE_NAMES[r['method']]} {percent(r['median_final'])}" for r in ranked[:3]))
 
 
-@figure("lb.kfac.seed0")
-def _kfac_seed0() -> str:
-    run = next(o for o in _outcomes(*TARGET_CELL) if o.cell.method == "kfac" and o.cell.seed == 0)
-    return percent(run.final_accuracy)
+def _first_at(outcome: Any, accuracy: float) -> int | None:
+    """The first evaluated step at or above ``accuracy``."""
+    return next((int(r["global_step"]) for r in outcome.epochs if (r.get("test_accuracy") or 0) >= accuracy), None)
+
+
+@figure("lb.resnet.verdict")
+def _resnet_verdict() -> str:
+    """mnist_resnet, seed 0: K-FAC (preset unchanged) against the first-order method(s) run beside it."""
+    runs = {o.cell.method: o for o in _outcomes("kfac_large_batch_resnet") if o.cell.seed == 0}
+    kfac = runs.pop("kfac")
+    best = max(runs.values(), key=lambda o: o.final_accuracy or 0)
+    goal = best.final_accuracy
+    mine, theirs = _first_at(kfac, goal), _first_at(best, goal)
+    return (f"K-FAC {percent(kfac.final_accuracy)} against {TUNE_NAMES[best.cell.method]}'s "
+            f"{percent(goal)}; K-FAC reached {percent(goal)} after "
+            + (f"{mine} steps" if mine is not None else "never") + f", {TUNE_NAMES[best.cell.method]} after {theirs}")
+
+
+def _seconds_to_985(outcomes: Sequence[Any]) -> dict[str, float]:
+    return {o.cell.method: hit[1] for o in outcomes if (hit := o.to_target(0.985))}
+
+
+@figure("lb.2nodes.ratio")
+def _two_nodes() -> str:
+    """K-FAC's training seconds to 98.5 % over the other method's on 2 virtual nodes x 2 ranks (seed 0), and the
+    same ratio on one host: the seed-0 runs of the equal-budget study with the same rate and warm-up."""
+    nodes = _outcomes("kfac_large_batch_2nodes")  # run with --tuned-from: each method's tuned rate and warm-up
+    settings = {(o.cell.method, o.cell.lr, o.cell.warmup) for o in nodes}
+    host = [o for o in _outcomes(TUNE) if o.cell.seed == 0 and (o.cell.method, o.cell.lr, o.cell.warmup) in settings]
+    on_nodes, on_host = _seconds_to_985(nodes), _seconds_to_985(host)
+    other = next(m for m in on_nodes if m != "kfac")
+    return (f"{times(on_nodes['kfac'] / on_nodes[other])} {TUNE_NAMES[other]}'s on 2 nodes x 2 ranks over 1 Gbit/s, "
+            f"{times(on_host['kfac'] / on_host[other])} on one host (1 rank, the same settings and seed)")
 
 
 # ---- K-FAC's traffic (benchmarks/kfac_traffic.py) ----------------------------------------------------------
