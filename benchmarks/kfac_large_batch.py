@@ -74,7 +74,7 @@ FULL_LRS = {"sgd": (0.0125, 0.025, 0.05), "lamb": (0.02, 0.04, 0.06, 0.08, 0.11)
             "adamw": (0.002, 0.004, 0.008), "muon": (0.01, 0.02, 0.04), "soap": (0.002, 0.004, 0.008)}
 # The reduced grid checks each method at its best batch-4096 rate of those sweeps (one seed, no sweep).
 REDUCED_LRS = {"sgd": (0.05,), "lamb": (0.06,), "lars": (40.0,), "kfac": (0.4,), "kfac-pytorch": (0.2,),
-               "kfac-pytorch-native": (0.2,)}
+               "kfac-pytorch-native": (0.2,), "adamw": (0.008,), "muon": (0.02,), "soap": (0.008,)}  # --tune's picks
 # The batch-128 study's rates (docs/kfac.md); LARS has none measured there, so it is left out at 128.
 BATCH_128_LRS = {"sgd": (0.05,), "lamb": (0.005,), "kfac": (0.1,), "kfac-pytorch": (0.1,),
                  "kfac-pytorch-native": (0.1,)}
