@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
 
 from hpcdl.training.models import build_model
 from kfac import KFACPreconditioner
-from kfac.comm import Communicator, Group
+from kfac.comm import Group, SingleProcess, _SoloGroup
 from tests.support.scripts import load_benchmark
 
 
@@ -28,28 +26,14 @@ def traffic() -> ModuleType:
     return load_benchmark("kfac_traffic")
 
 
-class _Loop(Group):
-    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Any:
-        return None
-
-    def wait(self, handle: Any) -> None:
-        return None
-
-
-class Loopback(Communicator):
-    """Rank ``rank`` of ``size`` as far as K-FAC can tell; nothing is sent."""
+class Loopback(SingleProcess):
+    """Rank ``rank`` of ``size`` as far as K-FAC can tell; sums and broadcasts change nothing, as on one process."""
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
 
-    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Any:
-        return tensor
-
-    def wait(self, handle: Any) -> Tensor:
-        return handle  # type: ignore[no-any-return]
-
     def groups(self, partition: Sequence[Sequence[int]]) -> Group:
-        return _Loop(next(group for group in partition if self.rank in group))
+        return _SoloGroup(next(group for group in partition if self.rank in group))
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
