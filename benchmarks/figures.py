@@ -448,12 +448,7 @@ TUNE_NAMES = {"kfac": "hpcdl's K-FAC", "muon": "Muon", "soap": "SOAP", "adamw": 
 
 def _tuned(batch: int = 4096) -> dict[str, dict[str, Any]]:
     """Per method, the summary row of its tuned setting (the one run on the most seeds)."""
-    best: dict[str, dict[str, Any]] = {}
-    for row in study("kfac_large_batch").summarise(_outcomes(f"{TUNE}@{batch}")):
-        m = row["method"]
-        if m not in best or (row["seeds"], row["median_final"] or 0) > (best[m]["seeds"], best[m]["median_final"] or 0):
-            best[m] = row
-    return best
+    return study("kfac_large_batch").best_rows(_outcomes(f"{TUNE}@{batch}"), batch)
 
 
 def _or_dash(value: float | None, form: str) -> str:
@@ -494,11 +489,6 @@ def _tune_headline() -> str:
         f"{TUNE_NAMES[r['method']]} {percent(r['median_final'])}" for r in ranked[:3]))
 
 
-def _first_at(outcome: Any, accuracy: float) -> int | None:
-    """The first evaluated step at or above ``accuracy``."""
-    return next((int(r["global_step"]) for r in outcome.epochs if (r.get("test_accuracy") or 0) >= accuracy), None)
-
-
 @figure("lb.resnet.verdict")
 def _resnet_verdict() -> str:
     """mnist_resnet, seed 0: K-FAC (preset unchanged) against the first-order method(s) run beside it."""
@@ -506,7 +496,7 @@ def _resnet_verdict() -> str:
     kfac = runs.pop("kfac")
     best = max(runs.values(), key=lambda o: o.final_accuracy or 0)
     goal = best.final_accuracy
-    mine, theirs = _first_at(kfac, goal), _first_at(best, goal)
+    mine, theirs = (hit[0] if (hit := o.to_target(goal)) else None for o in (kfac, best))
     return (f"K-FAC {percent(kfac.final_accuracy)} against {TUNE_NAMES[best.cell.method]}'s "
             f"{percent(goal)}; K-FAC reached {percent(goal)} after "
             + (f"{mine} steps" if mine is not None else "never") + f", {TUNE_NAMES[best.cell.method]} after {theirs}")

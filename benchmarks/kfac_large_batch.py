@@ -458,16 +458,23 @@ def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
     plt.close(fig)
 
 
+def best_rows(outcomes: Sequence[Outcome], batch: int = 4096) -> dict[str, dict[str, Any]]:
+    """Per method, its summary row at ``batch`` run on the most seeds (the tuned one, after --tune), then the
+    most accurate."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in summarise(outcomes):
+        if r["batch"] == batch and (r["method"] not in best or (r["seeds"], r["median_final"] or 0)
+                                    > (best[r["method"]]["seeds"], best[r["method"]]["median_final"] or 0)):
+            best[r["method"]] = r
+    return best
+
+
 def verdict(outcomes: Sequence[Outcome], batch: int = 4096) -> list[str]:
     """The issue's targets at ``batch``, as lines of text (medians over the seeds run)."""
     rows = [r for r in summarise(outcomes) if r["batch"] == batch]
     if not rows:
         return []
-    best = {}
-    for r in rows:  # the setting run on the most seeds (a tuned one, after --tune), then the most accurate
-        if r["method"] not in best or ((r["seeds"], r["median_final"] or 0)
-                                       > (best[r["method"]]["seeds"], best[r["method"]]["median_final"] or 0)):
-            best[r["method"]] = r
+    best = best_rows(outcomes, batch)
     lines = [f"batch {batch}: best rate per method (median of {max(r['seeds'] for r in rows)} seed(s)):"]
     for method, r in best.items():
         warmup = f" wu {r['warmup']:g}" if "warmup" in r else ""
