@@ -10,9 +10,9 @@ tests hold (1e-5). The policy, documented in docs/kfac.md:
 - preconditioning: the decompositions' dtype, cuBLAS in IEEE fp32.
 
 :func:`ieee_fp32` switches TF32 off for the duration of a K-FAC stage and restores the caller's
-setting afterwards; :func:`train_in_tf32` is the training script's own setting. Both use PyTorch's
-``fp32_precision`` flags and nothing else: once a process has set TF32 through both those and the
-legacy ``allow_tf32`` switches, torch 2.13 raises on any read of the legacy ones.
+setting afterwards (hpcdl.train's is TF32 on). It uses PyTorch's ``fp32_precision`` flags and
+nothing else, as the caller must: once a process has set TF32 through both those and the legacy
+``allow_tf32`` switches, torch 2.13 raises on any read of the legacy ones.
 """
 
 from __future__ import annotations
@@ -21,13 +21,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-
-
-def train_in_tf32() -> None:
-    """TF32 for the model's float32 matmuls and convolutions, the precision PyTorch's docs recommend for
-    training (the flags drive cuBLAS and cuDNN only: a CPU run is unchanged by them)."""
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    torch.backends.cudnn.conv.fp32_precision = "tf32"  # type: ignore[attr-defined]
 
 
 @contextmanager

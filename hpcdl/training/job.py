@@ -41,8 +41,6 @@ from hpcdl.training.loop import LoopSettings, Trainer
 from hpcdl.training.models import build_model
 from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
-from kfac.assignment import grad_worker_count
-from kfac.precision import train_in_tf32
 
 
 @dataclass
@@ -165,6 +163,8 @@ def check_grad_workers(config: TrainConfig, world_size: int) -> None:
     (a resume onto another world size is checked here too, before anything is loaded)."""
     if not config.kfac or config.kfac_impl != "hpcdl":
         return
+    from kfac.assignment import grad_worker_count  # only here: a --kfac-impl run may have another `kfac` first
+
     fraction = config.kfac_grad_worker_fraction
     try:
         grad_worker_count(world_size, fraction)
@@ -245,6 +245,15 @@ def build_job(config: TrainConfig) -> Job:
     except BaseException:
         run.release()
         raise
+
+
+def train_in_tf32() -> None:
+    """TF32 for the model's float32 matmuls and convolutions, the precision PyTorch's docs recommend for training
+    (cuBLAS and cuDNN only: a CPU run is unchanged). Set through the ``fp32_precision`` flags, the ones
+    kfac.precision.ieee_fp32 switches off around K-FAC's stages: torch refuses a process that mixes them with the
+    legacy ``allow_tf32`` switches."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "tf32"  # type: ignore[attr-defined]
 
 
 def deterministic(config: TrainConfig) -> bool:

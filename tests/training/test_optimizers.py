@@ -29,6 +29,7 @@ from hpcdl.training.optimizers import (
     build_update_rule,
 )
 from hpcdl.training.schedule import LRSchedule, warmup_start
+from tests.support.mpi_harness import run_mpi
 from tests.support.reliability_runs import assert_usage_error, checkpoint_steps, load_checkpoint, run_job, same_weights
 
 processes = pytest.mark.processes  # the job tests start mpirun
@@ -105,6 +106,52 @@ def test_kfac_impl_calls_the_factory_with_the_jobs_pieces(monkeypatch: pytest.Mo
     assert build_preconditioner(config, model, lambda *_: 0.25, None) == "preconditioner"
     assert seen == dict(config=config, model=model, lr=0.25, scaler=None)
     assert build_preconditioner(TrainConfig(kfac_impl="math:test_factory"), model, lambda *_: 0.1, None) is None
+
+
+FOREIGN_KFAC = {
+    "kfac/__init__.py": "OWNER = 'foreign'\n",  # another package named kfac, as kfac-pytorch's is
+    "foreign_plugin.py": """
+import sys
+
+import kfac
+
+
+class Counting:
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, found_inf=None):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+def factory(config, model, current_lr, scaler):
+    assert kfac.OWNER == "foreign", kfac.__file__
+    print("plugin kfac:", sys.modules["kfac"].__file__, flush=True)
+    return Counting()
+""",
+}
+
+
+@processes
+def test_a_kfac_impl_plugin_runs_beside_another_package_named_kfac(tmp_path: Path) -> None:
+    """kfac-pytorch's package is also ``kfac``: a job whose --kfac-impl is a plugin must not import the repository's
+    kfac (the large-batch study puts kfac-pytorch first on the path, and ran from a directory without ours)."""
+    for name, text in FOREIGN_KFAC.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    result = run_mpi(1, ["-m", "hpcdl.train", "--output-dir", str(tmp_path / "run"), "--no-progress", "--kfac",
+                         "--kfac-impl", "foreign_plugin:factory", "--epochs", "1", "--max-steps", "2"],
+                     timeout=120, env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"plugin kfac: {tmp_path / 'kfac' / '__init__.py'}" in result.stdout
+    checkpoint = sorted((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))[-1]
+    assert torch.load(checkpoint, weights_only=False)["kfac"] == {"steps": 2}  # the loop stepped the plugin
 
 
 # ---- the update rules against timm's own, and the non-finite skip ---------------------------------
