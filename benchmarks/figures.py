@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import io
@@ -440,83 +441,211 @@ def _reduced_seconds() -> str:
     return f"{meta['seconds']:.0f} s for its {len(results('kfac_large_batch_reduced')['runs'])} runs"
 
 
-# The equal-budget study (--tune): every method's best of 2 rates x 2 warm-ups on seed 0, then seeds 1 and 2.
-TUNE = "kfac_large_batch_tune"
+# The equal-budget study (--tune): every method's best of 2 rates x 2 warm-ups on seed 0, then seeds 1 and 2; one
+# results file per global batch. Figures lb.tune.* are batch 4096's, lb.tune8192.* batch 8192's.
+TUNE_FILES = {4096: "kfac_large_batch_tune", 8192: "kfac_large_batch_tune_8192"}
+TUNE = TUNE_FILES[4096]
 TUNE_NAMES = {"kfac": "hpcdl's K-FAC", "muon": "Muon", "soap": "SOAP", "adamw": "AdamW", "lamb": "LAMB", "lars": "LARS",
-              "sgd": "SGD"}
+              "sgd": "SGD", "kfac-pytorch-native": "kfac-pytorch"}
 
 
 def _tuned(batch: int = 4096) -> dict[str, dict[str, Any]]:
     """Per method, the summary row of its tuned setting (the one run on the most seeds)."""
-    return study("kfac_large_batch").best_rows(_outcomes(f"{TUNE}@{batch}"), batch)
+    return study("kfac_large_batch").best_rows(_outcomes(f"{TUNE_FILES[batch]}@{batch}"), batch)
 
 
 def _or_dash(value: float | None, form: str) -> str:
     return "not reached" if value is None else format(value, form)
 
 
-@figure("lb.tune.table")
-def _tune_table() -> str:
-    rows = sorted(_tuned().values(), key=lambda r: -(r["median_final"] or 0))
+def _reached(row: dict[str, Any], target: str, what: str, form: str) -> str:
+    """A median over the seeds that got to ``target``, naming how many did when not all."""
+    value, reached = row[f"{what}_{target}"], row[f"reached_{target}"]
+    done, runs = reached.split("/")
+    return _or_dash(value, form) + (f" ({reached} seeds)" if value is not None and done != runs else "")
+
+
+def _tune_table(batch: int) -> str:
+    rows = sorted(_tuned(batch).values(), key=lambda r: -(r["median_final"] or 0))
     return table(["method", "peak lr", "warm-up (epochs)", "final accuracy, median of 3 seeds (each)",
                   "steps to 98.5 %", "training s to 98.5 %", "steps to 99.0 %", "ms / step"],
                  [(TUNE_NAMES[r["method"]], f"{r['lr']:g}", f"{r['warmup']:g}",
                    f"{percent(r['median_final'])} ({', '.join(f'{100 * a:.2f}' for a in r['final_accuracy'])})",
-                   _or_dash(r["steps_98.5"], "g"), _or_dash(r["seconds_98.5"], ".0f"), _or_dash(r["steps_99.0"], "g"),
+                   _reached(r, "98.5", "steps", "g"), _reached(r, "98.5", "seconds", ".0f"),
+                   _reached(r, "99.0", "steps", "g"),
                    f"{1000 * r['seconds_per_step']:.0f}") for r in rows])
 
 
-@figure("lb.tune.first")
-def _tune_first() -> str:
-    return study("kfac_large_batch").verdict(_outcomes(f"{TUNE}@4096"), 4096)[0]
+def _tune_first(batch: int) -> str:
+    return study("kfac_large_batch").verdict(_outcomes(f"{TUNE_FILES[batch]}@{batch}"), batch)[0]
 
 
-@figure("lb.tune.ratio")
-def _tune_ratio() -> str:
+def _tune_ratio(batch: int) -> str:
     """K-FAC's training seconds to 98.5 % over the fastest other method's (medians of 3 seeds)."""
-    rows = _tuned()
+    rows = _tuned(batch)
     others = [r for m, r in rows.items() if m != "kfac" and r["seconds_98.5"] is not None]
+    if rows["kfac"]["seconds_98.5"] is None:
+        return "K-FAC never reached 98.5 %"
+    if not others:
+        return (f"only K-FAC reached 98.5 % ({rows['kfac']['steps_98.5']:g} steps, "
+                f"{rows['kfac']['seconds_98.5']:.0f} s; medians)")
     fastest = min(others, key=lambda r: r["seconds_98.5"])
     return f"{times(rows['kfac']['seconds_98.5'] / fastest['seconds_98.5'])} {TUNE_NAMES[fastest['method']]}'s"
 
 
-@figure("lb.tune.headline")
-def _tune_headline() -> str:
-    rows = _tuned()
+def _tune_headline(batch: int) -> str:
+    rows = _tuned(batch)
     kfac = rows.pop("kfac")
     ranked = sorted(rows.values(), key=lambda r: -(r["median_final"] or 0))
     return (f"K-FAC {percent(kfac['median_final'])}; " + ", ".join(
         f"{TUNE_NAMES[r['method']]} {percent(r['median_final'])}" for r in ranked[:3]))
 
 
+def _tune_edge(batch: int) -> str:
+    """The methods whose tuned rate is the larger of their two: more rate might have served them better."""
+    grid = study("kfac_large_batch").TUNE_LRS
+    edge = [TUNE_NAMES[m] for m, r in sorted(_tuned(batch).items(), key=lambda item: -(item[1]["median_final"] or 0))
+            if r["lr"] == max(grid[m])]
+    return ", ".join(edge) if edge else "none"
+
+
+for _batch, _key in ((4096, "tune"), (8192, "tune8192")):
+    for _name, _function in (("table", _tune_table), ("first", _tune_first), ("ratio", _tune_ratio),
+                             ("headline", _tune_headline), ("edge", _tune_edge)):
+        FIGURES[f"lb.{_key}.{_name}"] = functools.partial(_function, _batch)
+
+
+# The reduced rerun (--target-cell --tuned-from the batch-4096 tuning, seed 0): every method once, side by side on
+# one machine, later than the tuning and on another machine.
+RERUN = "kfac_large_batch_rerun"
+
+
+@figure("lb.rerun.seconds")
+def _rerun_seconds() -> str:
+    r = results(RERUN)
+    return f"{r['meta']['seconds'] / 60:.1f} minutes for its {len(r['runs'])} runs, 2 at a time"
+
+
+@figure("lb.rerun.ratio")
+def _rerun_ratio() -> str:
+    """K-FAC's steps and training seconds to 98.5 % against Muon's in the rerun (seed 0, one machine)."""
+    runs = {o.cell.method: o for o in _outcomes(RERUN)}
+    kfac, muon = runs["kfac"].to_target(0.985), runs["muon"].to_target(0.985)
+    return (f"{times(kfac[1] / muon[1])} Muon's ({kfac[0]} steps, {kfac[1]:.0f} s against {muon[0]} steps, "
+            f"{muon[1]:.0f} s)")
+
+
+@figure("lb.rerun.steps")
+def _rerun_steps() -> str:
+    """Seconds per step of hpcdl's K-FAC, Muon and kfac-pytorch, side by side in the rerun."""
+    runs = {o.cell.method: o for o in _outcomes(RERUN)}
+    kfac = runs["kfac"].seconds_per_step
+    return (f"{1000 * kfac:.0f} ms a step for hpcdl's K-FAC, {1000 * runs['muon'].seconds_per_step:.0f} ms for Muon, "
+            f"{1000 * runs['kfac-pytorch-native'].seconds_per_step:.0f} ms for kfac-pytorch "
+            f"({times(runs['kfac-pytorch-native'].seconds_per_step / kfac, 1)} K-FAC's)")
+
+
+def _steps_to_985(outcome: Any) -> str:
+    hit = outcome.to_target(0.985)
+    return "not reached" if hit is None else str(hit[0])
+
+
+@figure("lb.rerun.finals")
+def _rerun_finals() -> str:
+    """Each method's final accuracy in the rerun against its seed-0 tuning run (the same command, another machine)."""
+    tuned = {(o.cell.method, o.cell.lr, o.cell.warmup): o for o in _outcomes(TUNE) if o.cell.seed == 0}
+    rows = []
+    for o in sorted(_outcomes(RERUN), key=lambda o: -(o.final_accuracy or 0)):
+        then = tuned[(o.cell.method, o.cell.lr, o.cell.warmup)]
+        rows.append((TUNE_NAMES[o.cell.method], percent(then.final_accuracy), percent(o.final_accuracy),
+                     _steps_to_985(then), _steps_to_985(o)))
+    return table(["method", "final, tuning run", "final, rerun", "steps to 98.5 %, tuning run",
+                  "steps to 98.5 %, rerun"], rows)
+
+
 @figure("lb.resnet.verdict")
 def _resnet_verdict() -> str:
-    """mnist_resnet, seed 0: K-FAC (preset unchanged) against the first-order method(s) run beside it."""
-    runs = {o.cell.method: o for o in _outcomes("kfac_large_batch_resnet") if o.cell.seed == 0}
-    kfac = runs.pop("kfac")
-    best = max(runs.values(), key=lambda o: o.final_accuracy or 0)
-    goal = best.final_accuracy
-    mine, theirs = (hit[0] if (hit := o.to_target(goal)) else None for o in (kfac, best))
-    return (f"K-FAC {percent(kfac.final_accuracy)} against {TUNE_NAMES[best.cell.method]}'s "
-            f"{percent(goal)}; K-FAC reached {percent(goal)} after "
-            + (f"{mine} steps" if mine is not None else "never") + f", {TUNE_NAMES[best.cell.method]} after {theirs}")
+    """mnist_resnet, each method's tuned setting, medians over the seeds run: K-FAC (preset unchanged) against the
+    most accurate other method, and the steps each took to that method's median final accuracy."""
+    outcomes = _outcomes("kfac_large_batch_resnet")
+    seeds = sorted({o.cell.seed for o in outcomes})
+    by_method: dict[str, list[Any]] = {}
+    for o in outcomes:
+        by_method.setdefault(o.cell.method, []).append(o)
+    kfac = by_method.pop("kfac")
+    final = {m: statistics.median(o.final_accuracy or 0.0 for o in runs) for m, runs in by_method.items()}
+    best = max(final, key=lambda m: final[m])
+    goal = final[best]
+
+    def steps(runs: list[Any]) -> str:
+        hits = [hit[0] for o in runs if (hit := o.to_target(goal))]
+        return f"{statistics.median(hits):g} steps ({len(hits)}/{len(runs)} seeds)" if hits else "never"
+
+    kfac_final = statistics.median(o.final_accuracy or 0.0 for o in kfac)
+    return (f"K-FAC {percent(kfac_final)} against {TUNE_NAMES[best]}'s {percent(goal)} (medians of {len(seeds)} "
+            f"seeds); to {percent(goal)}: K-FAC {steps(kfac)}, {TUNE_NAMES[best]} {steps(by_method[best])}")
 
 
-def _seconds_to_985(outcomes: Sequence[Any]) -> dict[str, float]:
-    return {o.cell.method: hit[1] for o in outcomes if (hit := o.to_target(0.985))}
+def _ratio_985(outcomes: Sequence[Any], other: str) -> tuple[float, int]:
+    """The median over seeds of K-FAC's training seconds to 98.5 % over ``other``'s on the same seed (a seed's two
+    runs ran on one machine, side by side; seeds may not have), and how many seeds both reached it on."""
+    by_seed: dict[int, dict[str, float]] = {}
+    for o in outcomes:
+        if hit := o.to_target(0.985):
+            by_seed.setdefault(o.cell.seed, {})[o.cell.method] = hit[1]
+    ratios = [s["kfac"] / s[other] for s in by_seed.values() if "kfac" in s and other in s]
+    return statistics.median(ratios), len(ratios)
 
 
 @figure("lb.2nodes.ratio")
 def _two_nodes() -> str:
-    """K-FAC's training seconds to 98.5 % over the other method's on 2 virtual nodes x 2 ranks (seed 0), and the
-    same ratio on one host: the seed-0 runs of the equal-budget study with the same rate and warm-up."""
-    nodes = _outcomes("kfac_large_batch_2nodes")  # run with --tuned-from: each method's tuned rate and warm-up
-    settings = {(o.cell.method, o.cell.lr, o.cell.warmup) for o in nodes}
-    host = [o for o in _outcomes(TUNE) if o.cell.seed == 0 and (o.cell.method, o.cell.lr, o.cell.warmup) in settings]
-    on_nodes, on_host = _seconds_to_985(nodes), _seconds_to_985(host)
-    other = next(m for m in on_nodes if m != "kfac")
-    return (f"{times(on_nodes['kfac'] / on_nodes[other])} {TUNE_NAMES[other]}'s on 2 nodes x 2 ranks over 1 Gbit/s, "
-            f"{times(on_host['kfac'] / on_host[other])} on one host (1 rank, the same settings and seed)")
+    """K-FAC's training seconds to 98.5 % over the other method's on 2 virtual nodes x 2 ranks, and on one host with
+    one rank: the same settings and seeds, one run at a time on one machine (medians of per-seed ratios)."""
+    nodes, host = _outcomes("kfac_large_batch_2nodes"), _outcomes("kfac_large_batch_1host")
+    other = next(o.cell.method for o in nodes if o.cell.method != "kfac")
+    (on_nodes, seeds), (on_host, _) = _ratio_985(nodes, other), _ratio_985(host, other)
+    return (f"{times(on_nodes)} {TUNE_NAMES[other]}'s on 2 nodes x 2 ranks over 1 Gbit/s, {times(on_host)} on one "
+            f"host (1 rank; medians over {seeds} seeds of each seed's ratio)")
+
+
+@figure("lb.2nodes.short")
+def _two_nodes_short() -> str:
+    nodes = _outcomes("kfac_large_batch_2nodes")
+    other = next(o.cell.method for o in nodes if o.cell.method != "kfac")
+    return f"{times(_ratio_985(nodes, other)[0])} {TUNE_NAMES[other]}'s"
+
+
+@figure("lb.2nodes.steps")
+def _two_nodes_steps() -> str:
+    """Seconds per step of each method on 2 nodes and on one host (medians over seeds)."""
+    parts = []
+    for name, where in (("kfac_large_batch_2nodes", "2 nodes"), ("kfac_large_batch_1host", "one host")):
+        per = {}
+        for method in ("kfac", "muon"):
+            per[method] = statistics.median(o.seconds_per_step for o in _outcomes(name) if o.cell.method == method)
+        parts.append(f"{where}: K-FAC {1000 * per['kfac']:.0f} ms, Muon {1000 * per['muon']:.0f} ms "
+                     f"({times(per['kfac'] / per['muon'])})")
+    return "; ".join(parts)
+
+
+@figure("lb.1host.ratio")
+def _one_host_ratio() -> str:
+    """The batch-4096 time target repeated: K-FAC's and Muon's tuned settings, seeds 0-2, one rank, each run alone,
+    on the later machine (median of per-seed ratios of training seconds to 98.5 %)."""
+    ratio, seeds = _ratio_985(_outcomes("kfac_large_batch_1host"), "muon")
+    return f"{times(ratio)} Muon's ({seeds} seeds, each run alone)"
+
+
+@figure("lb.2nodes.fraction")
+def _two_nodes_fraction() -> str:
+    """The 2-node cell with K-FAC at grad-worker fraction 0.25 (one gradient worker per layer on 4 ranks: the
+    preconditioned gradients are broadcast instead of the decompositions) against the same Muon runs."""
+    quarter = [dataclasses.replace(o, cell=dataclasses.replace(o.cell, method="kfac"))
+               for o in _outcomes("kfac_large_batch_2nodes_fraction")]
+    muon = [o for o in _outcomes("kfac_large_batch_2nodes") if o.cell.method == "muon"]
+    ratio, seeds = _ratio_985(quarter + muon, "muon")
+    step = statistics.median(o.seconds_per_step for o in quarter)
+    return f"{times(ratio)} Muon's time to 98.5 % ({seeds} seeds), {1000 * step:.0f} ms a step"
 
 
 # ---- K-FAC's traffic (benchmarks/kfac_traffic.py) ----------------------------------------------------------

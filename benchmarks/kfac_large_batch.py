@@ -5,6 +5,7 @@
     nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py --reduced         # batch 128 and 4096, 1 seed
     nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py --target-cell     # batch 4096, 3 seeds, best rates
     nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py                   # the full grid (hours on 2 cores)
+    nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py --tune --methods ...  # the same tuning budget for each
 
 Every run is ``python -m hpcdl.train`` itself (same model, data, data order per seed, schedule,
 evaluation and clocks for every method): real MNIST, ``mnist_cnn``, cosine decay per step over
@@ -484,7 +485,7 @@ def verdict(outcomes: Sequence[Outcome], batch: int = 4096) -> list[str]:
                      f"{1000 * (r['seconds_per_step'] or 0):.0f} ms/step")
     kfac = best.get("kfac")
     if kfac:
-        lines.insert(0, beats_kfac(kfac, [r for m, r in best.items() if not m.startswith("kfac")]))
+        lines.insert(0, beats_kfac(kfac, [r for m, r in best.items() if m != "kfac"]))  # kfac-pytorch included
     first_order = [best[m] for m in FIRST_ORDER if m in best]
     if kfac and first_order:
         fo = max(first_order, key=lambda r: (r["seconds_98.5"] is not None, -(r["seconds_98.5"] or 0),
@@ -701,7 +702,8 @@ def load_outcomes(path: Path) -> list[Outcome]:
 # What a K-FAC run's label names when it differs from the study's own settings for its batch.
 LABELS = {"kfac_factor_examples": "stats of {} examples", "momentum": "momentum {:g}", "kfac_damping": "d {:g}",
           "kfac_kl_clip": "clip {:g}", "kfac_inv_update_freq": "inv every {:g}",
-          "kfac_factor_update_freq": "factors every {:g}", "kfac_factor_decay": "decay {:g}", "weight_decay": "wd {:g}"}
+          "kfac_factor_update_freq": "factors every {:g}", "kfac_factor_decay": "decay {:g}", "weight_decay": "wd {:g}",
+          "kfac_grad_worker_fraction": "fraction {:g}"}
 
 
 def kfac_label(command: Sequence[str], batch: int, earlier: bool = False) -> str:
@@ -811,6 +813,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kfac_preset=dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum),
         argv=sys.argv[1:] if argv is None else list(argv), planned=len(cells))
     kept = kept_outcomes(args.out) if args.keep else []
+    if kept:  # the kept runs' own provenance (argv, load, seconds) stays beside this run's
+        meta["kept_from"] = json.loads(args.out.with_suffix(".json").read_text()).get("meta", {})
     done = {o.cell for o in kept}
     todo = [c for c in cells if c not in done]
     if args.keep:
