@@ -171,14 +171,14 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm: SlurmCluster,
 
     With --no-resume too: that says the first start is a new run; the requeued start is the same job
     and resumes its own checkpoint (it used to refuse its own folder and end FAILED)."""
-    epochs = 4
+    epochs = 30  # long after the first epoch, where the signal is sent: a fast machine ran 4 in 0.5 s
     job = submit_training(slurm, tmp_path, *script_args, "--epochs", str(epochs))
     metrics = tmp_path / "runs" / f"hpcdl-{job}" / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and metrics.read_text().strip()):
         assert time.monotonic() < deadline, "the first epoch never finished"
         assert slurm.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"), slurm.job_state(job)
-        time.sleep(0.5)
+        time.sleep(0.1)
     slurm.run(["scancel", "--batch", "--signal=USR1", str(job)])
 
     state = slurm.wait_for_job(job, timeout=300)
