@@ -597,22 +597,27 @@ def _ratio_985(outcomes: Sequence[Any], other: str) -> tuple[float, int]:
     return statistics.median(ratios), len(ratios)
 
 
+def _kfac_vs_other(name: str) -> tuple[str, float, int]:
+    """The method K-FAC ran beside in results file ``name``, and :func:`_ratio_985` against it."""
+    outcomes = _outcomes(name)
+    other = next(o.cell.method for o in outcomes if o.cell.method != "kfac")
+    return (other, *_ratio_985(outcomes, other))
+
+
 @figure("lb.2nodes.ratio")
 def _two_nodes() -> str:
     """K-FAC's training seconds to 98.5 % over the other method's on 2 virtual nodes x 2 ranks, and on one host with
     one rank: the same settings and seeds, one run at a time on one machine (medians of per-seed ratios)."""
-    nodes, host = _outcomes("kfac_large_batch_2nodes"), _outcomes("kfac_large_batch_1host")
-    other = next(o.cell.method for o in nodes if o.cell.method != "kfac")
-    (on_nodes, seeds), (on_host, _) = _ratio_985(nodes, other), _ratio_985(host, other)
+    other, on_nodes, seeds = _kfac_vs_other("kfac_large_batch_2nodes")
+    on_host = _ratio_985(_outcomes("kfac_large_batch_1host"), other)[0]
     return (f"{times(on_nodes)} {TUNE_NAMES[other]}'s on 2 nodes x 2 ranks over 1 Gbit/s, {times(on_host)} on one "
             f"host (1 rank; medians over {seeds} seeds of each seed's ratio)")
 
 
 @figure("lb.2nodes.short")
 def _two_nodes_short() -> str:
-    nodes = _outcomes("kfac_large_batch_2nodes")
-    other = next(o.cell.method for o in nodes if o.cell.method != "kfac")
-    return f"{times(_ratio_985(nodes, other)[0])} {TUNE_NAMES[other]}'s"
+    other, ratio, _ = _kfac_vs_other("kfac_large_batch_2nodes")
+    return f"{times(ratio)} {TUNE_NAMES[other]}'s"
 
 
 @figure("lb.2nodes.steps")
@@ -632,8 +637,8 @@ def _two_nodes_steps() -> str:
 def _one_host_ratio() -> str:
     """The batch-4096 time target repeated: K-FAC's and Muon's tuned settings, seeds 0-2, one rank, each run alone,
     on the later machine (median of per-seed ratios of training seconds to 98.5 %)."""
-    ratio, seeds = _ratio_985(_outcomes("kfac_large_batch_1host"), "muon")
-    return f"{times(ratio)} Muon's ({seeds} seeds, each run alone)"
+    other, ratio, seeds = _kfac_vs_other("kfac_large_batch_1host")
+    return f"{times(ratio)} {TUNE_NAMES[other]}'s ({seeds} seeds, each run alone)"
 
 
 @figure("lb.2nodes.fraction")
