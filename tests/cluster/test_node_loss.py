@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.mpi_harness import epochs_to_resume_to
 from tests.support.vcluster import Launch, make_vcluster, run_launch  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.processes
@@ -60,13 +61,14 @@ def check_loss_and_resume(cluster, out: Path, ended_after: float, rc: int, text:
     assert checkpoints, "the checkpoint is gone"
     # Resume on the node that is left, 2 ranks instead of 4.
     node1 = cluster.node("node1")
+    target = epochs_to_resume_to(out)
     rc2, text2 = run_launch(["--vcluster", cluster.name, "-H", f"{node1.address}:2", "-np", "2",
-                             "--output-dir", str(out), "--resume", "--epochs", "2", "--stall-timeout", "60",
+                             "--output-dir", str(out), "--resume", "--epochs", str(target), "--stall-timeout", "60",
                              "--no-progress"], tmp_path / "resume.log", timeout=240)
     assert rc2 == 0, text2[-3000:]
     assert "checkpoint was written by 4 rank(s)" in text2, text2[-3000:]
     epochs = [int(m) for m in re.findall(r"^epoch +(\d+)/", text2, re.M)]
-    assert epochs and epochs[-1] == 2 and epochs[0] >= 1, text2[-3000:]
+    assert epochs and epochs[-1] == target and epochs[0] >= 1, text2[-3000:]
 
 
 def test_node_cut_off_the_network(make_vcluster, tmp_path: Path) -> None:

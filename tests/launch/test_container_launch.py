@@ -242,12 +242,12 @@ def test_the_documented_container_commands_are_the_ones_the_tests_run() -> None:
     commands = [line.split("#")[0].strip() for line in block.splitlines()[1:] if line.strip()]
     assert commands == ["launch/mpirun.sh -np 4 --image $IMG --entry hpcdl.doctor",
                         "launch/mpirun.sh -np 2 --image $IMG -- --epochs 2",
-                        "sbatch launch/slurm.sbatch --image $IMG -- --epochs 4"], commands
+                        "sbatch launch/slurm.sbatch --image $IMG -- --epochs 30"], commands
     # The same launchers and flags in the tests (the image comes from the same build: make image = build.sh).
     assert '"-np", "4", "--image", str(hpcdl_image), "--entry", "hpcdl.doctor"' in runs
     assert '"-np", "2", *extra, "--", *TRAIN, "--epochs", "2"' in runs and '"--image", str(hpcdl_image)' in runs
     assert 'REPO / "launch" / "slurm.sbatch"' in runs
     assert '"--image", str(hpcdl_image), "--", *TRAIN, "--epochs", str(epochs)' in runs
-    assert "epochs = 4" in runs
+    assert "epochs = 30" in runs
     make = subprocess.run(["make", "-n", "-s", "image"], capture_output=True, text=True, cwd=REPO)
     assert make.stdout.strip() == "bash containers/build.sh", make.stdout

@@ -123,3 +123,12 @@ def run_train(nprocs: int, output_dir: os.PathLike[str] | str, *flags: str, time
 def error_lines(stderr: str) -> list[str]:
     """The one-line errors hpcdl printed (``<program>: error: ...``)."""
     return [line for line in stderr.splitlines() if ": error: " in line]
+
+
+def epochs_to_resume_to(run_dir: os.PathLike[str] | str) -> int:
+    """An --epochs for resuming a run that was cut short which is sure to train again: two more than it logged (its
+    newest checkpoint may be one epoch past its last metrics row). A fixed small number races a fast machine, which
+    can finish those epochs before the fault lands."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    logged = [line for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    return len(logged) + 2
