@@ -1,9 +1,11 @@
 """The collectives K-FAC needs, for one process or for a Horovod job.
 
-Three operations: an asynchronous sum-allreduce over all ranks (the factors, started during
-backward), and an asynchronous in-place broadcast inside a group of ranks (decompositions and
-preconditioned gradients). Groups come from :meth:`Communicator.groups`, which every rank calls
-with the same partition of the ranks at construction time.
+Two operations, both asynchronous: a sum-allreduce over all ranks (the factor statistics, started
+during backward), and an allgather inside a group of ranks (each member's decompositions, or its
+preconditioned gradients, to every other member: one collective per group and phase, whatever the
+group's size). Groups come from :meth:`Communicator.groups`, which every rank calls with the same
+partition of the ranks at construction time. Every rank issues its collectives in the same order,
+which NCCL requires and Horovod tolerates.
 
 Inside a Horovod job, groups are Horovod process sets; adding them after ``hvd.init`` needs
 ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment before Horovod starts. Without it, groups
@@ -31,12 +33,13 @@ class Group(ABC):
         self.ranks = tuple(ranks)
 
     @abstractmethod
-    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
-        """Start overwriting ``tensor`` with the root's (``root`` is a global rank in this group)."""
+    def allgather_async(self, tensor: Tensor, sizes: Sequence[int], name: str) -> Handle:
+        """Start gathering every member's 1-D ``tensor``; ``sizes`` are the members' lengths in
+        group order (known on every rank, zero allowed), ``tensor`` has this rank's length."""
 
     @abstractmethod
-    def wait(self, handle: Handle) -> None:
-        """Finish a broadcast started by :meth:`broadcast_async`."""
+    def wait_gathered(self, handle: Handle) -> list[Tensor]:
+        """Finish an allgather: every member's tensor, in group order (this rank's own included)."""
 
 
 class Communicator(ABC):
@@ -57,13 +60,13 @@ class Communicator(ABC):
 
 
 class _SoloGroup(Group):
-    """A group of one: broadcasting is a no-op."""
+    """A group of one: gathering returns the tensor itself."""
 
-    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
-        return None
+    def allgather_async(self, tensor: Tensor, sizes: Sequence[int], name: str) -> Handle:
+        return tensor
 
-    def wait(self, handle: Handle) -> None:
-        return None
+    def wait_gathered(self, handle: Handle) -> list[Tensor]:
+        return [handle]
 
 
 class SingleProcess(Communicator):
@@ -90,11 +93,13 @@ class _HorovodGroup(Group):
         self._hvd = hvd
         self._process_set = process_set
 
-    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
-        return self._hvd.broadcast_async_(tensor, root, name=name, process_set=self._process_set)
+    def allgather_async(self, tensor: Tensor, sizes: Sequence[int], name: str) -> Handle:
+        # Horovod's allgather is an allgatherv along dim 0 (lengths may differ, zero included).
+        return self._hvd.allgather_async(tensor, name=name, process_set=self._process_set), sizes
 
-    def wait(self, handle: Handle) -> None:
-        self._hvd.synchronize(handle)
+    def wait_gathered(self, handle: Handle) -> list[Tensor]:
+        hvd_handle, sizes = handle
+        return list(self._hvd.synchronize(hvd_handle).split(list(sizes)))
 
 
 class _MpiGroup(Group):
@@ -104,16 +109,20 @@ class _MpiGroup(Group):
         super().__init__(ranks)
         self._comm = comm
 
-    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
-        host = tensor.detach().cpu() if tensor.device.type != "cpu" else tensor
-        request = self._comm.Ibcast(host.numpy(), root=self.ranks.index(root))
-        return request, tensor, host
+    def allgather_async(self, tensor: Tensor, sizes: Sequence[int], name: str) -> Handle:
+        host = tensor.detach().contiguous().cpu()
+        out = torch.empty(sum(sizes), dtype=host.dtype)
+        if host.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same bits as int16
+            send, recv = host.view(torch.int16).numpy(), out.view(torch.int16).numpy()
+        else:
+            send, recv = host.numpy(), out.numpy()
+        request = self._comm.Iallgatherv(send, (recv, list(sizes)))
+        return request, out, list(sizes), tensor.device
 
-    def wait(self, handle: Handle) -> None:
-        request, tensor, host = handle
+    def wait_gathered(self, handle: Handle) -> list[Tensor]:
+        request, out, sizes, device = handle
         request.Wait()
-        if host is not tensor:
-            tensor.copy_(host)
+        return list(out.to(device).split(sizes))
 
 
 class HorovodCommunicator(Communicator):

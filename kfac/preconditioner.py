@@ -15,6 +15,7 @@ DistributedOptimizer after ``synchronize()``). docs/kfac.md has the conventions 
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections import defaultdict
@@ -26,29 +27,38 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from hpcdl.runtime.numbers import POSITIVE, UNIT_INTERVAL_OPEN_TOP, Range
 from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work
 from kfac.capture import LayerCapture
 from kfac.comm import Communicator, buffer_to_tensors, default_communicator, tensors_to_buffer
 from kfac.decompose import EigenJob, Recoveries, Results, decompose_eigen
-from kfac.factors import BatchStatistics, masked_running_averages
+from kfac.factors import BatchStatistics, masked_running_averages, upper_size
 from kfac.layers import KFACLayer, SkipSpec, find_layers
 from kfac.precision import ieee_fp32
 from kfac.workers import map_largest_first
 
 Schedule = float | Callable[[int], float]
+# The payload precisions offered: bfloat16 has float32's exponent range, so sums of squares cannot overflow
+# (float16's can), and every rank rounds the same values.
+COMM_DTYPES = (None, torch.bfloat16)
+# The phases of ``step()`` in ``timings``, in the order they run.
+PHASES = ("statistics", "factor_reduction", "factors", "decompositions", "sharing", "precondition")
 
 
 def _value(schedule: Schedule, step: int) -> float:
     return float(schedule(step)) if callable(schedule) else float(schedule)
 
 
-def _check_schedule(name: str, schedule: Schedule, accepted: Range) -> None:
-    """A constant hyperparameter must lie in ``accepted`` (hpcdl's one range rule); a callable is the user's."""
+def _check_schedule(name: str, schedule: Schedule, below_one: bool = False) -> None:
+    """A constant hyperparameter must be finite and > 0 (``below_one``: in [0, 1)); a callable is the user's.
+
+    kfac/ stands alone (it imports nothing from hpcdl), so it states its two ranges itself."""
     if callable(schedule):
         return
-    if not accepted.contains(float(schedule)):
+    value = float(schedule)
+    accepted = "[0, 1)" if below_one else "> 0"
+    inside = 0 <= value < 1 if below_one else 0 < value < math.inf
+    if not inside:
         raise ValueError(f"{name} must be {accepted} or a callable of the step, got {schedule}")
 
 
@@ -85,6 +95,12 @@ class KFACPreconditioner:
         cpu_eigen_limit: on a GPU, factors with at most this many rows are decomposed on the host's
             worker threads (faster there for small matrices), overlapping the GPU's large ones; 0
             keeps them all on the GPU.
+        comm_dtype: the precision factor statistics, decompositions and preconditioned gradients
+            travel in; None keeps the layers' own, torch.bfloat16 halves the bytes (counts stay exact,
+            every rank uses the same rounded values; docs/kfac.md has its measured accuracy cost).
+        bucket_cap_mb: factor statistics of consecutive layers travel in one allreduce of up to this
+            many megabytes (started as soon as backward has reached all of them), so a deterministic
+            Horovod run, which fuses nothing, does not pay one collective per layer.
 
     ``damping``, ``factor_decay``, ``kl_clip`` and ``lr`` may be callables of the step number.
     """
@@ -111,6 +127,8 @@ class KFACPreconditioner:
         late_decompositions: bool = False,
         factor_examples: int | None = None,
         cpu_eigen_limit: int = 512,
+        comm_dtype: torch.dtype | None = None,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         for name, freq in (
             ("factor_update_freq", factor_update_freq),
@@ -119,10 +137,10 @@ class KFACPreconditioner:
         ):
             if not isinstance(freq, int) or freq < 1:
                 raise ValueError(f"{name} must be a positive integer, got {freq!r}")
-        _check_schedule("damping", damping, POSITIVE)
-        _check_schedule("factor_decay", factor_decay, UNIT_INTERVAL_OPEN_TOP)
+        _check_schedule("damping", damping)
+        _check_schedule("factor_decay", factor_decay, below_one=True)
         if kl_clip is not None:
-            _check_schedule("kl_clip", kl_clip, POSITIVE)
+            _check_schedule("kl_clip", kl_clip)
         if method not in solve.METHODS:
             raise ValueError(f"method must be one of {solve.METHODS}, got {method!r}")
         if loss_reduction not in ("mean", "sum"):
@@ -133,6 +151,10 @@ class KFACPreconditioner:
             raise ValueError(f"factor_examples must be a positive integer or None, got {factor_examples!r}")
         if not isinstance(cpu_eigen_limit, int) or cpu_eigen_limit < 0:
             raise ValueError(f"cpu_eigen_limit must be a non-negative integer, got {cpu_eigen_limit!r}")
+        if comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
 
         self.factor_update_freq = factor_update_freq
         self.inv_update_freq = inv_update_freq
@@ -149,9 +171,14 @@ class KFACPreconditioner:
         self.late_decompositions = late_decompositions
         self.factor_examples = factor_examples
         self.cpu_eigen_limit = cpu_eigen_limit
+        self.comm_dtype = comm_dtype
         self.steps = 0
-        # Host seconds per phase, for benchmarks (on a GPU: the time to launch the work, not to finish it).
+        # Host seconds per phase (PHASES), for the trainer's step breakdown and benchmarks; on a GPU the
+        # time to launch the work, not to finish it, unless the caller synchronises.
         self.timings: dict[str, float] = defaultdict(float)
+        # Collectives issued, by kind ("kfac.factors", "kfac.decompositions", "kfac.directions").
+        self.collectives: dict[str, int] = defaultdict(int)
+        self._open_phases: list[float] = []  # per open phase, the seconds of the phases nested in it
         # Decompositions that needed a recovery, by kind (solve.RECOVERIES), on the rank that computed them.
         self.eigen_recoveries: dict[str, int] = {kind: 0 for kind in solve.RECOVERIES}
         self._warned_recovery = False
@@ -182,10 +209,13 @@ class KFACPreconditioner:
         self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
         self._denominators: dict[Any, tuple[float, Tensor]] = {}
         self._batches: list[tuple[list[int], Tensor, Tensor, Tensor, Tensor]] = []  # layers of one shape
-        # Per layer, this step's statistics so far, and the allreduce once it has started.
+        # Per layer, this step's statistics so far; per bucket of layers, the allreduce once it has started.
+        self._buckets = _buckets([self._stats_bytes(layer) for layer in self.layers], bucket_cap_mb * 2**20)
+        self._bucket_of = {index: b for b, bucket in enumerate(self._buckets) for index in bucket}
         self._gathered: dict[int, BatchStatistics] = {}
         self._passes: dict[int, int] = defaultdict(int)
         self._in_flight: dict[int, Any] = {}
+        self._next_bucket = 0  # buckets whose allreduce this step has started
         self._late: dict[int, BatchStatistics] = {}
         per_example = float(backward_passes_per_step) if loss_reduction == "mean" else 0.0
         self._captures = [
@@ -273,38 +303,86 @@ class KFACPreconditioner:
         """Called when a layer's forward and backward of one pass are both done (inside backward)."""
 
         def collect(capture: LayerCapture) -> None:
-            stats = capture.statistics()
-            assert stats is not None
-            capture.reset()  # a later pass in the same step (gradient accumulation) starts afresh
-            if index in self._in_flight:  # more passes than backward_passes_per_step: kept on this rank
-                late = self._late.get(index)
-                self._late[index] = stats if late is None else BatchStatistics.merge([late, stats])
-                return
-            gathered = self._gathered.get(index)
-            self._gathered[index] = stats if gathered is None else BatchStatistics.merge([gathered, stats])
-            self._passes[index] += 1
-            if self.comm.size > 1 and self._passes[index] == self.backward_passes_per_step:
-                self._launch(index)  # the last pass of the step: start the allreduce, overlapping backward
+            with self._timed("statistics"):
+                self._collect(index, capture)
 
         return collect
 
-    def _launch(self, index: int) -> None:
-        """One sum-allreduce per layer per step on every rank, whatever the rank saw."""
-        layer = self.layers[index]
-        stats = self._gathered.pop(index, None)
-        if stats is None:  # this rank's pass never reached the layer: it still joins, with zero counts
-            buffer = BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, layer.device)
-        else:
-            buffer = stats.pack()
-        self._in_flight[index] = self.comm.allreduce_sum_async(buffer, f"kfac.factors.{index}")
+    def _collect(self, index: int, capture: LayerCapture) -> None:
+        """Keep one pass's statistics; start the bucket's allreduce once all its layers have their last pass."""
+        stats = capture.statistics()
+        assert stats is not None
+        capture.reset()  # a later pass in the same step (gradient accumulation) starts afresh
+        if self._bucket_of[index] < self._next_bucket:  # more passes than backward_passes_per_step: kept here
+            late = self._late.get(index)
+            self._late[index] = stats if late is None else BatchStatistics.merge([late, stats])
+            return
+        gathered = self._gathered.get(index)
+        self._gathered[index] = stats if gathered is None else BatchStatistics.merge([gathered, stats])
+        self._passes[index] += 1
+        if self.comm.size > 1 and self._passes[index] == self.backward_passes_per_step:
+            self._launch_ready()  # the allreduces of finished buckets overlap the rest of backward
+
+    def _launch_ready(self) -> None:
+        """Start the next buckets whose layers all had their last pass, strictly in bucket order, so that
+        every rank issues the same collectives in the same order (NCCL needs it) even if a rank skips a layer."""
+        for bucket in range(self._next_bucket, len(self._buckets)):
+            if not all(self._passes[i] == self.backward_passes_per_step for i in self._buckets[bucket]):
+                return
+            self._launch(bucket)
+
+    def _stats_bytes(self, layer: KFACLayer) -> int:
+        numel = upper_size(layer.a_dim) + upper_size(layer.g_dim) + 2
+        return numel * torch.empty(0, dtype=self.comm_dtype or layer.dtype).element_size()
+
+    def _launch(self, bucket: int) -> None:
+        """One sum-allreduce per bucket per step on every rank, whatever the rank saw (buckets in a fixed order
+        given by backward, the same on every rank). A low-precision payload sends the counts apart, exact."""
+        buffers = []
+        for index in self._buckets[bucket]:
+            layer = self.layers[index]
+            stats = self._gathered.pop(index, None)
+            if stats is None:  # this rank's pass never reached the layer: it still joins, with zero counts
+                buffers.append(BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, layer.device))
+            else:
+                buffers.append(stats.pack())
+        name = f"kfac.factors.{bucket}"
+        self._next_bucket += 1
+        self.collectives["kfac.factors"] += 1
+        if self.comm_dtype is None:
+            self._in_flight[bucket] = (self.comm.allreduce_sum_async(torch.cat(buffers), name), None)
+            return
+        sums = torch.cat([b[:-2].to(self.comm_dtype) for b in buffers])
+        counts = torch.cat([b[-2:].to(torch.float64) for b in buffers])
+        self.collectives["kfac.factors"] += 1
+        self._in_flight[bucket] = (
+            self.comm.allreduce_sum_async(sums, name),
+            self.comm.allreduce_sum_async(counts, f"{name}.counts"),
+        )
+
+    def _receive(self, bucket: int) -> list[Tensor]:
+        """Wait for a bucket's allreduce; one packed statistics buffer per layer, in the layers' dtype."""
+        sums_handle, counts_handle = self._in_flight.pop(bucket)
+        layers = [self.layers[i] for i in self._buckets[bucket]]
+        sizes = [upper_size(layer.a_dim) + upper_size(layer.g_dim) for layer in layers]
+        if counts_handle is None:
+            return list(self.comm.wait(sums_handle).split([n + 2 for n in sizes]))
+        sums = self.comm.wait(sums_handle).split(sizes)
+        counts = self.comm.wait(counts_handle).split(2)
+        return [
+            torch.cat([s.to(layer.dtype), c.to(layer.dtype)]) for s, c, layer in zip(sums, counts, layers, strict=True)
+        ]
 
     def _update_factors(self, step: int, found_inf: Tensor | None) -> None:
         decay = _value(self.factor_decay, step)
         loss_scale = self._loss_scale()
+        received: dict[int, Tensor] = {}
         if self.comm.size > 1:
-            for index in range(len(self.layers)):
-                if index not in self._in_flight:
-                    self._launch(index)
+            with self._timed("factor_reduction"):
+                for bucket in range(self._next_bucket, len(self._buckets)):
+                    self._launch(bucket)
+                for bucket in range(len(self._buckets)):
+                    received.update(zip(self._buckets[bucket], self._receive(bucket), strict=True))
         late = [self.layers[i].name for i in self._late]
         if late:
             warnings.warn(
@@ -317,7 +395,7 @@ class KFACPreconditioner:
             self._captures[index].reset()
             stats: BatchStatistics | None
             if self.comm.size > 1:
-                stats = BatchStatistics.unpack(self.comm.wait(self._in_flight.pop(index)), layer.a_dim, layer.g_dim)
+                stats = BatchStatistics.unpack(received[index], layer.a_dim, layer.g_dim)
             else:
                 stats = self._gathered.pop(index) if index in self._gathered else None
             extra = self._late.pop(index) if index in self._late else None
@@ -331,6 +409,7 @@ class KFACPreconditioner:
             batches.append((index, stats.a_sum / stats.a_count, stats.g_sum / (stats.g_count * scale)))
         self._gathered.clear()
         self._passes.clear()
+        self._next_bucket = 0
         if batches:
             self._average_into_factors(batches, decay, found_inf)
 
@@ -436,7 +515,7 @@ class KFACPreconditioner:
         return dict(zip(owned, inverses, strict=False)), {}
 
     def _install(self, stale: list[int], results: Results, recoveries: Recoveries) -> None:
-        """Record recoveries, broadcast every owner's decompositions in its worker group, keep the grad workers'."""
+        """Record recoveries, gather every owner's decompositions in its worker group, keep the grad workers'."""
         rank = self.comm.rank
         self._record_recoveries(recoveries)
         todo = set(stale)
@@ -448,7 +527,7 @@ class KFACPreconditioner:
                 shapes = [shape for i, kind in items for shape in self._decomposition_shapes(i, kind)]
                 sent = [t for item in items for t in results[item]] if root == rank else None
                 payloads[root] = (shapes, sent, self._decomposition_dtype(stale[0]))
-            received = self._broadcast_from_each(group, "kfac.decompositions", payloads)
+            received = self._gather_from_each(group, "kfac.decompositions", payloads)
             for root, tensors in received.items():
                 items_of_root = iter(tensors)
                 for item in [(i, kind) for i, kind in self.assignment.owned_factors(root) if i in todo]:
@@ -600,7 +679,7 @@ class KFACPreconditioner:
         return cached[1]
 
     def _share_directions(self, grads: dict[int, Tensor], directions: dict[int, Tensor]) -> None:
-        """Each layer's grad worker in this receiver block broadcasts its direction to the block."""
+        """Each layer's grad worker in this receiver block sends its direction to the block (one allgather)."""
         block = self._receiver_block
         if len(block.ranks) == 1 or not self.layers:
             return
@@ -610,40 +689,63 @@ class KFACPreconditioner:
             layers_of[root] = [i for i in grads if self.assignment.gradient_source(i, root) == root]
             sent = [directions[i] for i in layers_of[root]] if root == self.comm.rank else None
             payloads[root] = ([tuple(grads[i].shape) for i in layers_of[root]], sent, dtype)
-        for root, tensors in self._broadcast_from_each(block, "kfac.directions", payloads).items():
+        for root, tensors in self._gather_from_each(block, "kfac.directions", payloads).items():
             for i, tensor in zip(layers_of[root], tensors, strict=False):
                 # The root too takes the copy it sent: same memory layout, same rounding downstream.
                 directions[i] = tensor
 
-    def _broadcast_from_each(self, group: Any, name: str, payloads: dict[int, tuple]) -> dict[int, list[Tensor]]:
-        """Every member of ``group`` broadcasts its tensors to the others; returns what each root sent.
+    def _gather_from_each(self, group: Any, name: str, payloads: dict[int, tuple]) -> dict[int, list[Tensor]]:
+        """Every member of ``group`` sends its tensors to the others in one allgather; returns what each sent.
 
-        ``payloads[root]`` is (shapes, this rank's tensors if it is the root else None, dtype). A root
-        with nothing to send still broadcasts one number, so that every rank issues the same number of
-        Horovod operations (Horovod names unnamed operations by a per-rank counter).
+        ``payloads[member]`` is (shapes, this rank's tensors if it is the member else None, dtype);
+        the shapes are known on every rank, so a member with nothing to send adds nothing to the
+        payload and no rank issues a collective of its own. With ``comm_dtype`` set the payload
+        travels in that precision and is widened back to ``dtype`` on arrival.
         """
         device = self.layers[0].device
-        transfers = []
-        for root, (shapes, tensors, dtype) in payloads.items():
-            size = max(1, sum(torch.Size(shape).numel() for shape in shapes))
-            if root == self.comm.rank and shapes:
-                buffer = tensors_to_buffer(tensors, dtype, device)
-            else:
-                buffer = torch.zeros(size, dtype=dtype, device=device)
-            transfers.append((root, shapes, buffer, group.broadcast_async(buffer, root, f"{name}.{root}")))
+        dtype = next(iter(payloads.values()))[2]
+        wire = self.comm_dtype or dtype
+        sizes = [sum(torch.Size(shape).numel() for shape in payloads[m][0]) for m in group.ranks]
+        shapes, tensors, _ = payloads[self.comm.rank]
+        mine = tensors_to_buffer(tensors, wire, device) if shapes else torch.empty(0, dtype=wire, device=device)
+        with self._timed("sharing"):
+            parts = group.wait_gathered(group.allgather_async(mine, sizes, name))
+        self.collectives[name] += 1
         received = {}
-        for root, shapes, buffer, handle in transfers:
-            group.wait(handle)
-            received[root] = buffer_to_tensors(buffer, shapes) if shapes else []
+        for member, part in zip(group.ranks, parts, strict=True):
+            member_shapes = payloads[member][0]
+            received[member] = buffer_to_tensors(part.to(dtype), member_shapes) if member_shapes else []
         return received
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
+        """Add the phase's host seconds to ``timings``, exclusive of phases nested in it, and name it for
+        torch.profiler (a no-op unless a profiler is recording)."""
         start = time.perf_counter()
+        self._open_phases.append(0.0)
         try:
-            yield
+            with torch.profiler.record_function(f"kfac.{phase}"):
+                yield
         finally:
-            self.timings[phase] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            nested = self._open_phases.pop()
+            self.timings[phase] += elapsed - nested
+            if self._open_phases:
+                self._open_phases[-1] += elapsed
+
+
+def _buckets(sizes: Sequence[int], cap: float) -> list[list[int]]:
+    """Consecutive layers, last first (the order backward reaches them), in buckets of at most ``cap`` bytes
+    (a layer larger than the cap is a bucket of its own)."""
+    buckets: list[list[int]] = []
+    filled = cap
+    for index in reversed(range(len(sizes))):
+        if filled + sizes[index] > cap:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(index)
+        filled += sizes[index]
+    return buckets
 
 
 def _usable(batches: list[tuple[int, Tensor, Tensor]], found_inf: Tensor | None) -> list[Tensor]:
