@@ -94,12 +94,14 @@ class _HorovodGroup(Group):
         self._process_set = process_set
 
     def allgather_async(self, tensor: Tensor, sizes: Sequence[int], name: str) -> Handle:
-        # Horovod's allgather is an allgatherv along dim 0 (lengths may differ, zero included).
-        return self._hvd.allgather_async(tensor, name=name, process_set=self._process_set), sizes
+        # Horovod's allgather is an allgatherv along dim 0 (lengths may differ, zero included). Its MPI
+        # operations know no bfloat16: the same bits travel as int16 (a gather only moves them).
+        bits = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+        return self._hvd.allgather_async(bits, name=name, process_set=self._process_set), sizes, tensor.dtype
 
     def wait_gathered(self, handle: Handle) -> list[Tensor]:
-        hvd_handle, sizes = handle
-        return list(self._hvd.synchronize(hvd_handle).split(list(sizes)))
+        hvd_handle, sizes, dtype = handle
+        return list(self._hvd.synchronize(hvd_handle).view(dtype).split(list(sizes)))
 
 
 class _MpiGroup(Group):

@@ -38,8 +38,8 @@ from kfac.precision import ieee_fp32
 from kfac.workers import map_largest_first
 
 Schedule = float | Callable[[int], float]
-# The payload precisions offered: bfloat16 has float32's exponent range, so sums of squares cannot overflow
-# (float16's can), and every rank rounds the same values.
+# The payload precisions offered for what K-FAC shares by allgather: bfloat16 has float32's exponent range
+# (eigenvalues cannot overflow as in float16).
 COMM_DTYPES = (None, torch.bfloat16)
 # The phases of ``step()`` in ``timings``, in the order they run.
 PHASES = ("statistics", "factor_reduction", "factors", "decompositions", "sharing", "precondition")
@@ -95,9 +95,10 @@ class KFACPreconditioner:
         cpu_eigen_limit: on a GPU, factors with at most this many rows are decomposed on the host's
             worker threads (faster there for small matrices), overlapping the GPU's large ones; 0
             keeps them all on the GPU.
-        comm_dtype: the precision factor statistics, decompositions and preconditioned gradients
-            travel in; None keeps the layers' own, torch.bfloat16 halves the bytes (counts stay exact,
-            every rank uses the same rounded values; docs/kfac.md has its measured accuracy cost).
+        comm_dtype: the precision decompositions and preconditioned gradients travel in (the larger
+            part of K-FAC's bytes); None keeps their own, torch.bfloat16 halves them, and every rank
+            then uses the same rounded values (docs/kfac.md has the measured accuracy cost). Factor
+            statistics are summed over ranks and stay in the layers' precision.
         bucket_cap_mb: factor statistics of consecutive layers travel in one allreduce of up to this
             many megabytes (started as soon as backward has reached all of them), so a deterministic
             Horovod run, which fuses nothing, does not pay one collective per layer.
@@ -333,11 +334,11 @@ class KFACPreconditioner:
 
     def _stats_bytes(self, layer: KFACLayer) -> int:
         numel = upper_size(layer.a_dim) + upper_size(layer.g_dim) + 2
-        return numel * torch.empty(0, dtype=self.comm_dtype or layer.dtype).element_size()
+        return numel * torch.empty(0, dtype=layer.dtype).element_size()
 
     def _launch(self, bucket: int) -> None:
         """One sum-allreduce per bucket per step on every rank, whatever the rank saw (buckets in a fixed order
-        given by backward, the same on every rank). A low-precision payload sends the counts apart, exact."""
+        given by backward, the same on every rank)."""
         buffers = []
         for index in self._buckets[bucket]:
             layer = self.layers[index]
@@ -346,32 +347,15 @@ class KFACPreconditioner:
                 buffers.append(BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, layer.device))
             else:
                 buffers.append(stats.pack())
-        name = f"kfac.factors.{bucket}"
         self._next_bucket += 1
         self.collectives["kfac.factors"] += 1
-        if self.comm_dtype is None:
-            self._in_flight[bucket] = (self.comm.allreduce_sum_async(torch.cat(buffers), name), None)
-            return
-        sums = torch.cat([b[:-2].to(self.comm_dtype) for b in buffers])
-        counts = torch.cat([b[-2:].to(torch.float64) for b in buffers])
-        self.collectives["kfac.factors"] += 1
-        self._in_flight[bucket] = (
-            self.comm.allreduce_sum_async(sums, name),
-            self.comm.allreduce_sum_async(counts, f"{name}.counts"),
-        )
+        self._in_flight[bucket] = self.comm.allreduce_sum_async(torch.cat(buffers), f"kfac.factors.{bucket}")
 
     def _receive(self, bucket: int) -> list[Tensor]:
-        """Wait for a bucket's allreduce; one packed statistics buffer per layer, in the layers' dtype."""
-        sums_handle, counts_handle = self._in_flight.pop(bucket)
+        """Wait for a bucket's allreduce; one packed statistics buffer per layer."""
         layers = [self.layers[i] for i in self._buckets[bucket]]
-        sizes = [upper_size(layer.a_dim) + upper_size(layer.g_dim) for layer in layers]
-        if counts_handle is None:
-            return list(self.comm.wait(sums_handle).split([n + 2 for n in sizes]))
-        sums = self.comm.wait(sums_handle).split(sizes)
-        counts = self.comm.wait(counts_handle).split(2)
-        return [
-            torch.cat([s.to(layer.dtype), c.to(layer.dtype)]) for s, c, layer in zip(sums, counts, layers, strict=True)
-        ]
+        sizes = [upper_size(layer.a_dim) + upper_size(layer.g_dim) + 2 for layer in layers]
+        return list(self.comm.wait(self._in_flight.pop(bucket)).split(sizes))
 
     def _update_factors(self, step: int, found_inf: Tensor | None) -> None:
         decay = _value(self.factor_decay, step)

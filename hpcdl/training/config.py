@@ -20,6 +20,7 @@ from hpcdl.data import DATASETS
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import UsageError
 from hpcdl.runtime.numbers import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL_OPEN_TOP, Range
+from hpcdl.training.phases import parse_profile_steps
 
 # What each dataset's recipe changes from TrainConfig's defaults (which are the digits recipe).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -82,6 +83,15 @@ def flag(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, 
 
 DATA, MODEL, SPEED, KFAC = "data", "model and optimisation", "speed (GPU)", "K-FAC (kfac.KFACPreconditioner)"
 
+
+
+def profile_steps_value(text: str) -> str:
+    """An argparse type: FIRST:LAST (hpcdl.training.phases.parse_profile_steps), kept as written."""
+    try:
+        parse_profile_steps(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--profile-steps must be ")) from None
+    return text
 
 @dataclass
 class TrainConfig:
@@ -166,6 +176,11 @@ class TrainConfig:
                                    "(a benchmark's plugin point, docs/kfac.md)", parse=str, group=KFAC)
     kfac_grad_worker_fraction: float = flag(1.0, "KAISA: share of ranks that precondition each layer", parse=float,
                                             valid=FRACTION, group=KFAC)
+    kfac_comm_precision: str = flag("same", "precision K-FAC's factors, decompositions and preconditioned gradients "
+                                            "travel in: same as the model, or bf16 (half the bytes; docs/kfac.md)",
+                                    choices=("same", "bf16"), group=KFAC)
+    kfac_bucket_mb: float = flag(25.0, "factor statistics of consecutive layers share one allreduce of up to this "
+                                       "many MB", parse=float, valid=POSITIVE, group=KFAC)
     # run control
     output_dir: str | None = flag(None, "run directory (default: a new runs/<time>-<id>)", parse=str)
     resume: bool = flag(False, "continue from the newest valid checkpoint in --output-dir")
@@ -182,6 +197,9 @@ class TrainConfig:
     max_nonfinite_steps: int = flag(5, "stop after this many consecutive steps with non-finite loss or gradients",
                                     parse=int, valid=AT_LEAST_1)
     progress: bool = flag(True, "tqdm progress bar on rank 0 (--no-progress: epoch lines only)")
+    profile_steps: str | None = flag(None, "FIRST:LAST global steps to trace on every rank (torch.profiler; "
+                                           "<output-dir>/traces/rank<r>.json opens in Perfetto; Horovod's timeline "
+                                           "beside it)", parse=profile_steps_value)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -40,6 +40,7 @@ from hpcdl.training.config import TrainConfig, check_amp_device
 from hpcdl.training.loop import LoopSettings, Trainer
 from hpcdl.training.models import build_model
 from hpcdl.training.optimizers import build_preconditioner, build_update_rule
+from hpcdl.training.phases import StepPhases, TraceWindow, parse_profile_steps
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
 
 
@@ -329,7 +330,9 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     record = agree(lambda: RunRecord(run.path, me.is_root, kept_through, run.run_id))
     trainer = Trainer(model=compiled, state=state, schedule=schedule, criterion=criterion, amp_dtype=amp_dtype,
                       data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
-                      settings=LoopSettings.of(config))
+                      settings=LoopSettings.of(config), phases=(phases := StepPhases(preconditioner, me.device)),
+                      trace=TraceWindow(parse_profile_steps(config.profile_steps), run.path / "traces", me.rank, phases,
+                                        hvd if me.size > 1 else None) if config.profile_steps else None)
     job = Job(config=config, world=me, comm=comm, run=run, record=record, trainer=trainer, checkpointer=checkpointer)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
         runstate.restore(state, resumed, config, me.rank, me.size, run.path)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from hpcdl.runtime.signals import GracefulStop, StopRequest
 from hpcdl.runtime.watchdog import StallWatchdog
 from hpcdl.runtime.world import World
 from hpcdl.training.config import TrainConfig
+from hpcdl.training.phases import StepPhases, TraceWindow
 from hpcdl.training.runstate import TrainState, pause_after
 from hpcdl.training.schedule import LRSchedule
 
@@ -73,6 +74,8 @@ class Trainer:
     stop: GracefulStop
     faults: FaultInjector
     settings: LoopSettings
+    phases: StepPhases = field(default_factory=StepPhases)  # where each step goes (hpcdl.training.phases)
+    trace: TraceWindow | None = None  # --profile-steps
 
     @property
     def device(self) -> torch.device:
@@ -137,8 +140,10 @@ def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
         optimizer.zero_grad()
         flag = torch.tensor(float(verdict > 0), device=trainer.device)
         return flag, flag
+    phases = trainer.phases
     if trainer.world.size > 1:
-        optimizer.synchronize()
+        with phases.phase("allreduce"):
+            optimizer.synchronize()
     if scaler is not None:
         scaler.unscale_(optimizer)
         per_device = scaler._found_inf_per_device(optimizer).values()  # the scaler's own verdict, on the device
@@ -148,14 +153,16 @@ def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         found_inf = failed = nonfinite_flag(params)
     if state.preconditioner is not None:
-        state.preconditioner.step(found_inf=found_inf)
-    optimizer.found_inf = found_inf
-    with optimizer.skip_synchronize():
-        optimizer.step()
-    del optimizer.found_inf
-    if scaler is not None:
-        scaler.update()  # halves the scale after an overflow, on the device
-    optimizer.zero_grad()
+        with phases.phase("kfac"):
+            state.preconditioner.step(found_inf=found_inf)
+    with phases.phase("optimizer"):
+        optimizer.found_inf = found_inf
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        del optimizer.found_inf
+        if scaler is not None:
+            scaler.update()  # halves the scale after an overflow, on the device
+        optimizer.zero_grad()
     return found_inf, failed
 
 
@@ -207,25 +214,34 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
     stop: StopRequest | None = None
     images = 0
     watchdog.beat(phase="data")
+    phases, trace = trainer.phases, trainer.trace
     start = time.perf_counter()
+    phases.data_wait_begins()
     for images_batch, labels in data.train_epoch(epoch, progress.step_in_epoch):
         step = progress.global_step + 1
+        if trace is not None:
+            trace.before_step(step)
+        phases.begin_step()
         faults.before_step(step)
         watchdog.beat(phase="compute")
         lr = trainer.schedule(epoch + progress.step_in_epoch / data.steps_per_epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr
         for x, y in zip(micro_batches(images_batch, k), micro_batches(labels, k), strict=True):
-            with trainer.autocast():
+            with phases.phase("forward"), trainer.autocast():
                 logits = trainer.model(x)
                 loss = trainer.criterion(logits.float(), y)
             if faults.poison_loss(step):
                 loss = loss * float("nan")
             scaled = loss / k
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            with phases.phase("backward"):
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
             sums.add(loss.detach() * len(y), (logits.argmax(1) == y).sum(), len(y))
         watchdog.beat(phase="collective")
         health.record(apply_gradients(trainer))
+        phases.end_step()
+        if trace is not None:
+            trace.after_step(step)
         progress.global_step, progress.step_in_epoch = step, progress.step_in_epoch + 1
         images += len(images_batch) * trainer.world.size
         bar.update(1)
@@ -242,6 +258,7 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
                                     img_s=f"{images / max(time.perf_counter() - start, 1e-9):.0f}", refresh=False)
             if stop or last:
                 break
+        phases.data_wait_begins()
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)  # the epoch's time includes its queued work
     seconds = time.perf_counter() - start

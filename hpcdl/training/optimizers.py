@@ -134,4 +134,6 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
         skip_layers=config.kfac_skip_layers,
         grad_scaler=scaler,  # its scale is divided out of G
         communicator=communicator,
+        comm_dtype=torch.bfloat16 if config.kfac_comm_precision == "bf16" else None,
+        bucket_cap_mb=config.kfac_bucket_mb,
     )

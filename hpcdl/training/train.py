@@ -30,6 +30,7 @@ from hpcdl.training import runstate
 from hpcdl.training.config import TrainConfig, parse_config
 from hpcdl.training.job import Job, opened
 from hpcdl.training.loop import EpochResult, evaluate, train_one_epoch
+from hpcdl.training.phases import breakdown
 
 
 @dataclass
@@ -97,6 +98,10 @@ def run(job: Job) -> TrainResult:
         elif result.stop:
             print0(f"hpcdl: {result.stop.describe()}: stopped after epoch {progress.epoch}; continue with --resume")
 
+    if trainer.trace is not None:
+        trainer.trace.close()  # a run that ended inside the window writes what it recorded
+        if trainer.trace.written:
+            print0(f"hpcdl: step traces in {trainer.trace.out_dir} (rank<r>.json: Perfetto or chrome://tracing)")
     summary = summarise(job)
     if progress.stop_reason in runstate.FINAL_REASONS:  # an interrupted run has no summary until it finishes
         write_results(lambda: job.record.write_summary(summary), job.comm, job.output_dir)
@@ -168,6 +173,7 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
         "images_per_second": result.images / max(result.seconds, 1e-9), "epoch_seconds": result.seconds,
         "train_seconds": progress.train_seconds, "elapsed_seconds": progress.elapsed_seconds,
         "images_seen": progress.images_seen, "skipped_steps": progress.skipped_steps, "world_size": job.world.size,
+        "step_phases": breakdown(job.trainer.phases.take(), job.comm).to_json(),  # since the last row, every rank
     }
     write_results(lambda: job.record.log_epoch(row), job.comm, job.output_dir)
     where = (f"epoch {label:3d}/{config.epochs}" if isinstance(label, int)
@@ -228,6 +234,7 @@ def summarise(job: Job) -> dict[str, Any]:
         "stopped_by_signal": progress.stop_reason if progress.stop_reason not in runstate.FINAL_REASONS else None,
         "resumed_with_changes": progress.resumed_with_changes,
         "replicas_identical": replicas_identical(job.state.model, job.comm),
+        "step_phases": breakdown(job.trainer.phases.session(), job.comm).to_json(),  # this session's steps
         "config": dataclasses.asdict(job.config),
     }
 

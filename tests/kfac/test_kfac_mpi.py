@@ -270,3 +270,103 @@ def test_a_skipped_step_leaves_no_trace_in_the_factors_on_any_rank() -> None:
     pairs = zip(with_skip.a_factors + with_skip.g_factors, without.a_factors + without.g_factors, strict=True)
     ok = all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in pairs)
     assert_all_ranks(ok, "factors of a run with a skipped step differ from a run without it")
+
+
+def _broadcast_from_each(pre: KFACPreconditioner, group, name: str, payloads: dict[int, tuple]) -> dict:
+    """The reference for sharing: every member broadcasts its payload in turn with MPI's own Bcast on the
+    group's ranks (what K-FAC did before one allgather replaced the broadcasts)."""
+    from mpi4py import MPI
+
+    from kfac.comm import buffer_to_tensors, tensors_to_buffer
+
+    world = MPI.COMM_WORLD
+    sub = world.Create_group(world.Get_group().Incl(list(group.ranks)))
+    received = {}
+    for member in group.ranks:
+        shapes, tensors, dtype = payloads[member]
+        size = sum(torch.Size(shape).numel() for shape in shapes)
+        buffer = (tensors_to_buffer(tensors, dtype, torch.device("cpu")) if member == pre.comm.rank
+                  else torch.zeros(size, dtype=dtype))
+        if size:
+            sub.Bcast(buffer.numpy(), root=group.ranks.index(member))
+        received[member] = buffer_to_tensors(buffer, shapes) if shapes else []
+    sub.Free()
+    return received
+
+
+def test_one_allgather_per_group_equals_a_broadcast_from_each_member_bit_for_bit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decompositions (every fraction) and preconditioned gradients (fraction < 1) shared by one allgather per
+    group give exactly the parameters that one MPI broadcast per group member gives."""
+    hvd = _horovod()
+    problems = []
+    for fraction in _fractions(hvd.size()):
+        gathered, _ = _train_distributed(hvd, fraction)
+        with monkeypatch.context() as patch:
+            patch.setattr(KFACPreconditioner, "_gather_from_each", _broadcast_from_each)
+            broadcast, _ = _train_distributed(hvd, fraction)
+        if not torch.equal(gathered, broadcast):
+            problems.append(f"fraction {fraction}: allgather and broadcasts differ by {_rel(gathered, broadcast):.1e}")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+def test_collectives_per_step_one_per_group_and_phase_and_one_per_bucket() -> None:
+    hvd = _horovod()
+    size = hvd.size()
+    problems = []
+    for fraction in _fractions(size):
+        for cap_mb, buckets in ((25.0, 1), (1e-9, 6)):  # one bucket for all six layers; one per layer
+            _, pre = _train_distributed(hvd, fraction, bucket_cap_mb=cap_mb)
+            inverse_updates = len(range(0, STEPS, SETTINGS["inv_update_freq"]))
+            want = {"kfac.factors": STEPS * buckets, "kfac.decompositions": inverse_updates if fraction > 1 / size else 0,
+                    "kfac.directions": STEPS if fraction < 1 else 0}
+            got = {kind: pre.collectives.get(kind, 0) for kind in want}
+            if got != want:
+                problems.append(f"fraction {fraction}, cap {cap_mb} MB: {got}, expected {want}")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+def test_bf16_payload_stays_close_to_fp32_and_identical_on_every_rank() -> None:
+    """Decompositions and directions in bfloat16 on the wire: every rank applies the same rounded
+    values (replicas stay identical) and training stays near the fp32 run (bf16 keeps 8 bits)."""
+    hvd = _horovod()
+    problems = []
+    for fraction in _fractions(hvd.size()):
+        full, _ = _train_distributed(hvd, fraction)
+        half, pre = _train_distributed(hvd, fraction, comm_dtype=torch.bfloat16)
+        err = _rel(half, full)
+        if not 0 < err < 2e-2:
+            problems.append(f"fraction {fraction}: bf16 payload moved the parameters by {err:.1e} (0 < e < 2e-2)")
+        if not _same_on_all_ranks(hvd, half, f"test.kfac.bf16.{fraction}"):
+            problems.append(f"fraction {fraction}: bf16 replicas differ")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+def test_groups_gather_what_mpi_allgatherv_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both group kinds (Horovod process sets, mpi4py sub-communicators) against MPI's own Allgatherv, with a
+    member that sends nothing and a bfloat16 payload."""
+    from mpi4py import MPI
+
+    hvd = _horovod()
+    rank, size = hvd.rank(), hvd.size()
+    from kfac.comm import HorovodCommunicator as Comm
+
+    sizes = [0 if r == 1 else r + 2 for r in range(size)]
+    mine = torch.arange(sizes[rank], dtype=torch.float64) + 100 * rank
+    counts = sizes
+    want = torch.zeros(sum(sizes), dtype=torch.float64)
+    MPI.COMM_WORLD.Allgatherv(mine.numpy(), (want.numpy(), counts))
+    problems = []
+    for kind in ("horovod", "mpi4py"):
+        with monkeypatch.context() as patch:
+            if kind == "mpi4py":
+                patch.setattr(Comm, "_process_sets", lambda self, partition: None)
+                group = Comm(hvd)._mpi_group([tuple(range(size))], tuple(range(size)))
+            else:
+                group = Comm(hvd).groups([tuple(range(size))])
+            for dtype in (torch.float64, torch.bfloat16):
+                parts = group.wait_gathered(group.allgather_async(mine.to(dtype), sizes, f"test.gather.{kind}.{dtype}"))
+                got = torch.cat(parts).to(torch.float64)
+                if [p.numel() for p in parts] != sizes or not torch.equal(got, want.to(dtype).to(torch.float64)):
+                    problems.append(f"{kind} {dtype}: {got.tolist()} != {want.tolist()}")
+    assert_all_ranks(not problems, "; ".join(problems))
