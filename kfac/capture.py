@@ -3,10 +3,10 @@
 A forward hook adds the input's Σ a aᵀ and registers a hook on the output tensor; that hook
 adds Σ g gᵀ of the gradient reaching the output, scaled to per-example gradients when the loss
 is a mean (``per_example_factor`` = backward passes per step, for a loss divided by them; 0 for
-a summed loss). With ``factor_examples`` only the first that many examples of each pass feed the
-sums: a factor is an average, and a few hundred examples (times their positions, for a
-convolution) estimate it about as well as thousands, at a fraction of the cost. The per-example
-scale still uses the whole pass. When every forward call of the step has seen
+a summed loss). With ``pass_examples`` only the first ``pass_examples[j]`` examples of pass j feed
+the sums (the preconditioner deals a step's budget over ranks and passes): a factor is an average,
+and a few hundred examples (times their positions, for a convolution) estimate it about as well as
+thousands, at a fraction of the cost. The per-example scale still uses the whole pass. When every forward call of the step has seen
 its gradient the layer is complete and ``on_complete`` is called, still inside backward, so
 that its allreduce can overlap the rest of backward. A layer whose output never receives a
 gradient (an unused branch) simply never completes.
@@ -14,7 +14,7 @@ gradient (an unused branch) simply never completes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -34,14 +34,19 @@ class LayerCapture:
         is_capturing: Callable[[], bool],
         per_example_factor: float,
         on_complete: Callable[[LayerCapture], None],
-        factor_examples: int | None = None,
+        pass_examples: Sequence[int] | None = None,
     ) -> None:
         self.layer = layer
-        self._factor_examples = factor_examples
+        self._pass_examples = pass_examples
         self._is_capturing = is_capturing
         self._per_example_factor = per_example_factor
         self._on_complete = on_complete
         self._handle: RemovableHandle = layer.module.register_forward_hook(self._forward_hook)
+        self.new_step()
+
+    def new_step(self) -> None:
+        """Forget this step's passes (:meth:`reset` forgets only the sums of the pass just collected)."""
+        self.passes = 0  # passes of this step collected so far: the next pass's index
         self.reset()
 
     def reset(self) -> None:
@@ -52,6 +57,7 @@ class LayerCapture:
         self.forwards = 0
         self.backwards = 0
         self.launched = False
+        self._limit: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -72,6 +78,7 @@ class LayerCapture:
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
+        self._limit = self._limit_of_pass(self.passes)
         x = self._first(inputs[0].detach())
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False), ieee_fp32():  # float32, no TF32
             moment, count = self.layer.a_moment(x)
@@ -80,8 +87,12 @@ class LayerCapture:
         self.forwards += 1
         output.register_hook(self._gradient_hook)
 
+    def _limit_of_pass(self, index: int) -> int | None:
+        shares = self._pass_examples
+        return None if shares is None else shares[min(index, len(shares) - 1)]
+
     def _first(self, tensor: Tensor) -> Tensor:
-        limit = self._factor_examples
+        limit = self._limit
         return tensor if limit is None else self.layer.first_examples(tensor, limit)
 
     def _gradient_hook(self, grad_output: Tensor) -> None:
@@ -93,4 +104,5 @@ class LayerCapture:
         self.g_count += count
         self.backwards += 1
         if self.complete:
+            self.passes += 1
             self._on_complete(self)

@@ -87,11 +87,13 @@ class KFACPreconditioner:
         late_decompositions: compute each inverse update's decompositions in the background and
             use them from the next inverse update on (one period late), so that a GPU's training
             steps overlap them. Off by default: with it a run no longer equals the synchronous one.
-        factor_examples: only the first this many examples of each backward pass (per rank) feed
-            the factor statistics; None takes them all. The factors are averages, and a convolution's
-            A averages over every output position of every example, so a few hundred examples
-            estimate it nearly as well as thousands at a fraction of the cost, which is what makes
-            updating the factors every step affordable at large batches (docs/kfac.md).
+        factor_examples: the examples per step, over all ranks and backward passes together, whose
+            statistics update the factors (dealt out evenly: rank r's pass j takes the first
+            examples of its batch, at least one); None takes them all. The factors are averages, and
+            a convolution's A averages over every output position of every example, so a few hundred
+            examples estimate it nearly as well as thousands at a fraction of the cost, which is what
+            makes updating the factors every step affordable at large batches; dealt over ranks, that
+            cost divides as the job grows instead of staying on every rank (docs/kfac.md).
         cpu_eigen_limit: on a GPU, factors with at most this many rows are decomposed on the host's
             worker threads (faster there for small matrices), overlapping the GPU's large ones; 0
             keeps them all on the GPU.
@@ -219,8 +221,11 @@ class KFACPreconditioner:
         self._next_bucket = 0  # buckets whose allreduce this step has started
         self._late: dict[int, BatchStatistics] = {}
         per_example = float(backward_passes_per_step) if loss_reduction == "mean" else 0.0
+        shares = None
+        if factor_examples is not None:
+            shares = examples_per_pass(factor_examples, self.comm.rank, self.comm.size, backward_passes_per_step)
         self._captures = [
-            LayerCapture(layer, self._capturing, per_example, self._collector(index), factor_examples)
+            LayerCapture(layer, self._capturing, per_example, self._collector(index), shares)
             for index, layer in enumerate(self.layers)
         ]
 
@@ -376,7 +381,7 @@ class KFACPreconditioner:
             )
         batches: list[tuple[int, Tensor, Tensor]] = []  # (layer, A of this batch, G of this batch)
         for index, layer in enumerate(self.layers):
-            self._captures[index].reset()
+            self._captures[index].new_step()
             stats: BatchStatistics | None
             if self.comm.size > 1:
                 stats = BatchStatistics.unpack(received[index], layer.a_dim, layer.g_dim)
@@ -716,6 +721,17 @@ class KFACPreconditioner:
             self.timings[phase] += elapsed - nested
             if self._open_phases:
                 self._open_phases[-1] += elapsed
+
+
+def examples_per_pass(total: int, rank: int, world: int, passes: int) -> list[int]:
+    """This rank's share of ``total`` factor examples for each of its ``passes`` backward passes.
+
+    The W·k (rank, pass) slots are numbered rank·k + pass, which is the micro-batch numbering of
+    gradient accumulation: one rank with k passes takes exactly the examples k ranks with one pass
+    take. Slot s gets ⌊total / (W·k)⌋, plus one for the first total mod W·k slots, at least one."""
+    slots = world * passes
+    base, extra = divmod(total, slots)
+    return [max(1, base + int(rank * passes + j < extra)) for j in range(passes)]
 
 
 def _buckets(sizes: Sequence[int], cap: float) -> list[list[int]]:

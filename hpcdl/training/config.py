@@ -161,9 +161,9 @@ class TrainConfig:
     kfac_damping: float = flag(0.01, "Tikhonov damping in kfac's batch-independent convention (docs/kfac.md)",
                                parse=float, valid=POSITIVE, group=KFAC)
     kfac_kl_clip: float = flag(0.001, "KL clip of the preconditioned step", parse=float, valid=POSITIVE, group=KFAC)
-    kfac_factor_examples: int | None = flag(None, "examples per backward pass (per rank) whose statistics update the "
-                                                  "factors (default: all); a few hundred cut the cost of "
-                                                  "convolutions' factors at large batches", parse=int,
+    kfac_factor_examples: int | None = flag(None, "examples per step, over all ranks and backward passes, whose "
+                                                  "statistics update the factors (default: all); a few hundred cut "
+                                                  "the cost of convolutions' factors at large batches", parse=int,
                                             valid=AT_LEAST_1, group=KFAC)
     kfac_factor_decay: float = flag(0.95, "running-average decay of the factors", parse=float,
                                     valid=UNIT_INTERVAL_OPEN_TOP, group=KFAC)

@@ -225,6 +225,8 @@ def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, d
 def build_job(config: TrainConfig) -> Job:
     if deterministic(config):
         world.fix_reduction_order()
+    if config.profile_steps:  # Horovod can start its timeline mid-run only when told before it starts
+        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
     me = world.init()
     if (alone := launcher.started_alone(me.size)) is not None:  # N copies of one run otherwise
         raise UsageError(f"{alone}; {launcher.SAME_MPI_FIX}")
@@ -332,7 +334,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
                       data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
                       settings=LoopSettings.of(config), phases=(phases := StepPhases(preconditioner, me.device)),
                       trace=TraceWindow(parse_profile_steps(config.profile_steps), run.path / "traces", me.rank, phases,
-                                        hvd if me.size > 1 else None) if config.profile_steps else None)
+                                        hvd if me.size > 1 and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC"
+                                        else None) if config.profile_steps else None)
     job = Job(config=config, world=me, comm=comm, run=run, record=record, trainer=trainer, checkpointer=checkpointer)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
         runstate.restore(state, resumed, config, me.rank, me.size, run.path)

@@ -370,3 +370,26 @@ def test_groups_gather_what_mpi_allgatherv_gathers(monkeypatch: pytest.MonkeyPat
                 if [p.numel() for p in parts] != sizes or not torch.equal(got, want.to(dtype).to(torch.float64)):
                     problems.append(f"{kind} {dtype}: {got.tolist()} != {want.tolist()}")
     assert_all_ranks(not problems, "; ".join(problems))
+
+
+def test_factor_examples_on_n_ranks_equal_one_rank_accumulating_n_passes() -> None:
+    """factor_examples is the step's budget over ranks and passes: N ranks taking their shares equal one process
+    whose N accumulated passes are the N ranks' shards (the shares of 6 on 4 ranks: 2, 2, 1, 1)."""
+    hvd = _horovod()
+    size, budget = hvd.size(), 6
+    distributed, _ = _train_distributed(hvd, 1.0, factor_examples=budget)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pre = KFACPreconditioner(model, communicator=SingleProcess(), skip_layers=["extra"], factor_examples=budget,
+                             backward_passes_per_step=size, **SETTINGS)
+    for step in range(STEPS):
+        x, y = _batch(step, PER_RANK * size)
+        optimizer.zero_grad()
+        for shard in torch.arange(PER_RANK * size).chunk(size):
+            (F.cross_entropy(model(x[shard]), y[shard]) / size).backward()
+        pre.step()
+        optimizer.step()
+    all_examples, _ = _train_distributed(hvd, 1.0)
+    err, differs = _rel(distributed, _flat(model)), _rel(distributed, all_examples)
+    assert_all_ranks(err < 1e-5 and differs > 1e-6,
+                     f"against one process with {size} passes: {err:.1e}; against all examples: {differs:.1e}")

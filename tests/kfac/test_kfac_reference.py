@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac import KFACPreconditioner
+from kfac.preconditioner import examples_per_pass
 
 TOL = 1e-5
 DTYPE = torch.float64
@@ -207,13 +208,13 @@ def test_factor_examples_take_the_factors_from_the_first_examples_and_preconditi
     assert rel_err(pre.a_factors[0], all_examples[pre.layers[0].name][0]) > 1e-3, "the subset must make a difference"
 
 
-def test_factor_examples_apply_to_each_accumulated_pass() -> None:
-    """Two backward passes of 5 per step, factor_examples=3: the factors are the reference's on the first 3
-    examples of each pass."""
+def test_factor_examples_are_dealt_over_the_accumulated_passes() -> None:
+    """Two backward passes of 5 per step, factor_examples=5 for the step: the factors are the reference's on the
+    first 3 examples of the first pass and the first 2 of the second."""
     model = _model("conv")
     (x1, y1), (x2, y2) = _data("conv", 5, seed=7), _data("conv", 5, seed=8)
-    factors = reference_factors(model, torch.cat([x1[:3], x2[:3]]), torch.cat([y1[:3], y2[:3]]))
-    pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, backward_passes_per_step=2, factor_examples=3)
+    factors = reference_factors(model, torch.cat([x1[:3], x2[:2]]), torch.cat([y1[:3], y2[:2]]))
+    pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, backward_passes_per_step=2, factor_examples=5)
     model.zero_grad()
     for x, y in ((x1, y1), (x2, y2)):
         (F.cross_entropy(model(x), y) / 2).backward()
@@ -222,6 +223,21 @@ def test_factor_examples_apply_to_each_accumulated_pass() -> None:
         big_a, big_g = factors[layer.name]
         assert rel_err(pre.a_factors[i], big_a) < TOL, layer.name
         assert rel_err(pre.g_factors[i], big_g) < TOL, layer.name
+
+
+@pytest.mark.parametrize(("total", "world", "passes", "want"), [
+    (512, 1, 1, [[512]]), (512, 2, 1, [[256], [256]]), (5, 2, 1, [[3], [2]]), (5, 1, 2, [[3, 2]]),
+    (7, 2, 2, [[2, 2], [2, 1]]), (2, 4, 1, [[1], [1], [1], [1]]),
+])
+def test_factor_examples_are_dealt_over_ranks_and_passes_as_micro_batches_are(
+        total: int, world: int, passes: int, want: list[list[int]]) -> None:
+    """The budget is the step's: shares add up to it (at least one example a slot), and one rank with k passes
+    takes what k ranks with one pass take, slot for slot."""
+    got = [examples_per_pass(total, rank, world, passes) for rank in range(world)]
+    assert got == want
+    assert sum(map(sum, got)) == max(total, world * passes)
+    flat = [n for shares in got for n in shares]
+    assert flat == [examples_per_pass(total, s, world * passes, 1)[0] for s in range(world * passes)]
 
 
 def test_sum_reduction_gives_the_same_factors_as_mean() -> None:
