@@ -6,10 +6,10 @@ is a mean (``per_example_factor`` = backward passes per step, for a loss divided
 a summed loss). With ``pass_examples`` only the first ``pass_examples[j]`` examples of pass j feed
 the sums (the preconditioner deals a step's budget over ranks and passes): a factor is an average,
 and a few hundred examples (times their positions, for a convolution) estimate it about as well as
-thousands, at a fraction of the cost. The per-example scale still uses the whole pass. When every forward call of the step has seen
-its gradient the layer is complete and ``on_complete`` is called, still inside backward, so
-that its allreduce can overlap the rest of backward. A layer whose output never receives a
-gradient (an unused branch) simply never completes.
+thousands, at a fraction of the cost. The per-example scale still uses the whole pass. When
+every forward call of the step has seen its gradient the layer is complete and ``on_complete`` is
+called, still inside backward, so that its allreduce can overlap the rest of backward. A layer
+whose output never receives a gradient (an unused branch) simply never completes.
 """
 
 from __future__ import annotations

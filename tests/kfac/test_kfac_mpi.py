@@ -318,7 +318,8 @@ def test_collectives_per_step_one_per_group_and_phase_and_one_per_bucket() -> No
         for cap_mb, buckets in ((25.0, 1), (1e-9, 6)):  # one bucket for all six layers; one per layer
             _, pre = _train_distributed(hvd, fraction, bucket_cap_mb=cap_mb)
             inverse_updates = len(range(0, STEPS, SETTINGS["inv_update_freq"]))
-            want = {"kfac.factors": STEPS * buckets, "kfac.decompositions": inverse_updates if fraction > 1 / size else 0,
+            want = {"kfac.factors": STEPS * buckets,
+                    "kfac.decompositions": inverse_updates if fraction > 1 / size else 0,
                     "kfac.directions": STEPS if fraction < 1 else 0}
             got = {kind: pre.collectives.get(kind, 0) for kind in want}
             if got != want:
