@@ -1,7 +1,10 @@
 """Plot loss and accuracy curves of one or more runs: ``python -m hpcdl.plot RUN_DIR... [-o curves.png]``.
 
 Reads each run's ``metrics.jsonl`` and draws train/test loss and test accuracy against the epoch,
-and test accuracy against wall time (the time-to-accuracy view HPC users compare).
+and test accuracy against wall time (the time-to-accuracy view HPC users compare). With ``--phases``
+it draws where each rank's step goes instead: one stacked bar per rank and run, the mean seconds of
+every phase from the run's ``summary.json`` (hpcdl.training.phases), so that a slow rank or a phase
+that does not shrink with more ranks shows at a glance.
 
 Like every tool around training, it refuses with one line what it cannot do well: a run directory
 that is missing or holds no epochs yet, a metrics file with a malformed line, and an output file
@@ -124,6 +127,61 @@ def draw(runs: Sequence[tuple[str, list[dict[str, Any]]]]) -> Any:
     return fig
 
 
+def read_phases(run_dir: Path) -> dict[str, Any]:
+    """The finished run's per-rank phase seconds (``summary.json``'s step_phases), checked."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise UsageError(f"{run_dir} has no summary.json (a run writes it when it finishes); --phases needs one")
+    try:
+        phases = json.loads(path.read_text()).get("step_phases", {}).get("phases")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path} is unreadable ({exc})") from None
+    if not phases or "step" not in phases:
+        raise UsageError(f"{path} has no step_phases (written by hpcdl.train since phases are recorded)")
+    return phases
+
+
+def draw_phases(runs: Sequence[tuple[str, dict[str, Any]]]) -> Any:
+    """One stacked horizontal bar per (run, rank): mean seconds per phase, phases with no time left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in next(iter(runs))[1] if n != "step"]
+    bars = [(f"{label} rank {r}", {n: phases[n]["mean_per_rank"][r] for n in names if n in phases})
+            for label, phases in runs for r in range(len(phases["step"]["mean_per_rank"]))]
+    shown = [n for n in names if any(seconds.get(n, 0.0) > 0 for _, seconds in bars)]
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * len(bars)))
+    colors = plt.get_cmap("tab20").colors
+    for k, name in enumerate(shown):
+        lefts = [sum(seconds.get(n, 0.0) for n in shown[:k]) * 1e3 for _, seconds in bars]
+        widths = [seconds.get(name, 0.0) * 1e3 for _, seconds in bars]
+        ax.barh([b for b, _ in bars], widths, left=lefts, color=colors[k % len(colors)], label=name)
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per step (mean)", title="where each rank's step goes")
+    ax.legend(fontsize=7, ncol=min(6, len(shown)), loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.5 / len(bars)))
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return fig
+
+
+def plot_phases(run_dirs: Sequence[Path], output: Path, labels: Sequence[str] | None = None) -> Path:
+    runs = [(labels[i] if labels else run_dir.name, read_phases(run_dir)) for i, run_dir in enumerate(run_dirs)]
+    import matplotlib.pyplot as plt
+
+    fig = draw_phases(runs)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=output.suffix.lstrip("."), bbox_inches="tight")
+    plt.close(fig)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(output, lambda handle: handle.write(image.getvalue()))
+    except OSError as exc:
+        raise UsageError(f"cannot write {output}: {exc}") from None
+    return output
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog=f"python -m {PROGRAM}", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl)")
@@ -131,16 +189,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"figure to write, {'/'.join(FORMATS)} (default: curves.png in the first run)")
     parser.add_argument("--labels", nargs="+", help="legend labels, one per run")
     parser.add_argument("--force", action="store_true", help="replace the output file if it exists")
+    parser.add_argument("--phases", action="store_true",
+                        help="draw each rank's step by phase from summary.json (default output: phases.png)")
     args = parser.parse_args(argv)
     if args.labels and len(args.labels) != len(args.runs):
         raise UsageError(f"--labels needs one label per run directory ({len(args.runs)}), got {len(args.labels)}")
-    output = args.output or args.runs[0] / "curves.png"
+    output = args.output or args.runs[0] / ("phases.png" if args.phases else "curves.png")
     if output.suffix.lower() not in FORMATS:
         raise UsageError(f"-o {output}: the figure's format comes from its suffix; use one of {', '.join(FORMATS)}")
     for run_dir in args.runs:  # every run checked before the output is considered
-        read_metrics(run_dir)
+        read_phases(run_dir) if args.phases else read_metrics(run_dir)
     outputs.check_outputs([output], force=args.force, flag="-o")
-    print(plot_runs(args.runs, output, args.labels))
+    print((plot_phases if args.phases else plot_runs)(args.runs, output, args.labels))
     return 0
 
 

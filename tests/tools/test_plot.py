@@ -185,3 +185,33 @@ def test_a_run_of_one_row_is_drawn_as_a_point_in_every_panel(tmp_path: Path) -> 
         x, y = shown[0].get_xydata()[0]
         (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
         assert x0 <= x <= x1 and y0 <= y <= y1, ax.get_title()
+
+
+def make_phased_run(path: Path, ranks: int = 2) -> Path:
+    from hpcdl.training.phases import PHASES
+
+    path.mkdir(parents=True)
+    phases = {name: {"mean_per_rank": [0.01 * (k + 1) + r for r in range(ranks)]}
+              for k, name in enumerate([*PHASES, "step"])}
+    (path / "summary.json").write_text(json.dumps({"step_phases": {"steps": 5, "phases": phases}}))
+    return path
+
+
+def test_phases_draw_one_bar_per_rank_and_run(tmp_path: Path) -> None:
+    from hpcdl.tools.plot import draw_phases, read_phases
+
+    runs = [(name, read_phases(make_phased_run(tmp_path / name))) for name in ("kfac", "muon")]
+    fig = draw_phases(runs)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
+        "kfac rank 0", "kfac rank 1", "muon rank 0", "muon rank 1"]
+    assert main(["--phases", str(tmp_path / "kfac"), str(tmp_path / "muon")]) == 0
+    assert (tmp_path / "kfac" / "phases.png").read_bytes().startswith(PNG)
+
+
+def test_phases_of_a_run_without_a_summary_is_one_line(tmp_path: Path) -> None:
+    make_run(tmp_path / "run")
+    with pytest.raises(UsageError, match="has no summary.json"):
+        main(["--phases", str(tmp_path / "run")])
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    with pytest.raises(UsageError, match="has no step_phases"):
+        main(["--phases", str(tmp_path / "run")])
