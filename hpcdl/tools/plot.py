@@ -153,7 +153,7 @@ def draw_phases(runs: Sequence[tuple[str, dict[str, Any]]]) -> Any:
             for label, phases in runs for r in range(len(phases["step"]["mean_per_rank"]))]
     shown = [n for n in names if any(seconds.get(n, 0.0) > 0 for _, seconds in bars)]
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * len(bars)))
-    colors = plt.get_cmap("tab20").colors
+    colors = [plt.get_cmap("tab20")(k % 20) for k in range(20)]
     for k, name in enumerate(shown):
         lefts = [sum(seconds.get(n, 0.0) for n in shown[:k]) * 1e3 for _, seconds in bars]
         widths = [seconds.get(name, 0.0) * 1e3 for _, seconds in bars]
