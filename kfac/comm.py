@@ -1,9 +1,9 @@
 """The collectives K-FAC needs, for one process or for a Horovod job.
 
-Two operations, both asynchronous: a sum-allreduce over all ranks (the factor statistics, started
-during backward), and an allgather inside a group of ranks (each member's decompositions, or its
-preconditioned gradients, to every other member: one collective per group and phase, whatever the
-group's size). Groups come from :meth:`Communicator.groups`, which every rank calls with the same
+Two kinds of operation, all asynchronous: a sum-allreduce over all ranks (the factor statistics,
+started during backward), and inside a group of ranks an allgather or a sum-allreduce (each member's
+decompositions, or its preconditioned gradients, to every other member: one collective per group and
+phase, whatever the group's size; the preconditioner picks which by the payloads' balance). Groups come from :meth:`Communicator.groups`, which every rank calls with the same
 partition of the ranks at construction time. Every rank issues its collectives in the same order,
 which NCCL requires and Horovod tolerates.
 
@@ -41,6 +41,14 @@ class Group(ABC):
     def wait_gathered(self, handle: Handle) -> list[Tensor]:
         """Finish an allgather: every member's tensor, in group order (this rank's own included)."""
 
+    @abstractmethod
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
+        """Start summing ``tensor`` in place over the group's members (integer dtypes included)."""
+
+    @abstractmethod
+    def wait_sum(self, handle: Handle) -> Tensor:
+        """Finish a group allreduce and return the summed tensor."""
+
 
 class Communicator(ABC):
     rank: int = 0
@@ -67,6 +75,12 @@ class _SoloGroup(Group):
 
     def wait_gathered(self, handle: Handle) -> list[Tensor]:
         return [handle]
+
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
+        return tensor
+
+    def wait_sum(self, handle: Handle) -> Tensor:
+        return handle
 
 
 class SingleProcess(Communicator):
@@ -103,6 +117,14 @@ class _HorovodGroup(Group):
         hvd_handle, sizes, dtype = handle
         return list(self._hvd.synchronize(hvd_handle).view(dtype).split(list(sizes)))
 
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
+        return self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Sum, process_set=self._process_set), tensor
+
+    def wait_sum(self, handle: Handle) -> Tensor:
+        hvd_handle, tensor = handle
+        self._hvd.synchronize(hvd_handle)
+        return tensor
+
 
 class _MpiGroup(Group):
     """A group as an mpi4py sub-communicator; tensors go through host memory."""
@@ -125,6 +147,19 @@ class _MpiGroup(Group):
         request, out, sizes, device = handle
         request.Wait()
         return list(out.to(device).split(sizes))
+
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
+        from mpi4py import MPI
+
+        host = tensor.detach().cpu() if tensor.device.type != "cpu" else tensor
+        return self._comm.Iallreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM), tensor, host
+
+    def wait_sum(self, handle: Handle) -> Tensor:
+        request, tensor, host = handle
+        request.Wait()
+        if host is not tensor:
+            tensor.copy_(host)
+        return tensor
 
 
 class HorovodCommunicator(Communicator):

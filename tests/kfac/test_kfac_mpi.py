@@ -394,3 +394,39 @@ def test_factor_examples_on_n_ranks_equal_one_rank_accumulating_n_passes() -> No
     err, differs = _rel(distributed, _flat(model)), _rel(distributed, all_examples)
     assert_all_ranks(err < 1e-5 and differs > 1e-6,
                      f"against one process with {size} passes: {err:.1e}; against all examples: {differs:.1e}")
+
+
+@pytest.mark.parametrize("rule", ["allgather", "sum"])
+def test_both_sharing_collectives_equal_the_broadcasts_bit_for_bit(rule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zero-padded sum (for unbalanced parts) and the allgather each equal one broadcast per member, in fp64
+    and with a bf16 payload."""
+    hvd = _horovod()
+    problems = []
+    for fraction in _fractions(hvd.size()):
+        with monkeypatch.context() as patch:
+            patch.setattr(KFACPreconditioner, "share_rule", rule, raising=False)
+            patch.setattr(KFACPreconditioner, "__init__", _with_rule(KFACPreconditioner.__init__, rule))
+            forced, _ = _train_distributed(hvd, fraction)
+        with monkeypatch.context() as patch:
+            patch.setattr(KFACPreconditioner, "_gather_from_each", _broadcast_from_each)
+            broadcast, _ = _train_distributed(hvd, fraction)
+        if not torch.equal(forced, broadcast):
+            problems.append(f"fraction {fraction}: {rule} and broadcasts differ by {_rel(forced, broadcast):.1e}")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+def _with_rule(init, rule: str):
+    def init_with_rule(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.share_rule = rule
+
+    return init_with_rule
+
+
+def test_share_by_takes_the_cheaper_collective() -> None:
+    from kfac.preconditioner import share_by
+
+    assert share_by([10, 10, 10, 10]) == "allgather"  # balanced: W·max = Σ
+    assert share_by([100, 0, 0, 0]) == "sum"  # one owner: W·max = 4Σ > 2Σ
+    assert share_by([10, 10, 0, 0]) == "allgather"  # W·max = 2Σ: a tie goes to the gather
+    assert share_by([100, 0, 0, 0], "allgather") == "allgather"
