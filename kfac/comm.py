@@ -3,9 +3,10 @@
 Two kinds of operation, all asynchronous: a sum-allreduce over all ranks (the factor statistics,
 started during backward), and inside a group of ranks an allgather or a sum-allreduce (each member's
 decompositions, or its preconditioned gradients, to every other member: one collective per group and
-phase, whatever the group's size; the preconditioner picks which by the payloads' balance). Groups come from :meth:`Communicator.groups`, which every rank calls with the same
-partition of the ranks at construction time. Every rank issues its collectives in the same order,
-which NCCL requires and Horovod tolerates.
+phase, whatever the group's size; the preconditioner picks which by the payloads' balance). Groups
+come from :meth:`Communicator.groups`, which every rank calls with the same partition of the ranks
+at construction time. Every rank issues its collectives in the same order, which NCCL requires and
+Horovod tolerates.
 
 Inside a Horovod job, groups are Horovod process sets; adding them after ``hvd.init`` needs
 ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment before Horovod starts. Without it, groups
