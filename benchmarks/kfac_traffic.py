@@ -44,6 +44,7 @@ from kfac.assignment import assign_work
 from kfac.comm import Communicator, Group, Handle, default_communicator
 from kfac.factors import upper_size
 from kfac.layers import find_layers
+from kfac.preconditioner import share_by
 from kfac.solve import eigen_shapes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,18 +60,30 @@ FP32 = 4
 
 
 class _CountingGroup(Group):
+    """A group whose collectives add (payload bytes this rank hands over, one round) to the tally of their kind."""
+
     def __init__(self, inner: Group, tally: dict[str, list[int]]) -> None:
         super().__init__(inner.ranks)
         self._inner, self._tally = inner, tally
 
-    def broadcast_async(self, tensor: Tensor, root: int, name: str) -> Handle:
-        kind = name.split(".")[1]  # kfac.decompositions.<root>, kfac.directions.<root>
+    def _count(self, tensor: Tensor, name: str) -> None:
+        kind = name.split(".")[1]  # kfac.decompositions, kfac.directions
         self._tally[kind][0] += tensor.numel() * tensor.element_size()
-        self._tally[kind][1] += root == self.ranks[0]  # one round: the first root's broadcast
-        return self._inner.broadcast_async(tensor, root, name)
+        self._tally[kind][1] += 1
 
-    def wait(self, handle: Handle) -> None:
-        self._inner.wait(handle)
+    def allgather_async(self, tensor: Tensor, sizes: Sequence[int], name: str) -> Handle:
+        self._count(tensor, name)
+        return self._inner.allgather_async(tensor, sizes, name)
+
+    def wait_gathered(self, handle: Handle) -> list[Tensor]:
+        return self._inner.wait_gathered(handle)
+
+    def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
+        self._count(tensor, name)
+        return self._inner.allreduce_sum_async(tensor, name)
+
+    def wait_sum(self, handle: Handle) -> Tensor:
+        return self._inner.wait_sum(handle)
 
 
 class CountingCommunicator(Communicator):
@@ -83,7 +96,7 @@ class CountingCommunicator(Communicator):
 
     def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
         self.tally["factors"][0] += tensor.numel() * tensor.element_size()
-        self.tally["factors"][1] += name == "kfac.factors.0"
+        self.tally["factors"][1] += name == "kfac.factors.0"  # one round: every bucket of a factor update
         return self._inner.allreduce_sum_async(tensor, name)
 
     def wait(self, handle: Handle) -> Tensor:
@@ -142,71 +155,113 @@ class Layers:
                    sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
+def _numel(shapes: Sequence[Sequence[int]]) -> int:
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def member_parts(layers: Layers, world: int, fraction: float) -> dict[str, list[list[int]]]:
+    """Per kind, per group (worker groups for decompositions, receiver blocks for directions), the elements each
+    member contributes in one round: the real owners of kfac's own work assignment (most ranks own nothing
+    when there are more ranks than layers)."""
+    a, g = layers.a_dims, layers.g_dims
+    work = assign_work(list(a), list(g), world, fraction)
+    owned = {r: _numel([s for i, kind in work.owned_factors(r) for s in eigen_shapes(a[i] if kind == "A" else g[i])])
+             for r in range(world)}
+    sources: dict[int, int] = defaultdict(int)
+    for block in work.receiver_blocks():
+        for i in range(len(a)):
+            sources[work.gradient_source(i, block[0])] += layers.grad_numels[i]
+    return dict(decompositions=[[owned[r] for r in group] for group in work.worker_groups()],
+                directions=[[sources[r] for r in block] for block in work.receiver_blocks()])
+
+
+def handed_elements(parts: Sequence[int], member: int) -> int:
+    """What ``member`` (an index into ``parts``) hands to the one collective that shares ``parts``: its own part to
+    an allgather, or the whole zero-padded buffer (in int32 words of fp32 elements) to a sum (kfac's share_by)."""
+    if len(parts) < 2:
+        return 0
+    return parts[member] if share_by(parts) == "allgather" else sum(parts)
+
+
 def kfac_round_bytes(layers: Layers, world: int, fraction: float, rank: int = 0) -> dict[str, int]:
     """Payload bytes ``rank`` hands to collectives in one round of each kind (fp32, the eigen method):
 
-    factors: one allreduce per layer of both factors' upper triangles and two counts;
-    decompositions: every member of the rank's worker group broadcasts the eigenvectors and eigenvalues
-    of the factors it owns (at least one number, so every rank issues the same operations);
-    directions (fraction < 1): every member of the rank's receiver block broadcasts the preconditioned
-    gradients of the layers it is the grad worker for.
+    factors: the upper triangles of both factors and two counts of every layer, in bucketed allreduces;
+    decompositions: one collective in the rank's worker group sharing the eigenvectors and eigenvalues of
+    the factors each member owns; directions (fraction < 1): one collective in the rank's receiver block
+    sharing the preconditioned gradients of the layers each member is the grad worker for.
     """
-    a, g = layers.a_dims, layers.g_dims
-    factors = sum(upper_size(x) + upper_size(y) + 2 for x, y in zip(a, g, strict=True)) * FP32
-    work = assign_work(list(a), list(g), world, fraction)
-    group = next(grp for grp in work.worker_groups() if rank in grp)
-    block = next(blk for blk in work.receiver_blocks() if rank in blk)
+    factors = sum(upper_size(x) + upper_size(y) + 2 for x, y in zip(layers.a_dims, layers.g_dims, strict=True))
+    out = dict(factors=factors * FP32)
+    for kind, groups in member_parts(layers, world, fraction).items():
+        group = next(k for k, grp in enumerate(_groups(world, fraction, kind)) if rank in grp)
+        members = _groups(world, fraction, kind)[group]
+        out[kind] = handed_elements(groups[group], members.index(rank)) * FP32
+    return out
 
-    def numel(shapes: Sequence[Sequence[int]]) -> int:
-        return sum(math.prod(shape) for shape in shapes)
 
-    decompositions = 0
-    if len(group) > 1:
-        for root in group:
-            owned = work.owned_factors(root)
-            decompositions += max(1, sum(numel(eigen_shapes(a[i] if kind == "A" else g[i])) for i, kind in owned))
-    directions = 0
-    if len(block) > 1:
-        for root in block:
-            mine = [i for i in range(len(a)) if work.gradient_source(i, root) == root]
-            directions += max(1, sum(layers.grad_numels[i] for i in mine))
-    return dict(factors=factors, decompositions=decompositions * FP32, directions=directions * FP32)
+def _groups(world: int, fraction: float, kind: str) -> list[tuple[int, ...]]:
+    work = assign_work([1], [1], world, fraction)  # the groups depend on the world and the fraction only
+    return work.worker_groups() if kind == "decompositions" else work.receiver_blocks()
 
 
 def per_step_bytes(layers: Layers, world: int, fraction: float, factor_every: int,
                    inverse_every: int) -> dict[str, float]:
-    """Average payload bytes per optimizer step, gradients included."""
+    """Average payload bytes per optimizer step handed over by rank 0, gradients included."""
     rounds = kfac_round_bytes(layers, world, fraction)
     return dict(gradients=layers.parameters * FP32, factors=rounds["factors"] / factor_every,
                 decompositions=rounds["decompositions"] / inverse_every, directions=rounds["directions"])
 
 
 # ---- the alpha-beta model of one step's collectives ---------------------------------------------------------
+# Each backend's algorithms, with a message of n bytes between two ranks costing alpha + n/B:
+#   MPI (Horovod on CPUs, Open MPI's tuned collectives): broadcast = the better of a binomial tree and
+#     scatter + allgather; allgatherv = ring, whose every step waits for the largest part; allreduce = ring.
+#   NCCL (GPUs): broadcast = a pipelined ring (p-1 hops of latency, the bytes once); allgather = ring over parts
+#     padded to the largest; allreduce = ring.
+# "broadcasts": K-FAC before one collective per group: every member of a group broadcasts its part in turn
+# (a member without one still broadcasts one number); "one collective": kfac's share_by (allgather or sum).
+
+BACKENDS = ("mpi", "nccl")
+DESIGNS = ("broadcasts", "one collective")
 
 
-def broadcast_seconds(model: AlphaBeta, nbytes: float, ranks: int) -> float:
-    """The better of MPI's two usual broadcasts: a binomial tree (log2(p) steps of n bytes; small messages)
-    and scatter + allgather (log2(p) + p-1 latencies, 2(p-1)/p n bytes; large ones)."""
+def broadcast_seconds(model: AlphaBeta, nbytes: float, ranks: int, backend: str = "mpi") -> float:
     if ranks < 2:
         return 0.0
+    if backend == "nccl":
+        return (ranks - 1) * model.alpha + nbytes / model.bandwidth
     steps = math.ceil(math.log2(ranks))
     tree = steps * (model.alpha + nbytes / model.bandwidth)
     scatter_allgather = (steps + ranks - 1) * model.alpha + 2 * (ranks - 1) / ranks * nbytes / model.bandwidth
     return min(tree, scatter_allgather)
 
 
+def share_seconds(model: AlphaBeta, parts_bytes: Sequence[float], design: str, backend: str = "mpi") -> float:
+    """Seconds to give every member of one group every other member's part."""
+    p = len(parts_bytes)
+    if p < 2:
+        return 0.0
+    if design == "broadcasts":
+        return sum(broadcast_seconds(model, max(FP32, n), p, backend) for n in parts_bytes)
+    if share_by([int(n) for n in parts_bytes]) == "allgather":
+        return (p - 1) * (model.alpha + max(parts_bytes) / model.bandwidth)
+    return model.ring_seconds(sum(parts_bytes), p)
+
+
 def step_seconds(model: AlphaBeta, layers: Layers, world: int, fraction: float, factor_every: int,
-                 inverse_every: int) -> dict[str, float]:
-    """Seconds per optimizer step of each kind of collective, none overlapped with anything."""
-    rounds = kfac_round_bytes(layers, world, fraction)
-    work = assign_work(list(layers.a_dims), list(layers.g_dims), world, fraction)
-    group, block = len(work.worker_groups()[0]), len(work.receiver_blocks()[0])
-    # The per-layer allreduces are all in flight together and Horovod fuses them (Tensor Fusion): one ring.
+                 inverse_every: int, design: str = "one collective", backend: str = "mpi",
+                 share_bytes: int = FP32) -> dict[str, float]:
+    """Seconds per optimizer step of each kind of collective, none overlapped with anything. Groups of one kind
+    run side by side on disjoint ranks, so a round costs its slowest group. ``share_bytes``: bytes per shared
+    element (2 for --kfac-comm-precision bf16)."""
+    factors = kfac_round_bytes(layers, world, fraction)["factors"]
+    shared = {kind: max(share_seconds(model, [n * share_bytes for n in parts], design, backend) for parts in groups)
+              for kind, groups in member_parts(layers, world, fraction).items()}
+    # The per-layer factors travel in buckets that Horovod (or DDP-like bucketing) runs as one ring.
     return dict(gradients=model.ring_seconds(layers.parameters * FP32, world),
-                factors=model.ring_seconds(rounds["factors"], world) / factor_every,
-                decompositions=sum(broadcast_seconds(model, rounds["decompositions"] / group, group)
-                                   for _ in range(group)) / inverse_every,
-                directions=sum(broadcast_seconds(model, rounds["directions"] / block, block) for _ in range(block)))
+                factors=model.ring_seconds(factors, world) / factor_every,
+                decompositions=shared["decompositions"] / inverse_every, directions=shared["directions"])
 
 
 # ---- 1. count ---------------------------------------------------------------------------------------------------
@@ -295,34 +350,39 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     fitted = fit_ring([n for n, _ in fit_rows], [t for _, t in fit_rows], world)
 
     layers = mnist_layers()
-    rounds = kfac_round_bytes(layers, world, 1.0, rank)
-    per_layer = [(upper_size(a) + upper_size(g) + 2) for a, g in zip(layers.a_dims, layers.g_dims, strict=True)]
-    factor_buffers = [torch.zeros(n) for n in per_layer]
-    work = assign_work(list(layers.a_dims), list(layers.g_dims), world, 1.0)
-    sends = {root: max(1, sum(math.prod(s) for i, kind in work.owned_factors(root)
-                              for s in eigen_shapes(layers.a_dims[i] if kind == "A" else layers.g_dims[i])))
-             for root in range(world)}
-    decomposition_buffers = {root: torch.zeros(n) for root, n in sends.items()}
+    factor_buffer = torch.zeros(kfac_round_bytes(layers, world, 1.0, rank)["factors"] // FP32)  # one bucket
+    parts = member_parts(layers, world, 1.0)["decompositions"][0]  # fraction 1: one group of every rank
+    mine = torch.zeros(parts[rank])
+    gathered = torch.zeros(sum(parts))
 
-    def factors() -> None:  # what K-FAC does at a factor update: one allreduce per layer, all in flight at once
-        handles = [hvd.allreduce_async_(b, name=f"kfac.factors.{i}", op=hvd.Sum) for i, b in enumerate(factor_buffers)]
+    def factors() -> None:  # a factor update: the bucketed allreduce of every layer's statistics
+        hvd.synchronize(hvd.allreduce_async_(factor_buffer, name="kfac.factors.0", op=hvd.Sum))
+
+    def broadcasts() -> None:  # the former sharing: every rank broadcasts its decompositions in turn
+        handles = [hvd.broadcast_async_(torch.zeros(max(1, n)) if root != rank else mine.clone() if n else
+                                        torch.zeros(1), root, name=f"kfac.decompositions.{root}")
+                   for root, n in enumerate(parts)]
         for handle in handles:
             hvd.synchronize(handle)
 
-    def decompositions() -> None:  # every rank broadcasts the decompositions it owns
-        handles = [hvd.broadcast_async_(b, root, name=f"kfac.decompositions.{root}")
-                   for root, b in decomposition_buffers.items()]
-        for handle in handles:
-            hvd.synchronize(handle)
+    def one_collective() -> None:  # the sharing now: kfac's share_by for these parts
+        if share_by(parts) == "allgather":
+            hvd.synchronize(hvd.allgather_async(mine, name="kfac.decompositions"))
+        else:
+            hvd.synchronize(hvd.allreduce_async_(gathered.view(torch.int32), name="kfac.decompositions",
+                                                 op=hvd.Sum))
 
-    held_out = dict(factors=timed(factors, args.repeats), decompositions=timed(decompositions, args.repeats))
-    predicted = dict(factors=fitted.ring_seconds(rounds["factors"], world),  # fused, as at training time
-                     decompositions=sum(broadcast_seconds(fitted, n * FP32, world) for n in sends.values()))
+    held_out = dict(factors=timed(factors, args.repeats), broadcasts=timed(broadcasts, args.repeats),
+                    one_collective=timed(one_collective, args.repeats))
+    parts_bytes = [n * FP32 for n in parts]
+    predicted = dict(factors=fitted.ring_seconds(factor_buffer.numel() * FP32, world),
+                     broadcasts=share_seconds(fitted, parts_bytes, "broadcasts"),
+                     one_collective=share_seconds(fitted, parts_bytes, "one collective"))
     hvd.shutdown()
     if rank != 0:
         return None
     return dict(kind="measure", world=world, fit_rows=fit_rows, alpha=fitted.alpha, bandwidth=fitted.bandwidth,
-                round_bytes=rounds, held_out=held_out, predicted=predicted,
+                parts_bytes=parts_bytes, share_by=share_by(parts), held_out=held_out, predicted=predicted,
                 error={k: (predicted[k] - held_out[k]) / held_out[k] for k in held_out},
                 load=os.getloadavg()[0])
 
@@ -336,11 +396,17 @@ def resnet50_layers() -> Layers:
     return Layers.of(resnet50())
 
 
-def predict(args: argparse.Namespace) -> dict[str, Any]:
-    """K-FAC's and the gradients' seconds per step for ResNet-50 at 64-1,024 ranks, fraction 1 and 1/8."""
-    from hpcdl.training.config import parse_config
+# Frequencies (factor updates, decompositions) priced at scale: the large-batch preset's (every step) and
+# kfac-pytorch's ImageNet defaults (factors every 10 steps, decompositions every 100).
+FREQUENCIES = ((1, 1), (10, 100))
+# How K-FAC shares, as priced: (design, backend, bytes per shared element).
+VARIANTS = (("broadcasts", "mpi", FP32), ("broadcasts", "nccl", FP32), ("one collective", "mpi", FP32),
+            ("one collective", "mpi", 2))
 
-    preset = parse_config(["--kfac-preset", "large-batch"])
+
+def predict(args: argparse.Namespace) -> dict[str, Any]:
+    """K-FAC's and the gradients' seconds per step for ResNet-50 at 64-1,024 ranks: each sharing design and
+    backend, fraction 1 and 1/8, fp32 and bf16 payloads, at both FREQUENCIES."""
     networks = {"HDR100 InfiniBand (100 Gbit/s, 1 us)": network(100, 1.0)}
     if args.measured:
         fit = json.loads(args.measured.read_text())
@@ -349,13 +415,16 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     for name, model in networks.items():
         for ranks in RANKS_AT_SCALE:
             for fraction in (1.0, 1 / 8):
-                seconds = step_seconds(model, layers, ranks, fraction, preset.kfac_factor_update_freq,
-                                       preset.kfac_inv_update_freq)
-                nbytes = per_step_bytes(layers, ranks, fraction, preset.kfac_factor_update_freq,
-                                        preset.kfac_inv_update_freq)
-                rows.append(dict(network=name, ranks=ranks, fraction=fraction, seconds=seconds, bytes=nbytes))
-    return dict(kind="predict", factor_every=preset.kfac_factor_update_freq, inverse_every=preset.kfac_inv_update_freq,
-                layers=len(layers.a_dims), parameters=layers.parameters, rows=rows)
+                for factor_every, inverse_every in FREQUENCIES:
+                    for design, backend, share_bytes in VARIANTS:
+                        seconds = step_seconds(model, layers, ranks, fraction, factor_every, inverse_every, design,
+                                               backend, share_bytes)
+                        rows.append(dict(network=name, ranks=ranks, fraction=fraction, factor_every=factor_every,
+                                         inverse_every=inverse_every, design=design, backend=backend,
+                                         payload="bf16" if share_bytes == 2 else "fp32", seconds=seconds))
+    return dict(kind="predict", layers=len(layers.a_dims), parameters=layers.parameters,
+                owners_at_1024=sum(1 for parts in member_parts(layers, 1024, 1.0)["decompositions"] for n in parts if n),
+                rows=rows)
 
 
 # ---- the command line ------------------------------------------------------------------------------------------
@@ -416,14 +485,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = measure(args)
         if report is None:
             return 0
-        print(f"alpha {report['alpha'] * 1e6:.0f} us, B {report['bandwidth'] / 1e6:.0f} MB/s; K-FAC's collectives "
+        print(f"alpha {report['alpha'] * 1e6:.0f} us, B {report['bandwidth'] / 1e6:.0f} MB/s; held out "
               + ", ".join(f"{k} {report['held_out'][k] * 1e3:.1f} ms measured, {report['predicted'][k] * 1e3:.1f} "
                           f"predicted" for k in report["held_out"]))
     else:
         report = predict(args)
         for row in report["rows"]:
-            print(f"{row['network']:40s} {row['ranks']:5d} ranks f={row['fraction']:<6.3g} "
-                  + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
+            print(f"{row['network'][:12]:12s} {row['ranks']:5d} ranks f={row['fraction']:<6.3g} "
+                  f"({row['factor_every']},{row['inverse_every']}) {row['design']:14s} {row['backend']:4s} "
+                  f"{row['payload']} " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {stem}.json")
     return 0

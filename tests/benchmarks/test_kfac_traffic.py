@@ -1,8 +1,8 @@
 """benchmarks/kfac_traffic.py: the byte model equals what hpcdl's K-FAC really hands to its collectives.
 
 Each rank of a 4-rank job is played in this process by a loopback communicator that reports rank r of 4
-(sums and broadcasts change nothing, so the numbers are meaningless but every collective the real rank
-would issue is issued, with its real size). The counts of the real preconditioner, wrapped by the
+(sums and gathers bring nothing from other ranks, so the numbers are meaningless but every collective the
+real rank would issue is issued, with its real size). The counts of the real preconditioner, wrapped by the
 benchmark's counting communicator, must equal the model for every rank and grad-worker fraction: the model
 then stands for K-FAC's traffic where no run can be made (ResNet-50 at 1,024 ranks).
 """
@@ -17,7 +17,7 @@ import torch
 
 from hpcdl.training.models import build_model
 from kfac import KFACPreconditioner
-from kfac.comm import Group, SingleProcess, _SoloGroup
+from kfac.comm import Group, Handle, SingleProcess
 from tests.support.scripts import load_benchmark
 
 
@@ -26,14 +26,34 @@ def traffic() -> ModuleType:
     return load_benchmark("kfac_traffic")
 
 
+class LoopbackGroup(Group):
+    """This rank's group: a gather returns zeros for the other members' parts, a sum changes nothing."""
+
+    def __init__(self, ranks: Sequence[int], rank: int) -> None:
+        super().__init__(ranks)
+        self.rank = rank
+
+    def allgather_async(self, tensor: torch.Tensor, sizes: Sequence[int], name: str) -> Handle:
+        return [tensor if r == self.rank else tensor.new_zeros(n) for r, n in zip(self.ranks, sizes, strict=True)]
+
+    def wait_gathered(self, handle: Handle) -> list[torch.Tensor]:
+        return handle
+
+    def allreduce_sum_async(self, tensor: torch.Tensor, name: str) -> Handle:
+        return tensor
+
+    def wait_sum(self, handle: Handle) -> torch.Tensor:
+        return handle
+
+
 class Loopback(SingleProcess):
-    """Rank ``rank`` of ``size`` as far as K-FAC can tell; sums and broadcasts change nothing, as on one process."""
+    """Rank ``rank`` of ``size`` as far as K-FAC can tell; nothing arrives from the other ranks."""
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
 
     def groups(self, partition: Sequence[Sequence[int]]) -> Group:
-        return _SoloGroup(next(group for group in partition if self.rank in group))
+        return LoopbackGroup(next(group for group in partition if self.rank in group), self.rank)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
@@ -75,4 +95,19 @@ def test_at_scale_the_ring_terms_follow_the_alpha_beta_model(traffic: ModuleType
     # the gradients' ring: the bandwidth term hardly grows, the latency term does
     assert large["gradients"] > small["gradients"]
     assert large["gradients"] < 2 * small["gradients"]
-    assert large["decompositions"] > small["decompositions"]  # every rank broadcasts its share to all
+    # ResNet-50's 54 layers on 1,024 ranks: a few owners, so one sum of zero-padded slots beats both the broadcasts
+    # (NCCL's ring broadcast pays W-1 hop latencies for each of the 1,024 members) and a ring allgatherv
+    old = traffic.step_seconds(net, layers, 1024, 1.0, 1, 1, "broadcasts", "nccl")
+    assert large["decompositions"] < old["decompositions"] / 5
+    assert large["decompositions"] == pytest.approx(net.ring_seconds(sum(
+        traffic.member_parts(layers, 1024, 1.0)["decompositions"][0]) * 4, 1024))
+
+
+def test_share_seconds_price_each_design_as_its_algorithm(traffic: ModuleType) -> None:
+    net = traffic.network(8, 10.0)  # 1 GB/s, 10 us
+    balanced, lopsided = [1e6] * 4, [4e6, 0, 0, 0]
+    assert traffic.share_seconds(net, balanced, "one collective") == pytest.approx(3 * (10e-6 + 1e-3))  # ring gather
+    assert traffic.share_seconds(net, lopsided, "one collective") == pytest.approx(net.ring_seconds(4e6, 4))  # sum
+    # broadcasts: one per member, a member with nothing still sends one number
+    assert traffic.share_seconds(net, lopsided, "broadcasts", "nccl") == pytest.approx(
+        4 * 3 * 10e-6 + (4e6 + 3 * 4) / 1e9)
