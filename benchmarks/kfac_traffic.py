@@ -422,8 +422,8 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
                         rows.append(dict(network=name, ranks=ranks, fraction=fraction, factor_every=factor_every,
                                          inverse_every=inverse_every, design=design, backend=backend,
                                          payload="bf16" if share_bytes == 2 else "fp32", seconds=seconds))
-    return dict(kind="predict", layers=len(layers.a_dims), parameters=layers.parameters,
-                owners_at_1024=sum(1 for parts in member_parts(layers, 1024, 1.0)["decompositions"] for n in parts if n),
+    owners = sum(1 for parts in member_parts(layers, 1024, 1.0)["decompositions"] for n in parts if n)
+    return dict(kind="predict", layers=len(layers.a_dims), parameters=layers.parameters, owners_at_1024=owners,
                 rows=rows)
 
 
