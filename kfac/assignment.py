@@ -17,6 +17,7 @@ longest-processing-time-first rule, which is deterministic, so every rank comput
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,29 @@ def grad_worker_count(world_size: int, fraction: float) -> int:
             f"choose a fraction k/{world_size} where k divides {world_size}"
         )
     return workers
+
+
+def auto_fraction(
+    decomposition_numels: Sequence[int], gradient_numel: int, world_size: int, inv_update_freq: int
+) -> float:
+    """KAISA's fraction with the fewest elements a rank receives per step, among those whose groups tile the ranks.
+
+    With m = W/g groups, a rank receives its group's decompositions, about D/m elements per inverse update
+    (D: every factor's eigenvectors and eigenvalues), and, when m > 1, the other m-1 members' preconditioned
+    gradients of its receiver block, about G(m-1)/m elements every step (G: the preconditioned layers'
+    gradients). Factor statistics are allreduced whatever the fraction. Frequent decompositions of large
+    factors favour small groups (fraction < 1); rare ones favour 1, which also spares the extra gradient
+    exchange. A tie goes to the larger fraction (fewer collectives). Memory also falls with m (each rank
+    keeps D/m): a user short of memory can still ask for a fraction below the one chosen here.
+    """
+    total = float(sum(decomposition_numels))
+    best, best_cost = 1.0, math.inf
+    for workers in sorted((g for g in range(1, world_size + 1) if world_size % g == 0), reverse=True):
+        m = world_size // workers
+        cost = total / m / inv_update_freq + gradient_numel * (m - 1) / m
+        if cost < best_cost:
+            best, best_cost = workers / world_size, cost
+    return best
 
 
 def longest_first(costs: Sequence[float], bins: Sequence[int], load: dict[int, float]) -> list[int]:

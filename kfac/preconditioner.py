@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from kfac import solve
-from kfac.assignment import WorkAssignment, assign_work
+from kfac.assignment import WorkAssignment, assign_work, auto_fraction
 from kfac.capture import LayerCapture
 from kfac.comm import Communicator, buffer_to_tensors, default_communicator, tensors_to_buffer
 from kfac.decompose import EigenJob, Recoveries, Results, decompose_eigen
@@ -73,7 +73,9 @@ class KFACPreconditioner:
         factor_decay: ξ of the running average F ← ξF + (1−ξ)F_batch.
         kl_clip: scales the step by min(1, sqrt(kl_clip / Σ lr²|v·g|)); None turns clipping off.
         lr: the optimizer's learning rate, used only by the KL clip.
-        grad_worker_fraction: KAISA's trade-off, from 1/world (memory-optimal) to 1 (communication-optimal).
+        grad_worker_fraction: KAISA's trade-off, from 1/world (memory-optimal) to 1 (no preconditioned
+            gradients to exchange), or "auto": the fraction whose groups make a rank receive the fewest
+            elements per step at these update frequencies (kfac.assignment.auto_fraction).
         method: 'eigen' (default) or 'inverse' (factored Tikhonov damping).
         eigen_dtype: dtype of the decompositions, float32 at least (torch.float64 for more accuracy).
         loss_reduction: 'mean' when the loss averages over the batch, 'sum' when it adds up.
@@ -117,7 +119,7 @@ class KFACPreconditioner:
         factor_decay: Schedule = 0.95,
         kl_clip: Schedule | None = 0.001,
         lr: Schedule = 0.1,
-        grad_worker_fraction: float = 1.0,
+        grad_worker_fraction: float | str = 1.0,
         *,
         method: str = "eigen",
         eigen_dtype: torch.dtype = torch.float32,
@@ -165,7 +167,6 @@ class KFACPreconditioner:
         self.factor_decay = factor_decay
         self.kl_clip = kl_clip
         self.lr = lr
-        self.grad_worker_fraction = grad_worker_fraction
         self.method = method
         self.eigen_dtype = eigen_dtype
         self.loss_reduction = loss_reduction
@@ -195,6 +196,13 @@ class KFACPreconditioner:
         if not self.layers:
             warnings.warn("K-FAC found no nn.Linear or nn.Conv2d layer to precondition", stacklevel=2)
         self.comm = communicator if communicator is not None else default_communicator()
+        if grad_worker_fraction == "auto":
+            grad_worker_fraction = auto_fraction(
+                [math.prod(s) for i in range(len(self.layers)) for k in "AG" for s in self._decomposition_shapes(i, k)],
+                sum(layer.a_dim * layer.g_dim for layer in self.layers), self.comm.size, inv_update_freq)
+        elif not isinstance(grad_worker_fraction, (int, float)):
+            raise ValueError(f"grad_worker_fraction must be a number in (0, 1] or 'auto', got {grad_worker_fraction!r}")
+        self.grad_worker_fraction = float(grad_worker_fraction)
         self.assignment: WorkAssignment = assign_work(
             [layer.a_dim for layer in self.layers],
             [layer.g_dim for layer in self.layers],

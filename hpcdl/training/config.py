@@ -85,6 +85,22 @@ DATA, MODEL, SPEED, KFAC = "data", "model and optimisation", "speed (GPU)", "K-F
 
 
 
+def fraction_or_auto(text: str) -> float | str:
+    """An argparse type: 'auto', or a fraction in (0, 1]."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1] or auto (got {text})") from None
+    if not FRACTION.contains(value):
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1] or auto (got {text})")
+    return value
+
+
+fraction_or_auto.__name__ = "fraction"
+
+
 def profile_steps_value(text: str) -> str:
     """An argparse type: FIRST:LAST (hpcdl.training.phases.parse_profile_steps), kept as written."""
     try:
@@ -174,8 +190,9 @@ class TrainConfig:
                                     "(docs/kfac.md); flags given win", choices=tuple(KFAC_PRESETS), group=KFAC)
     kfac_impl: str = flag("hpcdl", "K-FAC implementation: hpcdl (kfac/), or module:function returning another "
                                    "(a benchmark's plugin point, docs/kfac.md)", parse=str, group=KFAC)
-    kfac_grad_worker_fraction: float = flag(1.0, "KAISA: share of ranks that precondition each layer", parse=float,
-                                            valid=FRACTION, group=KFAC)
+    kfac_grad_worker_fraction: float | str = flag(1.0, "KAISA: share of ranks that precondition each layer, or auto: "
+                                                  "the one that moves the fewest bytes per step (docs/kfac.md)",
+                                                  parse=fraction_or_auto, group=KFAC)
     kfac_comm_precision: str = flag("same", "precision K-FAC's factors, decompositions and preconditioned gradients "
                                             "travel in: same as the model, or bf16 (half the bytes; docs/kfac.md)",
                                     choices=("same", "bf16"), group=KFAC)

@@ -167,6 +167,9 @@ def check_grad_workers(config: TrainConfig, world_size: int) -> None:
     from kfac.assignment import grad_worker_count  # only here: a --kfac-impl run may have another `kfac` first
 
     fraction = config.kfac_grad_worker_fraction
+    if fraction == "auto":  # chosen among the fractions that tile this world
+        return
+    assert isinstance(fraction, float)
     try:
         grad_worker_count(world_size, fraction)
     except ValueError:

@@ -81,3 +81,30 @@ def test_fraction_rounds_to_whole_workers() -> None:
     assert grad_worker_count(4, 0.1) == 1
     assert grad_worker_count(8, 0.5) == 4
     assert grad_worker_count(1, 0.3) == 1
+
+
+def test_auto_fraction_weighs_decompositions_against_the_gradient_exchange() -> None:
+    """Per step a rank receives D/m decomposition elements per inverse update and G(m-1)/m gradient elements."""
+    from kfac.assignment import auto_fraction
+
+    # Decompositions every step and much larger than the gradients: the most groups (fraction 1/W) wins.
+    assert auto_fraction([10_000] * 8, gradient_numel=100, world_size=4, inv_update_freq=1) == 0.25
+    # Rare decompositions: no gradient exchange (fraction 1) wins.
+    assert auto_fraction([10_000] * 8, gradient_numel=100, world_size=4, inv_update_freq=1000) == 1.0
+    # In between the costs are computed, not guessed: D = 80,000, G = 20,000, every 4 steps on 4 ranks:
+    # m = 1: 20,000; m = 2: 10,000 + 10,000 = 20,000 (a tie: the larger fraction); m = 4: 5,000 + 15,000 = 20,000.
+    assert auto_fraction([10_000] * 8, gradient_numel=20_000, world_size=4, inv_update_freq=4) == 1.0
+    assert auto_fraction([10_000] * 8, gradient_numel=19_000, world_size=4, inv_update_freq=4) == 0.25
+    assert auto_fraction([5], gradient_numel=1, world_size=1, inv_update_freq=1) == 1.0
+
+
+def test_auto_fraction_reaches_the_preconditioner_and_refuses_nonsense() -> None:
+    import pytest
+    import torch
+
+    from kfac import KFACPreconditioner
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    assert KFACPreconditioner(model, grad_worker_fraction="auto").grad_worker_fraction == 1.0  # one rank
+    with pytest.raises(ValueError, match="grad_worker_fraction must be a number in \\(0, 1\\] or 'auto'"):
+        KFACPreconditioner(model, grad_worker_fraction="half")
