@@ -633,6 +633,18 @@ def _two_nodes_steps() -> str:
     return "; ".join(parts)
 
 
+@figure("lb.2x1.verdict")
+def _two_by_one() -> str:
+    """2 virtual nodes x 1 rank (1 thread each, 1 Gbit/s): K-FAC's step over Muon's and its training seconds to
+    98.5 % over Muon's (medians over seeds of per-seed ratios), the same settings and seeds one run at a time."""
+    other, ratio, seeds = _kfac_vs_other("kfac_large_batch_2x1")
+    per = {m: statistics.median(o.seconds_per_step for o in _outcomes("kfac_large_batch_2x1") if o.cell.method == m)
+           for m in ("kfac", other)}
+    return (f"K-FAC {1000 * per['kfac']:.0f} ms a step, {TUNE_NAMES[other]} {1000 * per[other]:.0f} ms "
+            f"({times(per['kfac'] / per[other])}); time to 98.5 %: {times(ratio)} {TUNE_NAMES[other]}'s "
+            f"({seeds} seeds)")
+
+
 @figure("lb.1host.ratio")
 def _one_host_ratio() -> str:
     """The batch-4096 time target repeated: K-FAC's and Muon's tuned settings, seeds 0-2, one rank, each run alone,
@@ -685,15 +697,25 @@ def _traffic_check() -> str:
 
 @figure("traffic.heldout")
 def _traffic_heldout() -> str:
-    m = results("kfac_traffic_measure")
-    return "; ".join(f"{kind}: {1000 * m['held_out'][kind]:.1f} ms measured, {1000 * m['predicted'][kind]:.1f} ms "
-                     f"predicted ({100 * m['error'][kind]:+.0f} %)" for kind in m["held_out"])
+    """Per cluster size measured (one rank per virtual node), each held-out collective: measured, predicted."""
+    names = {"factors": "factors", "broadcasts": "decompositions, one broadcast per rank",
+             "one_collective": "decompositions, one collective"}
+    rows = []
+    for m in _traffic_measures():
+        for kind, label in names.items():
+            rows.append((m["world"], label, f"{1000 * m['held_out'][kind]:.1f}", f"{1000 * m['predicted'][kind]:.1f}",
+                         f"{100 * m['error'][kind]:+.0f} %"))
+    return table(["nodes x 1 rank", "collective (held out)", "measured ms", "predicted ms", "error"], rows)
+
+
+def _traffic_measures() -> list[Any]:
+    return [results(f"kfac_traffic_measure_{n}") for n in (2, 3, 4) if (RESULTS / f"kfac_traffic_measure_{n}.json").exists()]
 
 
 @figure("traffic.fit")
 def _traffic_fit() -> str:
-    m = results("kfac_traffic_measure")
-    return f"α = {1e6 * m['alpha']:.0f} µs, B = {m['bandwidth'] / 1e6:.0f} MB/s"
+    return "; ".join(f"{m['world']} nodes: α = {1e6 * m['alpha']:.0f} µs, B = {m['bandwidth'] / 1e6:.0f} MB/s"
+                     for m in _traffic_measures())
 
 
 @figure("traffic.ratio1")
@@ -703,31 +725,59 @@ def _traffic_ratio1() -> str:
     return times(sum(v["bytes"] for v in run["counted"].values()) / run["steps"] / run["gradient_bytes"], 1)
 
 
+def _traffic_rows(ranks: int, frequencies: tuple[int, int]) -> list[dict[str, Any]]:
+    return [r for r in results("kfac_traffic_predict")["rows"] if r["ranks"] == ranks
+            and r["network"].startswith("HDR") and (r["factor_every"], r["inverse_every"]) == frequencies]
+
+
+def _kfac_ms(row: dict[str, Any]) -> float:
+    return 1000 * sum(v for k, v in row["seconds"].items() if k != "gradients")
+
+
+def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return min((r for r in rows if r["design"] == "one collective"), key=_kfac_ms)
+
+
+def _variant(row: dict[str, Any]) -> str:
+    if row["design"] == "broadcasts":
+        return f"one broadcast per member ({'NCCL rings' if row['backend'] == 'nccl' else 'MPI trees'})"
+    return f"one collective per group, {row['payload']}"
+
+
 @figure("traffic.resnet1024")
 def _traffic_resnet1024() -> str:
-    """ResNet-50 on HDR100 at 1,024 ranks: K-FAC's predicted ms per step at fraction 1 and 1/8, and the gradients'."""
-    rows = [r for r in results("kfac_traffic_predict")["rows"] if r["ranks"] == 1024 and r["network"].startswith("HDR")]
+    """ResNet-50 on HDR100 at 1,024 ranks, decompositions every step: the former design on NCCL, the best now."""
+    rows = _traffic_rows(1024, (1, 1))
+    old = next(r for r in rows if r["design"] == "broadcasts" and r["backend"] == "nccl" and r["fraction"] == 1.0)
+    best = _best(rows)
+    grads = 1000 * best["seconds"]["gradients"]
+    return (f"{_kfac_ms(old):.0f} ms a step before (fraction 1, NCCL), {_kfac_ms(best):.0f} ms now "
+            f"(fraction {best['fraction']:g}, {best['payload']}: {times(_kfac_ms(best) / grads, 1)} the gradients' "
+            f"{grads:.0f} ms)")
 
-    def kfac(r: dict[str, Any]) -> float:
-        return 1000 * sum(v for k, v in r["seconds"].items() if k != "gradients")
 
-    one, eighth = (next(r for r in rows if r["fraction"] == f) for f in (1.0, 0.125))
-    return (f"{kfac(one):.0f} ms a step at fraction 1, {kfac(eighth):.0f} ms at 1/8, against "
-            f"{1000 * one['seconds']['gradients']:.0f} ms for the gradients")
+@figure("traffic.resnet1024.rare")
+def _traffic_resnet1024_rare() -> str:
+    """The same at kfac-pytorch's ImageNet frequencies (factors every 10 steps, decompositions every 100)."""
+    best = _best(_traffic_rows(1024, (10, 100)))
+    grads = 1000 * best["seconds"]["gradients"]
+    return (f"{_kfac_ms(best):.1f} ms a step (fraction {best['fraction']:g}, {best['payload']}), "
+            f"{times(_kfac_ms(best) / grads)} the gradients'")
 
 
 @figure("traffic.resnet50")
 def _traffic_resnet50() -> str:
-    r = results("kfac_traffic_predict")
     rows = []
-    for row in r["rows"]:
+    for row in results("kfac_traffic_predict")["rows"]:
+        if not row["network"].startswith("HDR") or row["ranks"] not in (64, 256, 1024):
+            continue
         sec = row["seconds"]
-        kfac = sec["factors"] + sec["decompositions"] + sec["directions"]
-        rows.append((row["network"], row["ranks"], f"{row['fraction']:g}", f"{1000 * sec['gradients']:.1f}",
-                     f"{1000 * sec['factors']:.1f}", f"{1000 * sec['decompositions']:.1f}",
-                     f"{1000 * sec['directions']:.1f}", times(kfac / sec["gradients"], 1)))
-    return table(["network", "ranks", "fraction", "gradients ms", "factors ms", "decompositions ms",
-                  "preconditioned gradients ms", "K-FAC / gradients"], rows)
+        rows.append((row["ranks"], f"{row['factor_every']}, {row['inverse_every']}", f"{row['fraction']:g}",
+                     _variant(row), f"{1000 * sec['gradients']:.1f}", f"{1000 * sec['factors']:.1f}",
+                     f"{1000 * sec['decompositions']:.1f}", f"{1000 * sec['directions']:.1f}",
+                     times(_kfac_ms(row) / 1000 / sec["gradients"], 2)))
+    return table(["ranks", "factors, decompositions every", "fraction", "sharing", "gradients ms", "factors ms",
+                  "decompositions ms", "preconditioned gradients ms", "K-FAC / gradients"], rows)
 
 
 # ---- the input pipeline (benchmarks/loader_throughput.py) ----------------------------------------------
