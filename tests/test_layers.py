@@ -161,3 +161,45 @@ def test_the_cycle_check_catches_a_cycle() -> None:
     edges = {"hpcdl.training.job": {"hpcdl.training.runstate"}, "hpcdl.training.runstate": {"hpcdl.training.job"}}
     assert find_cycle(edges) == ["hpcdl.training.job", "hpcdl.training.runstate", "hpcdl.training.job"]
     assert find_cycle({"hpcdl.data": {"hpcdl.data.spec"}, "hpcdl.data.spec": {"hpcdl.data"}}) is None
+
+
+def test_kfac_imports_nothing_from_hpcdl() -> None:
+    """kfac/ is a library that stands alone, as kfac-pytorch's preconditioner does: hpcdl uses it, never the reverse."""
+    edges = graph()
+    wrong = sorted(f"{source} imports {target}" for source, targets in edges.items() if source.startswith("kfac")
+                   for target in targets if target.startswith("hpcdl"))
+    assert wrong == []
+
+
+@pytest.mark.processes
+def test_kfac_works_with_hpcdl_absent() -> None:
+    """In a Python that cannot import hpcdl at all, every kfac module imports and a preconditioned step equals the
+    dense solve (G ⊗ A + λI)⁻¹ g of the same factors."""
+    import subprocess
+    import sys
+
+    code = '''
+import importlib, pkgutil, sys
+class NoHpcdl:
+    def find_spec(self, name, path=None, target=None):
+        if name == "hpcdl" or name.startswith("hpcdl."):
+            raise ImportError("hpcdl is absent in this test")
+sys.meta_path.insert(0, NoHpcdl())
+import kfac, torch
+for info in pkgutil.iter_modules(kfac.__path__):
+    importlib.import_module(f"kfac.{info.name}")
+torch.manual_seed(0)
+layer = torch.nn.Linear(3, 2, dtype=torch.float64)
+pre = kfac.KFACPreconditioner(layer, inv_update_freq=1, kl_clip=None, damping=0.1, factor_decay=0.5)
+x = torch.randn(5, 3, dtype=torch.float64)
+torch.nn.functional.mse_loss(layer(x), torch.zeros(5, 2, dtype=torch.float64)).backward()
+raw = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).clone()
+pre.step()
+a, g = pre.a_factors[0], pre.g_factors[0]
+want = torch.linalg.solve(torch.kron(g, a) + 0.1 * torch.eye(8, dtype=torch.float64), raw.reshape(-1)).reshape(2, 4)
+got = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
+assert "hpcdl" not in sys.modules and torch.allclose(got, want, rtol=1e-8, atol=1e-10), (got, want)
+print("ok")
+'''
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
