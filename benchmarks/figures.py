@@ -645,6 +645,27 @@ def _two_by_one() -> str:
             f"({seeds} seeds)")
 
 
+def _phases_table(name: str) -> str:
+    """Per phase, each run's median seconds on its slowest rank; the step's median last."""
+    r = results(name)
+    labels = list(r["runs"])
+    phases = [p for p in next(iter(r["runs"].values()))["step_phases"]["phases"]
+              if any(r["runs"][lab]["step_phases"]["phases"][p]["median_slowest"] >= 0.0005 for lab in labels)]
+    rows = [(p, *(f"{1000 * r['runs'][lab]['step_phases']['phases'][p]['median_slowest']:.0f}" for lab in labels))
+            for p in phases]
+    return table(["phase (ms, median, slowest rank)", *labels], rows)
+
+
+@figure("phases.2x1")
+def _phases_2x1() -> str:
+    return _phases_table("kfac_phases_2x1")
+
+
+@figure("phases.2x2")
+def _phases_2x2() -> str:
+    return _phases_table("kfac_phases_2x2")
+
+
 @figure("lb.1host.ratio")
 def _one_host_ratio() -> str:
     """The batch-4096 time target repeated: K-FAC's and Muon's tuned settings, seeds 0-2, one rank, each run alone,
@@ -709,7 +730,8 @@ def _traffic_heldout() -> str:
 
 
 def _traffic_measures() -> list[Any]:
-    return [results(f"kfac_traffic_measure_{n}") for n in (2, 3, 4) if (RESULTS / f"kfac_traffic_measure_{n}.json").exists()]
+    names = [f"kfac_traffic_measure_{n}" for n in (2, 3, 4)]
+    return [results(name) for name in names if (RESULTS / f"{name}.json").exists()]
 
 
 @figure("traffic.fit")

@@ -10,7 +10,6 @@ figure (docs/training.md, "Where a step goes"). Results go to runs/bench/ unless
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics

@@ -1,0 +1,91 @@
+"""Where K-FAC's and Muon's steps go, rank by rank: the batch-4096 MNIST cell traced on a virtual cluster.
+
+    .venv/bin/python -m hpcdl.tools.vcluster up --nodes 2 --name lb --rate 1gbit
+    .venv/bin/python benchmarks/kfac_phases.py --vcluster lb --ranks 2 \
+        --out benchmarks/results/kfac_phases_2x1 --refresh-results
+    .venv/bin/python benchmarks/kfac_phases.py --vcluster lb --ranks 4 \
+        --out benchmarks/results/kfac_phases_2x2 --refresh-results
+
+Three runs one after another, one thread per rank, each of --steps steps with --profile-steps on its last
+two: K-FAC with the large-batch preset (512 factor examples a step, dealt over the ranks), the same with
+the former per-rank budget (512 examples on every rank: --kfac-factor-examples 512 x ranks), and Muon at its
+tuned rate. Each run's summary.json phases (per rank) go to <out>.json and a stacked bar per rank to <out>.png
+(hpcdl.plot --phases); the traces stay in the runs' folders under --keep (default: removed).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpcdl.bench.studies import finish_train, start_train
+from hpcdl.run import outputs
+from hpcdl.runtime.console import RankZeroParser
+from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.numbers import integer
+from hpcdl.tools.plot import plot_phases
+
+GLOBAL_BATCH = 4096
+RATES = {"kfac": 0.4, "muon": 0.02}  # the tuned peak rates of the large-batch study (kfac_large_batch.REDUCED_LRS)
+
+
+def runs(ranks: int) -> dict[str, list[str]]:
+    kfac = ["--optimizer", "sgd", "--kfac-preset", "large-batch", "--warmup-start-factor", "1.0",
+            "--base-lr", repr(RATES["kfac"] / ranks)]
+    return {"K-FAC": kfac,
+            "K-FAC, 512 examples on every rank (before)": [*kfac, "--kfac-factor-examples", str(512 * ranks)],
+            "Muon": ["--optimizer", "muon", "--momentum", "0.9", "--base-lr", repr(RATES["muon"] / ranks)]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = RankZeroParser(prog="benchmarks/kfac_phases.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=integer(1), default=2)
+    parser.add_argument("--vcluster", help="run on this virtual cluster's nodes (launch/mpirun.sh --vcluster)")
+    parser.add_argument("--steps", type=integer(4), default=14)
+    parser.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "hpcdl" / "mnist")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--keep", type=Path, help="keep the runs (and their traces) in this folder")
+    parser.add_argument("--out", type=Path, help="results path without suffix (default runs/bench/kfac_phases)")
+    parser.add_argument("--refresh-results", action="store_true")
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+    if GLOBAL_BATCH % args.ranks:
+        raise UsageError(f"--ranks {args.ranks} does not divide the global batch {GLOBAL_BATCH}")
+    if not (args.data_dir / "train-images-idx3-ubyte").exists():
+        raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
+    stem = outputs.results_stem(args.out, "kfac_phases", (".json", ".png"), refresh_results=args.refresh_results,
+                                force=args.force, flag="--out")
+    scratch = Path(tempfile.mkdtemp(prefix="kfac_phases-")) if args.keep is None else args.keep
+    common = ["--dataset", "mnist", "--data-dir", str(args.data_dir), "--model", "mnist_cnn",
+              "--batch-size", str(GLOBAL_BATCH // args.ranks), "--epochs", "1", "--max-steps", str(args.steps),
+              "--device", "cpu", "--log-every", "1000", "--stall-timeout", "0", "--test-batch-size", "1000",
+              "--profile-steps", f"{args.steps - 1}:{args.steps}"]
+    report, dirs = {}, []
+    try:
+        for k, (label, flags) in enumerate(runs(args.ranks).items()):
+            out = scratch / f"run{k}"
+            print(f"[kfac_phases] {label}: {args.ranks} rank(s), {args.steps} steps", flush=True)
+            run = finish_train(start_train([*common, *flags], out, ranks=args.ranks, vcluster=args.vcluster),
+                               args.timeout)
+            if run.returncode != 0 or run.summary is None:
+                raise UsageError(f"the {label} run failed (exit {run.returncode}): {run.log_tail or out}")
+            summary = run.summary
+            report[label] = dict(step_phases=summary["step_phases"],
+                                 seconds_per_step=summary["train_seconds"] / summary["global_steps"])
+            dirs.append(out)
+        json_path = Path(f"{stem}.json")
+        json_path.write_text(json.dumps(dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
+                                             steps=args.steps, runs=report), indent=1) + "\n")
+        plot_phases(dirs, Path(f"{stem}.png"), list(report))
+    finally:
+        if args.keep is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(f"wrote {stem}.json and {stem}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, program="kfac_phases")
