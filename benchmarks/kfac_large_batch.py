@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import os
 import shlex
@@ -51,6 +52,7 @@ from typing import Any
 
 from hpcdl.bench import studies
 from hpcdl.run import outputs
+from hpcdl.run.atomic import write_text_atomically
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
@@ -287,12 +289,13 @@ def starter(cell: Cell, args: argparse.Namespace, scratch: Path) -> Callable[[],
                                        python_path=[*paths, str(REPO / "benchmarks")], vcluster=args.vcluster)
 
 
-def run_cells(cells: Sequence[Cell], args: argparse.Namespace,
+def run_cells(cells: Sequence[Cell], args: argparse.Namespace, scratch: Path,
               after_each: Callable[[list[Outcome]], None] = lambda _: None) -> list[Outcome]:
-    """Run every cell, ``--jobs`` at a time, printing one line per finished run (``after_each`` saves)."""
+    """Run every cell in ``scratch``, ``--jobs`` at a time, printing one line per finished run (``after_each``
+    saves); a failed run is an outcome like any other (recorded as failed), never the end of the study."""
     outcomes: list[Outcome] = []
-    with tempfile.TemporaryDirectory(prefix="kfac_large_batch-") as tmp:
-        starters = [starter(cell, args, Path(tmp)) for cell in cells]
+    if cells:
+        starters = [starter(cell, args, scratch) for cell in cells]
         for index, run in studies.run_pool(starters, args.jobs, args.run_timeout):
             cell = cells[index]
             outcome = Outcome(cell, run.returncode, epochs=run.rows, wall_seconds=run.wall_seconds,
@@ -402,15 +405,18 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 
 def write_results(outcomes: Sequence[Outcome], out: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """<out>.json and <out>.csv, each replaced whole (atomically: a study stopped while saving keeps the last)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = summarise(outcomes)
     runs = [dict(asdict(o.cell), returncode=o.returncode, epochs=o.epochs, wall_seconds=o.wall_seconds,
                  error=o.error, command=" ".join(o.command)) for o in outcomes]
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, summary=rows, runs=runs), indent=1) + "\n")
-    with out.with_suffix(".csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["method"])
-        writer.writeheader()
-        writer.writerows(rows)
+    write_text_atomically(outputs.output_file(out, ".json"),
+                          json.dumps(dict(meta=meta, summary=rows, runs=runs), indent=1) + "\n")
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=list(rows[0]) if rows else ["method"])
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomically(outputs.output_file(out, ".csv"), table.getvalue())
     return rows
 
 
@@ -455,7 +461,7 @@ def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
     ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
+    fig.savefig(outputs.output_file(out, ".png"), dpi=110)
     plt.close(fig)
 
 
@@ -737,8 +743,23 @@ def method_order(method: str) -> int:
 
 def kept_outcomes(out: Path) -> list[Outcome]:
     """The successful runs of an earlier (possibly interrupted) study at ``out``."""
-    path = out.with_suffix(".json")
+    path = outputs.output_file(out, ".json")
     return [o for o in load_outcomes(path) if o.returncode == 0] if path.exists() else []
+
+
+def check_kept(kept: Sequence[Outcome], args: argparse.Namespace) -> None:
+    """UsageError (one line) naming the first kept run whose recorded command is not the one this study would run
+    for it now, and the settings that differ: a ``--max-steps 2`` trial is never kept as the real study's run.
+    Runs the study can no longer name (ablations labelled by their --kfac-flags) are carried as they are."""
+    for outcome in kept:
+        if outcome.cell.method not in METHODS:
+            continue
+        now = train_command(outcome.cell, args, Path("run"))
+        differing = studies.differing_settings(outcome.command, now)
+        if differing:
+            raise UsageError(f"--keep: {outputs.output_file(args.out, '.json')} holds {outcome.cell.name} run with "
+                             f"other settings ({'; '.join(differing)}); rerun it without --keep (with --force to "
+                             "replace the file), or choose another --out")
 
 
 def markdown(outcomes: Sequence[Outcome]) -> list[str]:
@@ -770,7 +791,7 @@ def report(sources: Sequence[str], out: Path) -> int:
     loads = [json.loads(p.read_text())["meta"] for p in paths]
     low, high = min(m["load_before"] for m in loads), max(m.get("load_after", m["load_before"]) for m in loads)
     plot(outcomes, out, f"MNIST mnist_cnn, 5 epochs, 1 rank, CPU; load average {low:.0f}-{high:.0f} (shared machine)")
-    print(f"plot: {out.with_suffix('.png')}")
+    print(f"plot: {outputs.output_file(out, '.png')}")
     return 0
 
 
@@ -802,6 +823,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(" ".join(train_command(cell, args, scratch / cell.name)))
         return 0
     args.out = output_stem(args)
+    studies.check_launch(args.ranks, args.vcluster, args.threads)
+    kept = kept_outcomes(args.out) if args.keep else []
+    check_kept(kept, args)
     load = os.getloadavg()[0]
     print(f"{len(cells)} runs, {args.jobs} at a time, {args.threads} thread(s) each; load average {load:.1f}",
           flush=True)
@@ -812,21 +836,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         evals_per_epoch=args.evals_per_epoch, ranks=args.ranks, vcluster=args.vcluster,
         kfac_preset=dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum),
         argv=sys.argv[1:] if argv is None else list(argv), planned=len(cells))
-    kept = kept_outcomes(args.out) if args.keep else []
     if kept:  # the kept runs' own provenance (argv, load, seconds) stays beside this run's
-        meta["kept_from"] = json.loads(args.out.with_suffix(".json").read_text()).get("meta", {})
+        meta["kept_from"] = json.loads(outputs.output_file(args.out, ".json").read_text()).get("meta", {})
     done = {o.cell for o in kept}
     todo = [c for c in cells if c not in done]
     if args.keep:
-        print(f"{len(cells) - len(todo)} of them already in {args.out}.json", flush=True)
-    outcomes = kept + run_cells(todo, args, lambda new: write_results(kept + new, args.out, meta))  # saved as they end
-    if args.tune:  # the second phase: each method's best setting on the other seeds
-        chosen = [Cell(c.method, c.batch, c.lr, s, c.warmup) for c in tuned_settings(outcomes, args.seeds[0])
-                  for s in args.seeds[1:]]
-        first = list(outcomes)
-        meta["planned"] = len(cells) + len(chosen)
-        outcomes = first + run_cells([c for c in chosen if c not in done], args,
-                                     lambda new: write_results(first + new, args.out, meta))
+        print(f"{len(cells) - len(todo)} of them already in {outputs.output_file(args.out, '.json')}", flush=True)
+    saved = {"runs": len(kept)}
+
+    def save(outcomes: Sequence[Outcome]) -> None:
+        write_results(outcomes, args.out, meta)
+        saved["runs"] = len(outcomes)
+
+    try:
+        with studies.session("kfac_large_batch") as scratch:
+            outcomes = kept + run_cells(todo, args, scratch, lambda new: save(kept + new))  # saved as they end
+            if args.tune:  # the second phase: each method's best setting on the other seeds
+                chosen = [Cell(c.method, c.batch, c.lr, s, c.warmup) for c in tuned_settings(outcomes, args.seeds[0])
+                          for s in args.seeds[1:]]
+                first = list(outcomes)
+                meta["planned"] = len(cells) + len(chosen)
+                outcomes = first + run_cells([c for c in chosen if c not in done], args, scratch,
+                                             lambda new: save(first + new))
+    except studies.StudyStopped as stop:
+        print(f"kfac_large_batch: {stop}: {saved['runs']} finished run(s) saved in "
+              f"{outputs.output_file(args.out, '.json')}; the same command with --keep runs the rest",
+              file=sys.stderr, flush=True)
+        return stop.exit_code
     meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - start)
     write_results(outcomes, args.out, meta)
     where = f"{args.ranks} ranks on {args.vcluster}" if args.vcluster else f"{args.ranks} rank(s)"
@@ -835,7 +871,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for batch in sorted({o.cell.batch for o in outcomes}, reverse=True):
         for line in verdict(outcomes, batch):
             print(line)
-    print(f"results: {args.out}.{{json,csv,png}} ({meta['seconds']:.0f} s)")
+    print(f"results: {args.out}.{{json,csv,png}} ({meta['seconds']:.0f} s)")  # each <stem><suffix>
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
 
 

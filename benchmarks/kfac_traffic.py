@@ -424,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in report["rows"]:
             print(f"{row['network']:40s} {row['ranks']:5d} ranks f={row['fraction']:<6.3g} "
                   + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {stem}.json")
     return 0
 

@@ -56,8 +56,9 @@ def test_sigterm_at_an_evaluation_point_evaluates_then_checkpoints(tmp_path: Pat
 
 def test_sigusr1_at_an_evaluation_point_then_a_resume_on_one_rank_keeps_every_row(tmp_path: Path,
                                                                                    uninterrupted) -> None:
-    """Resumed on 1 rank with --batches-per-allreduce 2: the same global batch of 64, computed bit for bit as
-    the 2 ranks did (hpcdl.training.loop.micro_batches), so the rows after the resume are the same too."""
+    """Resumed on 1 rank with --batches-per-allreduce 2: the same global batch of 64, trained bit for bit as the
+    2 ranks did (hpcdl.training.loop.micro_batches), so the rows after the resume are the same too; only the test
+    loss, a sum over the test set in shards of one rank instead of two, may differ in its last bits."""
     run_dir = tmp_path / "run"
     stopped = run_job(2, run_dir, *FLAGS, fault="1:15:usr1")
     assert stopped.rc == 0, stopped.tail()
@@ -67,7 +68,9 @@ def test_sigusr1_at_an_evaluation_point_then_a_resume_on_one_rank_keeps_every_ro
     assert resumed.rc == 0, resumed.tail()
     rows = training_rows(run_dir)
     assert [r["global_step"] for r in rows] == EVALUATION_STEPS, rows
-    assert rows == uninterrupted
+    for row, reference in zip(rows, uninterrupted, strict=True):
+        assert row["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6)
+        assert {**row, "test_loss": None} == {**reference, "test_loss": None}
 
 
 def test_a_stop_at_max_steps_is_the_runs_end_with_its_evaluation(tmp_path: Path) -> None:
