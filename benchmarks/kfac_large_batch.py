@@ -225,10 +225,10 @@ def train_flags(cell: Cell, args: argparse.Namespace) -> list[str]:
     """hpcdl.train's flags for one cell: the study's whole recipe (methods differ only here)."""
     micro = min(cell.batch, args.micro_batch)
     if cell.batch % micro:
-        raise SystemExit(f"kfac_large_batch: error: global batch {cell.batch} is not a multiple of {micro}")
+        raise UsageError(f"global batch {cell.batch} is not a multiple of {micro}")
     accumulate = cell.batch // micro
     if micro % args.ranks:
-        raise SystemExit(f"kfac_large_batch: error: {micro} examples a pass do not split over {args.ranks} ranks")
+        raise UsageError(f"{micro} examples a pass do not split over {args.ranks} ranks")
     flags = [
         "--dataset", args.dataset, "--model", args.model,
         "--epochs", str(args.epochs), "--batch-size", str(micro // args.ranks),
@@ -355,6 +355,19 @@ def tuned_settings(outcomes: Sequence[Outcome], seed: int) -> list[Cell]:
         if o.cell.seed == seed and (key not in best or score(o) > score(best[key])):
             best[key] = o
     return [o.cell for o in best.values()]
+
+
+def tuning_seed(outcomes: Sequence[Outcome], source: Path) -> int:
+    """The seed a --tune results file tuned on (its first phase, whatever --seeds it was given): the one with
+    more than one setting of some method; UsageError (one line) for a file that tuned nothing."""
+    settings: dict[int, set[tuple[str, int, float, float | None]]] = {}
+    for o in outcomes:
+        settings.setdefault(o.cell.seed, set()).add((o.cell.method, o.cell.batch, o.cell.lr, o.cell.warmup))
+    seeds = [seed for seed, cells in settings.items() if len(cells) > len({c[:2] for c in cells})]
+    if len(seeds) != 1:
+        raise UsageError(f"--tuned-from {source} is not the results of a --tune study (no single seed holds several "
+                         "settings of a method)")
+    return seeds[0]
 
 
 def best_rates(outcomes: Sequence[Outcome], batch: int) -> dict[str, float]:
@@ -668,11 +681,11 @@ def target_rates(args: argparse.Namespace) -> dict[str, float]:
     for item in args.lrs:
         method, _, value = item.partition("=")
         if method not in METHODS or not value:
-            raise SystemExit(f"kfac_large_batch: error: --lrs takes METHOD=LR with METHOD in {METHODS} (got {item})")
+            raise UsageError(f"--lrs takes METHOD=LR with METHOD in {METHODS} (got {item})")
         rates[method] = float(value)
     missing = [m for m in args.methods if m not in rates]
     if missing:
-        raise SystemExit(f"kfac_large_batch: error: no rate for {', '.join(missing)}: give --lrs or --rates-from")
+        raise UsageError(f"no rate for {', '.join(missing)}: give --lrs or --rates-from")
     return rates
 
 
@@ -804,7 +817,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.reduced:
         cells = reduced_cells(args.methods, args.batches or REDUCED_BATCHES, args.seeds[0])
     elif args.target_cell and args.tuned_from:
-        tuned = {c.method: c for c in tuned_settings(load_outcomes(args.tuned_from), 0)}
+        tuning = load_outcomes(args.tuned_from)
+        tuned = {c.method: c for c in tuned_settings(tuning, tuning_seed(tuning, args.tuned_from))}
         missing = [m for m in args.methods if m not in tuned]
         if missing:
             raise UsageError(f"--tuned-from {args.tuned_from} has no tuning runs of {', '.join(missing)}")
@@ -822,8 +836,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for cell in cells:
             print(" ".join(train_command(cell, args, scratch / cell.name)))
         return 0
-    args.out = output_stem(args)
+    for cell in cells:  # every run's flags, by hpcdl.train's own parser, before the first run
+        studies.check_flags(train_flags(cell, args))
     studies.check_launch(args.ranks, args.vcluster, args.threads)
+    args.out = output_stem(args)
     kept = kept_outcomes(args.out) if args.keep else []
     check_kept(kept, args)
     load = os.getloadavg()[0]

@@ -31,7 +31,8 @@ def descendants(root: int) -> list[int]:
             continue  # it ended while we looked
     found, frontier = [], [root]
     while frontier:
-        children = [pid for pid, parent in parent_of.items() if parent == frontier.pop()]
+        current = frontier.pop()
+        children = [pid for pid, parent in parent_of.items() if parent == current]
         found += children
         frontier += children
     return found
