@@ -248,7 +248,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
         colour = next(kfac_colours if setting["kfac"] else sgd_colours, "black")
         for i, run in enumerate(setting["runs"]):
             accuracy = [p["accuracy"] for p in run["points"]]
-            lowest = min(lowest, *accuracy)
+            lowest = min([lowest, *accuracy])  # a failed run may have no point
             style = dict(color=colour, alpha=0.8, marker=".", linestyle="-" if setting["kfac"] else "--",
                          label=name if i == 0 else None)
             axes[0].plot([p["epoch"] for p in run["points"]], accuracy, **style)
