@@ -124,8 +124,7 @@ def finish_train(started: StartedRun, timeout: float) -> TrainRun:
         end_trees([started.proc.pid])  # mpirun's ranks too
         started.proc.wait()
         returncode, killed = -9, f"(killed after {timeout:.0f} s)"
-    finally:
-        _RUNNING.pop(started.proc.pid, None)
+    _RUNNING.pop(started.proc.pid, None)  # ended: a signal that cut the wait short leaves it for end_runs
     run = TrainRun(started.command, returncode, wall_seconds=time.perf_counter() - started.start)
     metrics, summary = started.output_dir / "metrics.jsonl", started.output_dir / "summary.json"
     if metrics.exists():
