@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+from hpcdl.run.outputs import output_file
 from hpcdl.runtime.errors import UsageError
 from hpcdl.runtime.processes import end_trees
 from hpcdl.training.config import TrainConfig, option_name, parse_config
@@ -92,7 +93,7 @@ class StartedRun:
 
     @property
     def log(self) -> Path:
-        return self.output_dir.parent / f"{self.output_dir.name}.log"  # not with_suffix: names hold dots (lr0.4)
+        return output_file(self.output_dir, ".log")  # the one rule: names hold dots (lr0.4)
 
 
 def start_train(flags: Sequence[str], output_dir: Path, *, ranks: int = 1, threads: int = 1,
@@ -104,7 +105,7 @@ def start_train(flags: Sequence[str], output_dir: Path, *, ranks: int = 1, threa
     run_env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
     run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [*python_path, str(REPO), run_env.get("PYTHONPATH", "")]))
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    log = output_dir.parent / f"{output_dir.name}.log"
+    log = output_file(output_dir, ".log")
     # The run's parent folder as working directory: `python -m` puts it first on sys.path, never the
     # caller's. The log is a file, never a pipe nobody reads.
     # A session of its own: a Ctrl-C at the terminal reaches the study, which ends its runs itself (end_runs).
