@@ -216,8 +216,9 @@ def session(program: str) -> Iterator[Path]:
 
 # Words of hpcdl.train's command that name where a run writes, not what it trains.
 _PLACE_FLAGS = {"--output-dir": 1, "--no-progress": 0}
-# What may differ without changing the training: where it writes, the progress bar.
-_PLACE_FIELDS = {"output_dir", "progress"}
+# What may differ without changing what is trained or measured: where it writes and how it keeps it, the progress
+# bar, the stall watchdog's patience.
+_PLACE_FIELDS = {"output_dir", "progress", "resume", "keep_checkpoints", "stall_timeout"}
 
 
 def split_command(command: str | Sequence[str]) -> tuple[dict[str, str], list[str]]:
