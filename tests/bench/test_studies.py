@@ -43,6 +43,7 @@ def test_a_recorded_command_differs_from_now_s_by_the_settings_named() -> None:
     now = studies.train_command(["--epochs", "1", "--output-dir", "/tmp/b", "--no-progress"], ranks=2)
     same = "mpirun -np 2 --bind-to none /x/python -m hpcdl.train --epochs=1 --output-dir /tmp/a --no-progress"
     assert studies.differing_settings(same, now) == []
+    assert studies.differing_settings(same + " --stall-timeout 0 --keep-checkpoints 1", now) == []  # trains the same
     trial = same.replace("--epochs=1", "--epochs 1 --max-steps 2")
     assert studies.differing_settings(trial, now) == ["--max-steps 2, now none"]
     assert studies.differing_settings(same.replace("-np 2", "-np 1"), now) == ["ranks 1, now 2"]
