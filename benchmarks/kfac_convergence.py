@@ -15,6 +15,11 @@ alike. Test accuracy is measured several times per epoch (``--eval-every``); tim
 training time (evaluation excluded). Results: benchmarks/results/kfac_convergence_<dataset>[_np<ranks>]
 .{json,csv,png}; the verdict pairs the best SGD setting with the best K-FAC setting seed by seed
 (docs/kfac.md, "When K-FAC pays off"). Where a K-FAC step's time goes is benchmarks/kfac_overhead.py's.
+
+The results are saved after every run; a run that fails is recorded as failed and the study goes on (exit 1
+at the end). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch folder with it; the same
+command with ``--keep`` then runs only what is missing, keeping a recorded run only when its command is the
+one the study would run now (otherwise one line names the setting that differs).
 """
 
 from __future__ import annotations

@@ -29,7 +29,11 @@ docs/kfac.md (λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one s
 Test accuracy is measured ``--evals-per-epoch`` times an epoch (hpcdl.train's ``--eval-every``, which leaves
 the training unchanged); steps and training seconds (evaluation excluded) to 98.5 % and 99.0 % are those of
 the first evaluation that reaches them. ``--kfac-flags`` adds flags to hpcdl's K-FAC runs, for ablations.
-Results: ``<out>.json`` (every run's curve), ``<out>.csv`` (one row per run), ``<out>.png``.
+Results: ``<out>.json`` (every run's curve), ``<out>.csv`` (one row per run), ``<out>.png``, saved after every
+run (a failed run is recorded as failed). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch
+folder with it; ``--keep`` then runs only what is missing, and keeps a recorded run only when its command is
+the one the study would run now (otherwise one line names the setting that differs). Runs of several ranks
+go through launch/mpirun.sh, checked once before the first run.
 """
 
 from __future__ import annotations
