@@ -610,7 +610,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="no runs: the markdown table, verdict and plot (--out) of these results files together; "
                              "FILE@128,512 takes only those global batches of FILE")
     parser.add_argument("--keep", action="store_true",
-                        help="keep the successful runs already in <out>.json (and add to them) instead of rerunning")
+                        help="keep the successful runs already in <out>.json (and add to them) instead of rerunning; "
+                             "a run recorded with another command than this study's is refused, naming the setting")
     parser.add_argument("--install-kfac-pytorch", nargs="?", const=KFAC_PYTORCH_SOURCE, metavar="SOURCE",
                         help="pip-install kfac-pytorch (a local checkout or a pip URL; default: its public source at "
                              "the commit the results used) into --kfac-pytorch-site and exit")
