@@ -30,6 +30,8 @@ from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
+SUFFIXES = (".json",)  # the files it writes, each <stem><suffix> (hpcdl.run.outputs.output_file)
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = RankZeroParser(prog="benchmarks/deterministic_cost.py", description=__doc__.splitlines()[0])
@@ -68,8 +70,8 @@ def images_per_second(ranks: int, mode: str, steps: int, model: str, workdir: Pa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    stem = outputs.results_stem(args.output.with_suffix("") if args.output else None, "deterministic_cost",
-                                (".json",), refresh_results=args.refresh_results, force=args.force)
+    stem = outputs.results_stem(outputs.given_stem(args.output, SUFFIXES), "deterministic_cost",
+                                SUFFIXES, refresh_results=args.refresh_results, force=args.force)
     rows = []
     with tempfile.TemporaryDirectory(prefix="deterministic-cost-") as tmp:
         for ranks in args.ranks:

@@ -3,6 +3,9 @@
     .venv/bin/python benchmarks/figures.py            # rewrite each marked figure and table from the results files
     .venv/bin/python benchmarks/figures.py --check    # exit 1 naming each figure that differs (tests/docs runs it)
 
+A figure whose results file cannot give it (a study interrupted before the runs it needs) is one line naming
+the figure and the document, and exit 1, like a figure that differs; the document keeps its text.
+
 A document marks a figure as ``<!--fig:NAME-->99.30 %<!--/fig-->`` (a table the same way, on lines of its
 own). NAME is a key of :data:`FIGURES`, a function of the results files; the text between the markers is
 its value and nothing else. So a figure is written once, by this file, and one edited by hand fails
@@ -1000,7 +1003,13 @@ def refreshed(text: str, where: str) -> tuple[str, list[str]]:
         name, old = match.group(1), match.group(2)
         if name not in FIGURES:
             raise SystemExit(f"{where}: unknown figure {name!r} (benchmarks/figures.py defines {len(FIGURES)})")
-        new = FIGURES[name]()
+        try:
+            new = FIGURES[name]()
+        except Exception as exc:  # noqa: BLE001 - a results file cut short or of another shape: one line, named
+            what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            changes.append(f"{where}: {name} cannot be computed from the results files in {RESULTS} ({what}); "
+                           "is one of them from an interrupted or unfinished study?")
+            return match.group(0)  # left as it is
         if new != old:
             changes.append(f"{where}: {name} is {old.strip()!r}, the results files give {new.strip()!r}")
         return f"<!--fig:{name}-->{new}<!--/fig-->"

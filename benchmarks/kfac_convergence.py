@@ -15,6 +15,11 @@ alike. Test accuracy is measured several times per epoch (``--eval-every``); tim
 training time (evaluation excluded). Results: benchmarks/results/kfac_convergence_<dataset>[_np<ranks>]
 .{json,csv,png}; the verdict pairs the best SGD setting with the best K-FAC setting seed by seed
 (docs/kfac.md, "When K-FAC pays off"). Where a K-FAC step's time goes is benchmarks/kfac_overhead.py's.
+
+The results are saved after every run; a run that fails is recorded as failed and the study goes on (exit 1
+at the end). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch folder with it; the same
+command with ``--keep`` then runs only what is missing, keeping a recorded run only when its command is the
+one the study would run now (otherwise one line names the setting that differs).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -37,14 +41,20 @@ if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
 from hpcdl.bench.studies import (  # noqa: E402
+    StudyStopped,
     TrainRun,
     check_flags,
+    check_launch,
+    differing_settings,
     first_reaching,
     interleaved,
     median_or_inf,
     run_train,
+    session,
+    train_command,
 )
 from hpcdl.run import outputs  # noqa: E402
+from hpcdl.run.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import EXIT_USAGE, UsageError  # noqa: E402
 from hpcdl.runtime.numbers import integer, real  # noqa: E402
@@ -143,35 +153,41 @@ def train_flags(setting: Setting, seed: int, recipe: Recipe, dataset: str, data_
 
 
 def outcome(run: TrainRun, seed: int, target: float) -> dict[str, Any]:
-    """A finished run as the study records it: its accuracy curve and when it first reached ``target``."""
-    if run.returncode != 0 or not run.rows:
-        raise RuntimeError(f"{' '.join(run.command)} failed ({run.returncode}): {run.log_tail}")
+    """A run as the study records it: its accuracy curve and when it first reached ``target``; a run that failed
+    is recorded as failed (its exit status and last lines), and the study goes on."""
     points = [{"epoch": float(r["epoch"]), "accuracy": r["test_accuracy"], "seconds": r["train_seconds"]}
               for r in run.rows]
-    hit = first_reaching(points, target)
+    failed = run.returncode != 0 or not run.rows
+    hit = None if failed else first_reaching(points, target)
     return {
         "seed": seed,
         "points": points,
         "epochs_to_target": None if hit is None else hit["epoch"],
         "seconds_to_target": None if hit is None else hit["seconds"],
-        "final_accuracy": points[-1]["accuracy"],
-        "train_seconds": points[-1]["seconds"],
+        "final_accuracy": None if failed else points[-1]["accuracy"],
+        "train_seconds": None if failed else points[-1]["seconds"],
         "wall_seconds": run.wall_seconds,  # the whole process: start-up, data, evaluation
-        "steps": run.rows[-1]["global_step"],
+        "steps": run.rows[-1]["global_step"] if run.rows else None,
         "command": run.command,
+        "returncode": run.returncode,
+        "failed": failed,
+        "error": run.log_tail if failed else "",
     }
 
 
 # ---------------------------------------------------------------- summaries and the verdict (pure, tested)
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over seeds; a failed run never reached the target and counts as accuracy 0."""
     reached = [r for r in runs if r["epochs_to_target"] is not None]
+    finished = [r for r in runs if not r.get("failed")]
     return {
         "reached": f"{len(reached)}/{len(runs)}",
+        "failed": len(runs) - len(finished),
         "median_epochs_to_target": median_or_inf([r["epochs_to_target"] for r in runs]),
         "median_seconds_to_target": median_or_inf([r["seconds_to_target"] for r in runs]),
-        "final_accuracy_mean": statistics.mean(r["final_accuracy"] for r in runs),
+        "final_accuracy_mean": statistics.mean(r["final_accuracy"] or 0.0 for r in runs),
         "median_train_seconds_per_epoch": statistics.median(r["train_seconds"] / r["points"][-1]["epoch"]
-                                                            for r in runs),
+                                                            for r in finished) if finished else None,
     }
 
 
@@ -192,7 +208,9 @@ def verdict(settings: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     sgd_runs = {r["seed"]: r for r in settings[sgd_name]["runs"]}
     pairs = []
     for k in settings[kfac_name]["runs"]:
-        s = sgd_runs[k["seed"]]
+        s = sgd_runs.get(k["seed"])
+        if s is None:  # a study stopped before this seed's SGD run
+            continue
 
         def ratio(key: str, k: dict = k, s: dict = s) -> float | None:
             return None if k[key] is None or s[key] is None else k[key] / s[key]
@@ -202,6 +220,7 @@ def verdict(settings: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                       "wall_ratio": ratio("seconds_to_target"), "epoch_ratio": ratio("epochs_to_target")})
     sgd_cost = settings[sgd_name]["median_train_seconds_per_epoch"]
     kfac_cost = settings[kfac_name]["median_train_seconds_per_epoch"]
+    both = sgd_cost is not None and kfac_cost is not None  # None: every run of one of them failed
     fewer = all(p["kfac_epochs"] is not None and (p["sgd_epochs"] is None or p["kfac_epochs"] < p["sgd_epochs"])
                 for p in pairs)
     return {
@@ -214,8 +233,8 @@ def verdict(settings: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         "kfac_fewer_epochs_every_seed": fewer,
         # K-FAC pays off in wall time when its epochs to target are fewer than SGD's by more than
         # this factor: the ratio of their training costs per epoch.
-        "cost_per_epoch_ratio": kfac_cost / sgd_cost,
-        "break_even_epoch_ratio": sgd_cost / kfac_cost,
+        "cost_per_epoch_ratio": kfac_cost / sgd_cost if both else None,
+        "break_even_epoch_ratio": sgd_cost / kfac_cost if both else None,
     }
 
 
@@ -234,7 +253,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
         colour = next(kfac_colours if setting["kfac"] else sgd_colours, "black")
         for i, run in enumerate(setting["runs"]):
             accuracy = [p["accuracy"] for p in run["points"]]
-            lowest = min(lowest, *accuracy)
+            lowest = min([lowest, *accuracy])  # a failed run may have no point
             style = dict(color=colour, alpha=0.8, marker=".", linestyle="-" if setting["kfac"] else "--",
                          label=name if i == 0 else None)
             axes[0].plot([p["epoch"] for p in run["points"]], accuracy, **style)
@@ -250,13 +269,15 @@ def plot(report: dict[str, Any], out: Path) -> None:
     fig.suptitle(f"{report['dataset']}: SGD vs K-FAC (python -m hpcdl.train), target {report['target']:.1%} "
                  f"(dotted), {len(report['seeds'])} seed(s) each")
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
+    fig.savefig(outputs.output_file(out, ".png"), dpi=120)
     plt.close(fig)
 
 
-def write(report: dict[str, Any], out: Path) -> list[str]:
-    """STEM.json (everything), STEM.csv (one row per run), STEM.png; returns the table printed."""
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=lambda v: None) + "\n")
+def write(report: dict[str, Any], out: Path, figure: bool = True) -> list[str]:
+    """STEM.json (everything), STEM.csv (one row per run), STEM.png (the study's end: ``figure``), each replaced
+    whole; returns the table printed."""
+    write_text_atomically(outputs.output_file(out, ".json"),
+                          json.dumps(report, indent=2, default=lambda v: None) + "\n")
     header = ["setting", "seed", "epochs_to_target", "seconds_to_target", "final_accuracy", "train_seconds",
               "wall_seconds"]
     rows = [",".join(header)]
@@ -264,13 +285,15 @@ def write(report: dict[str, Any], out: Path) -> list[str]:
         for r in s["runs"]:
             values = [name, *(r[key] for key in header[1:])]
             rows.append(",".join("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in values))
-    out.with_suffix(".csv").write_text("\n".join(rows) + "\n")
-    plot(report, out)
+    write_text_atomically(outputs.output_file(out, ".csv"), "\n".join(rows) + "\n")
+    if figure:
+        plot(report, out)
     table = [f"{'setting':<58} reached  epochs  seconds   final  s/epoch"]
     for name, s in report["settings"].items():
+        per_epoch = s["median_train_seconds_per_epoch"]
         table.append(f"{name:<58} {s['reached']:>7} {s['median_epochs_to_target']:>7.2f} "
                      f"{s['median_seconds_to_target']:>8.1f} {s['final_accuracy_mean']:>7.4f} "
-                     f"{s['median_train_seconds_per_epoch']:>8.1f}")
+                     + ("  failed" if per_epoch is None else f"{per_epoch:>8.1f}"))
     return table
 
 
@@ -296,8 +319,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None,
                         help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
                              "--refresh-results replaces benchmarks/results/kfac_convergence_*)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the finished runs already in STEM.json whose command is the one this study would "
+                             "run now (and add to them); a run made with other settings is refused, naming them")
     outputs.add_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.keep and args.out is None and not args.refresh_results:
+        parser.error("--keep adds to the results at --out: name them (or add --refresh-results for the committed ones)")
+    return args
 
 
 def check_data(dataset: str, data_dir: Path | None) -> Path | None:
@@ -322,8 +351,9 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
                   base.sgd_lrs if args.sgd_lrs is None else args.sgd_lrs, base.kfac if args.kfac is None else args.kfac)
 
 
-def study(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Every (setting, seed) run, alternating; checks every run's flags before the first starts."""
+def study(args: argparse.Namespace, out: Path, scratch: Path, saved: dict[str, int]) -> dict[str, Any]:
+    """Every (setting, seed) run, alternating; checks every run's flags (and --keep's runs) before the first starts,
+    and saves STEM.json/.csv after every run (``saved["runs"]`` counts what is in them)."""
     recipe = recipe_of(args)
     if recipe.batch_size % args.ranks:
         raise UsageError(f"--batch-size {recipe.batch_size} is the global batch: it must divide by --ranks "
@@ -337,21 +367,60 @@ def study(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 for s, seed in plan}
     for flags in commands.values():
         check_flags(flags)
-    print(f"{args.dataset}: {recipe.model}, global batch {recipe.batch_size}, {recipe.epochs} epochs, target "
-          f"{recipe.target:.1%}, {args.ranks} rank(s) x {args.threads} thread(s); {len(plan)} runs of "
-          "python -m hpcdl.train", flush=True)
+    check_launch(args.ranks, None, args.threads)
     runs: dict[Setting, list[dict[str, Any]]] = defaultdict(list)
+    for setting, run in kept_runs(out, args) if args.keep else []:
+        now = train_command(train_flags(setting, run["seed"], recipe, args.dataset, data_dir, args.ranks,
+                                        args.device), args.ranks, None, args.threads)
+        differing = differing_settings(run["command"], now)
+        if differing:
+            raise UsageError(f"--keep: {outputs.output_file(out, '.json')} holds {setting.name} seed {run['seed']} run "
+                             f"with other settings ({'; '.join(differing)}); rerun it without --keep (with --force "
+                             "to replace the file), or choose another --out")
+        runs[setting].append(run)
+    done = {(s, r["seed"]) for s, kept in runs.items() for r in kept}
+    todo = [(s, seed) for s, seed in plan if (s, seed) not in done]
+    print(f"{args.dataset}: {recipe.model}, global batch {recipe.batch_size}, {recipe.epochs} epochs, target "
+          f"{recipe.target:.1%}, {args.ranks} rank(s) x {args.threads} thread(s); {len(todo)} runs of "
+          f"python -m hpcdl.train" + (f" ({len(plan) - len(todo)} kept from {outputs.output_file(out, '.json')})"
+                                      if args.keep else ""), flush=True)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kfac_convergence-") as scratch:
-        for n, (setting, seed) in enumerate(plan, 1):
-            run = run_train(commands[setting, seed], Path(scratch) / f"run{n}", ranks=args.ranks,
-                            threads=args.threads, timeout=args.run_timeout)
-            result = outcome(run, seed, recipe.target)
-            runs[setting].append(result)
-            print(f"[{n}/{len(plan)}] {setting.name} seed {seed}: final {result['final_accuracy']:.4f}, "
-                  f"target at epoch {result['epochs_to_target']} / {result['seconds_to_target']} s, "
-                  f"{result['train_seconds']:.1f} s training (study {time.perf_counter() - started:.0f} s so far)",
-                  flush=True)
+    for n, (setting, seed) in enumerate(todo, 1):
+        run = run_train(commands[setting, seed], scratch / f"run{n}", ranks=args.ranks, threads=args.threads,
+                        timeout=args.run_timeout)
+        result = outcome(run, seed, recipe.target)
+        runs[setting].append(result)
+        line = (f"FAILED (exit {result['returncode']}): {result['error'].splitlines()[-1] if result['error'] else ''}"
+                if result["failed"] else
+                f"final {result['final_accuracy']:.4f}, target at epoch {result['epochs_to_target']} / "
+                f"{result['seconds_to_target']} s, {result['train_seconds']:.1f} s training")
+        print(f"[{n}/{len(todo)}] {setting.name} seed {seed}: {line} (study {time.perf_counter() - started:.0f} s "
+              "so far)", flush=True)
+        write(report_of(args, recipe, plan, runs, started), out, figure=False)
+        saved["runs"] = sum(len(r) for r in runs.values())
+    return report_of(args, recipe, plan, runs, started)
+
+
+def kept_runs(out: Path, args: argparse.Namespace) -> list[tuple[Setting, dict[str, Any]]]:
+    """The finished runs of an earlier (maybe interrupted) study at ``out``, each with its setting."""
+    path = outputs.output_file(out, ".json")
+    if not path.exists():
+        return []
+    try:
+        report = json.loads(path.read_text())
+        kept = [(Setting(**{**{k: v for k, v in fields.items() if k in Setting.__dataclass_fields__},
+                            "skip": tuple(fields.get("skip", ()))}), run)
+                for fields in report["settings"].values() for run in fields["runs"] if not run.get("failed")]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UsageError(f"--keep: {path} is not a results file of this study") from None
+    if report.get("dataset") != args.dataset:
+        raise UsageError(f"--keep: {path} holds a study of {report.get('dataset')}, not of {args.dataset}")
+    return kept
+
+
+def report_of(args: argparse.Namespace, recipe: Recipe, plan: Sequence[tuple[Setting, int]],
+              runs: dict[Setting, list[dict[str, Any]]], started: float) -> dict[str, Any]:
+    """The results file's content for the runs so far (every setting that has any, in the plan's order first)."""
     report: dict[str, Any] = {
         "dataset": args.dataset, "model": recipe.model, "target": recipe.target, "epochs": recipe.epochs,
         "batch_size": recipe.batch_size, "weight_decay": recipe.weight_decay, "momentum": 0.9,
@@ -360,32 +429,46 @@ def study(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "trainer": "python -m hpcdl.train",
         "order": [f"{s.name} seed {seed}" for s, seed in plan], "load_average_at_end": os.getloadavg(),
         "study_seconds": time.perf_counter() - started, "settings": {},
+        "planned": len(plan), "finished": sum(not r.get("failed") for rs in runs.values() for r in rs),
     }
-    for setting in settings:
-        report["settings"][setting.name] = {**asdict(setting), "skip": list(setting.skip),
-                                            **summarise(runs[setting]), "runs": runs[setting]}
+    ordered = list(dict.fromkeys([s for s, _ in plan] + list(runs)))
+    for setting in ordered:
+        if runs.get(setting):
+            report["settings"][setting.name] = {**asdict(setting), "skip": list(setting.skip),
+                                                **summarise(runs[setting]), "runs": runs[setting]}
     report["verdict"] = verdict(report["settings"])
     return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    saved = {"runs": 0}
+    out: Path | None = None
     try:
         args = parse_args(argv)
         suffix = "" if args.ranks == 1 else f"_np{args.ranks}"
         out = outputs.results_stem(args.out, f"kfac_convergence_{args.dataset}{suffix}", (".json", ".csv", ".png"),
-                                   refresh_results=args.refresh_results, force=args.force, flag="--out")
-        report = study(args, out)
+                                   refresh_results=args.refresh_results, force=args.force or args.keep, flag="--out")
+        with session("kfac_convergence") as scratch:
+            report = study(args, out, scratch, saved)
     except UsageError as exc:
         print(f"kfac_convergence: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except StudyStopped as stop:
+        where = f" in {outputs.output_file(out, '.json')}" if out is not None and saved["runs"] else ""
+        print(f"kfac_convergence: {stop}: {saved['runs']} finished run(s) saved{where}; the same command with "
+              "--keep runs the rest", file=sys.stderr, flush=True)
+        return stop.exit_code
     print("\n".join(write(report, out)))
     v = report["verdict"]
     if v:
+        ratio = v["cost_per_epoch_ratio"]
+        cost = "" if ratio is None else f"K-FAC costs {ratio:.2f}x an SGD epoch; "
         print(f"best SGD: {v['best_sgd']}; best K-FAC: {v['best_kfac']}; K-FAC/SGD time to target per seed "
-              f"(median): {v['median_wall_ratio']:.2f}x; K-FAC costs {v['cost_per_epoch_ratio']:.2f}x an SGD epoch; "
-              f"fewer epochs in every seed: {v['kfac_fewer_epochs_every_seed']}")
-    print(f"wrote {out}.json/.csv/.png")
-    return 0
+              f"(median): {v['median_wall_ratio']:.2f}x; {cost}fewer epochs in every seed: "
+              f"{v['kfac_fewer_epochs_every_seed']}")
+    failed = sum(s["failed"] for s in report["settings"].values())
+    print(f"wrote {out}.json/.csv/.png" + (f"; {failed} run(s) FAILED (errors in the .json)" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -181,14 +181,14 @@ def main(argv: list[str] | None = None) -> None:
         "target": 1.7,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    outputs.output_file(args.out, ".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["setup,median_ms,min_ms,speedup_vs_1_rank,slowest_rank_cpu_ms"]
     for name, run in runs.items():
         lines.append(
             f'"{name}",{run["median_s"] * 1e3:.1f},{run["min_s"] * 1e3:.1f},{base / run["median_s"]:.2f},'
             f"{run['median_cpu_s'] * 1e3:.1f}"
         )
-    args.out.with_suffix(".csv").write_text("\n".join(lines) + "\n")
+    outputs.output_file(args.out, ".csv").write_text("\n".join(lines) + "\n")
 
     import matplotlib
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_ylabel("decomposition phase per inverse update (ms)")
     ax.set_title("K-FAC eigendecompositions of resnet32's factors")
     fig.tight_layout()
-    fig.savefig(args.out.with_suffix(".png"), dpi=120)
+    fig.savefig(outputs.output_file(args.out, ".png"), dpi=120)
     print(
         f"2 ranks: {speedup:.2f}x faster than 1 in wall time ({'target met' if speedup >= 1.7 else 'target MISSED'}), "
         f"{cpu_speedup:.2f}x less CPU time on the busiest rank; wrote {args.out}.json/.csv/.png"

@@ -29,13 +29,18 @@ docs/kfac.md (λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one s
 Test accuracy is measured ``--evals-per-epoch`` times an epoch (hpcdl.train's ``--eval-every``, which leaves
 the training unchanged); steps and training seconds (evaluation excluded) to 98.5 % and 99.0 % are those of
 the first evaluation that reaches them. ``--kfac-flags`` adds flags to hpcdl's K-FAC runs, for ablations.
-Results: ``<out>.json`` (every run's curve), ``<out>.csv`` (one row per run), ``<out>.png``.
+Results: ``<out>.json`` (every run's curve), ``<out>.csv`` (one row per run), ``<out>.png``, saved after every
+run (a failed run is recorded as failed). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch
+folder with it; ``--keep`` then runs only what is missing, and keeps a recorded run only when its command is
+the one the study would run now (otherwise one line names the setting that differs). Runs of several ranks
+go through launch/mpirun.sh, checked once before the first run.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import os
 import shlex
@@ -51,6 +56,7 @@ from typing import Any
 
 from hpcdl.bench import studies
 from hpcdl.run import outputs
+from hpcdl.run.atomic import write_text_atomically
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
@@ -223,10 +229,10 @@ def train_flags(cell: Cell, args: argparse.Namespace) -> list[str]:
     """hpcdl.train's flags for one cell: the study's whole recipe (methods differ only here)."""
     micro = min(cell.batch, args.micro_batch)
     if cell.batch % micro:
-        raise SystemExit(f"kfac_large_batch: error: global batch {cell.batch} is not a multiple of {micro}")
+        raise UsageError(f"global batch {cell.batch} is not a multiple of {micro}")
     accumulate = cell.batch // micro
     if micro % args.ranks:
-        raise SystemExit(f"kfac_large_batch: error: {micro} examples a pass do not split over {args.ranks} ranks")
+        raise UsageError(f"{micro} examples a pass do not split over {args.ranks} ranks")
     flags = [
         "--dataset", args.dataset, "--model", args.model,
         "--epochs", str(args.epochs), "--batch-size", str(micro // args.ranks),
@@ -287,12 +293,13 @@ def starter(cell: Cell, args: argparse.Namespace, scratch: Path) -> Callable[[],
                                        python_path=[*paths, str(REPO / "benchmarks")], vcluster=args.vcluster)
 
 
-def run_cells(cells: Sequence[Cell], args: argparse.Namespace,
+def run_cells(cells: Sequence[Cell], args: argparse.Namespace, scratch: Path,
               after_each: Callable[[list[Outcome]], None] = lambda _: None) -> list[Outcome]:
-    """Run every cell, ``--jobs`` at a time, printing one line per finished run (``after_each`` saves)."""
+    """Run every cell in ``scratch``, ``--jobs`` at a time, printing one line per finished run (``after_each``
+    saves); a failed run is an outcome like any other (recorded as failed), never the end of the study."""
     outcomes: list[Outcome] = []
-    with tempfile.TemporaryDirectory(prefix="kfac_large_batch-") as tmp:
-        starters = [starter(cell, args, Path(tmp)) for cell in cells]
+    if cells:
+        starters = [starter(cell, args, scratch) for cell in cells]
         for index, run in studies.run_pool(starters, args.jobs, args.run_timeout):
             cell = cells[index]
             outcome = Outcome(cell, run.returncode, epochs=run.rows, wall_seconds=run.wall_seconds,
@@ -354,6 +361,19 @@ def tuned_settings(outcomes: Sequence[Outcome], seed: int) -> list[Cell]:
     return [o.cell for o in best.values()]
 
 
+def tuning_seed(outcomes: Sequence[Outcome], source: Path) -> int:
+    """The seed a --tune results file tuned on (its first phase, whatever --seeds it was given): the one with
+    more than one setting of some method; UsageError (one line) for a file that tuned nothing."""
+    settings: dict[int, set[tuple[str, int, float, float | None]]] = {}
+    for o in outcomes:
+        settings.setdefault(o.cell.seed, set()).add((o.cell.method, o.cell.batch, o.cell.lr, o.cell.warmup))
+    seeds = [seed for seed, cells in settings.items() if len(cells) > len({c[:2] for c in cells})]
+    if len(seeds) != 1:
+        raise UsageError(f"--tuned-from {source} is not the results of a --tune study (no single seed holds several "
+                         "settings of a method)")
+    return seeds[0]
+
+
 def best_rates(outcomes: Sequence[Outcome], batch: int) -> dict[str, float]:
     """Per method, the rate with the best median final accuracy at ``batch`` (a failed run counts as 0)."""
     by_rate: dict[tuple[str, float], list[float]] = {}
@@ -402,15 +422,18 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 
 def write_results(outcomes: Sequence[Outcome], out: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """<out>.json and <out>.csv, each replaced whole (atomically: a study stopped while saving keeps the last)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = summarise(outcomes)
     runs = [dict(asdict(o.cell), returncode=o.returncode, epochs=o.epochs, wall_seconds=o.wall_seconds,
                  error=o.error, command=" ".join(o.command)) for o in outcomes]
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, summary=rows, runs=runs), indent=1) + "\n")
-    with out.with_suffix(".csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["method"])
-        writer.writeheader()
-        writer.writerows(rows)
+    write_text_atomically(outputs.output_file(out, ".json"),
+                          json.dumps(dict(meta=meta, summary=rows, runs=runs), indent=1) + "\n")
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=list(rows[0]) if rows else ["method"])
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomically(outputs.output_file(out, ".csv"), table.getvalue())
     return rows
 
 
@@ -455,7 +478,7 @@ def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
     ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
+    fig.savefig(outputs.output_file(out, ".png"), dpi=110)
     plt.close(fig)
 
 
@@ -587,7 +610,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="no runs: the markdown table, verdict and plot (--out) of these results files together; "
                              "FILE@128,512 takes only those global batches of FILE")
     parser.add_argument("--keep", action="store_true",
-                        help="keep the successful runs already in <out>.json (and add to them) instead of rerunning")
+                        help="keep the successful runs already in <out>.json (and add to them) instead of rerunning; "
+                             "a run recorded with another command than this study's is refused, naming the setting")
     parser.add_argument("--install-kfac-pytorch", nargs="?", const=KFAC_PYTORCH_SOURCE, metavar="SOURCE",
                         help="pip-install kfac-pytorch (a local checkout or a pip URL; default: its public source at "
                              "the commit the results used) into --kfac-pytorch-site and exit")
@@ -662,11 +686,11 @@ def target_rates(args: argparse.Namespace) -> dict[str, float]:
     for item in args.lrs:
         method, _, value = item.partition("=")
         if method not in METHODS or not value:
-            raise SystemExit(f"kfac_large_batch: error: --lrs takes METHOD=LR with METHOD in {METHODS} (got {item})")
+            raise UsageError(f"--lrs takes METHOD=LR with METHOD in {METHODS} (got {item})")
         rates[method] = float(value)
     missing = [m for m in args.methods if m not in rates]
     if missing:
-        raise SystemExit(f"kfac_large_batch: error: no rate for {', '.join(missing)}: give --lrs or --rates-from")
+        raise UsageError(f"no rate for {', '.join(missing)}: give --lrs or --rates-from")
     return rates
 
 
@@ -737,8 +761,23 @@ def method_order(method: str) -> int:
 
 def kept_outcomes(out: Path) -> list[Outcome]:
     """The successful runs of an earlier (possibly interrupted) study at ``out``."""
-    path = out.with_suffix(".json")
+    path = outputs.output_file(out, ".json")
     return [o for o in load_outcomes(path) if o.returncode == 0] if path.exists() else []
+
+
+def check_kept(kept: Sequence[Outcome], args: argparse.Namespace) -> None:
+    """UsageError (one line) naming the first kept run whose recorded command is not the one this study would run
+    for it now, and the settings that differ: a ``--max-steps 2`` trial is never kept as the real study's run.
+    Runs the study can no longer name (ablations labelled by their --kfac-flags) are carried as they are."""
+    for outcome in kept:
+        if outcome.cell.method not in METHODS:
+            continue
+        now = train_command(outcome.cell, args, Path("run"))
+        differing = studies.differing_settings(outcome.command, now)
+        if differing:
+            raise UsageError(f"--keep: {outputs.output_file(args.out, '.json')} holds {outcome.cell.name} run with "
+                             f"other settings ({'; '.join(differing)}); rerun it without --keep (with --force to "
+                             "replace the file), or choose another --out")
 
 
 def markdown(outcomes: Sequence[Outcome]) -> list[str]:
@@ -770,7 +809,7 @@ def report(sources: Sequence[str], out: Path) -> int:
     loads = [json.loads(p.read_text())["meta"] for p in paths]
     low, high = min(m["load_before"] for m in loads), max(m.get("load_after", m["load_before"]) for m in loads)
     plot(outcomes, out, f"MNIST mnist_cnn, 5 epochs, 1 rank, CPU; load average {low:.0f}-{high:.0f} (shared machine)")
-    print(f"plot: {out.with_suffix('.png')}")
+    print(f"plot: {outputs.output_file(out, '.png')}")
     return 0
 
 
@@ -783,7 +822,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.reduced:
         cells = reduced_cells(args.methods, args.batches or REDUCED_BATCHES, args.seeds[0])
     elif args.target_cell and args.tuned_from:
-        tuned = {c.method: c for c in tuned_settings(load_outcomes(args.tuned_from), 0)}
+        tuning = load_outcomes(args.tuned_from)
+        tuned = {c.method: c for c in tuned_settings(tuning, tuning_seed(tuning, args.tuned_from))}
         missing = [m for m in args.methods if m not in tuned]
         if missing:
             raise UsageError(f"--tuned-from {args.tuned_from} has no tuning runs of {', '.join(missing)}")
@@ -801,7 +841,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for cell in cells:
             print(" ".join(train_command(cell, args, scratch / cell.name)))
         return 0
+    for cell in cells:  # every run's flags, by hpcdl.train's own parser, before the first run
+        studies.check_flags(train_flags(cell, args))
+    studies.check_launch(args.ranks, args.vcluster, args.threads)
     args.out = output_stem(args)
+    kept = kept_outcomes(args.out) if args.keep else []
+    check_kept(kept, args)
     load = os.getloadavg()[0]
     print(f"{len(cells)} runs, {args.jobs} at a time, {args.threads} thread(s) each; load average {load:.1f}",
           flush=True)
@@ -812,21 +857,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         evals_per_epoch=args.evals_per_epoch, ranks=args.ranks, vcluster=args.vcluster,
         kfac_preset=dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum),
         argv=sys.argv[1:] if argv is None else list(argv), planned=len(cells))
-    kept = kept_outcomes(args.out) if args.keep else []
     if kept:  # the kept runs' own provenance (argv, load, seconds) stays beside this run's
-        meta["kept_from"] = json.loads(args.out.with_suffix(".json").read_text()).get("meta", {})
+        meta["kept_from"] = json.loads(outputs.output_file(args.out, ".json").read_text()).get("meta", {})
     done = {o.cell for o in kept}
     todo = [c for c in cells if c not in done]
     if args.keep:
-        print(f"{len(cells) - len(todo)} of them already in {args.out}.json", flush=True)
-    outcomes = kept + run_cells(todo, args, lambda new: write_results(kept + new, args.out, meta))  # saved as they end
-    if args.tune:  # the second phase: each method's best setting on the other seeds
-        chosen = [Cell(c.method, c.batch, c.lr, s, c.warmup) for c in tuned_settings(outcomes, args.seeds[0])
-                  for s in args.seeds[1:]]
-        first = list(outcomes)
-        meta["planned"] = len(cells) + len(chosen)
-        outcomes = first + run_cells([c for c in chosen if c not in done], args,
-                                     lambda new: write_results(first + new, args.out, meta))
+        print(f"{len(cells) - len(todo)} of them already in {outputs.output_file(args.out, '.json')}", flush=True)
+    saved = {"runs": len(kept)}
+
+    def save(outcomes: Sequence[Outcome]) -> None:
+        write_results(outcomes, args.out, meta)
+        saved["runs"] = len(outcomes)
+
+    try:
+        with studies.session("kfac_large_batch") as scratch:
+            outcomes = kept + run_cells(todo, args, scratch, lambda new: save(kept + new))  # saved as they end
+            if args.tune:  # the second phase: each method's best setting on the other seeds
+                chosen = [Cell(c.method, c.batch, c.lr, s, c.warmup) for c in tuned_settings(outcomes, args.seeds[0])
+                          for s in args.seeds[1:]]
+                first = list(outcomes)
+                meta["planned"] = len(cells) + len(chosen)
+                outcomes = first + run_cells([c for c in chosen if c not in done], args, scratch,
+                                             lambda new: save(first + new))
+    except studies.StudyStopped as stop:
+        print(f"kfac_large_batch: {stop}: {saved['runs']} finished run(s) saved in "
+              f"{outputs.output_file(args.out, '.json')}; the same command with --keep runs the rest",
+              file=sys.stderr, flush=True)
+        return stop.exit_code
     meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - start)
     write_results(outcomes, args.out, meta)
     where = f"{args.ranks} ranks on {args.vcluster}" if args.vcluster else f"{args.ranks} rank(s)"
@@ -835,7 +892,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for batch in sorted({o.cell.batch for o in outcomes}, reverse=True):
         for line in verdict(outcomes, batch):
             print(line)
-    print(f"results: {args.out}.{{json,csv,png}} ({meta['seconds']:.0f} s)")
+    print(f"results: {args.out}.{{json,csv,png}} ({meta['seconds']:.0f} s)")  # each <stem><suffix>
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
 
 

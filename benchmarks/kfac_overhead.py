@@ -300,7 +300,7 @@ def measure_memory(args: argparse.Namespace, variant: str, baseline: Path | None
 # ------------------------------------------------------------------ output
 def write(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    outputs.output_file(out, ".json").write_text(json.dumps(report, indent=2) + "\n")
     header = "precision,factor_update_freq,inv_update_freq,sgd_ms,kfac_ms,median_ratio,min_ratio,max_ratio"
     lines = [header + ",target,kfac_pytorch_ratio,peak_gib,sgd_peak_gib,baseline_ratio"]
     for r in report["results"]:
@@ -310,8 +310,8 @@ def write(report: dict, out: Path) -> None:
             f"{r['kfac_pytorch_ratio'] or ''},{_fmt(r.get('peak_gib'))},"
             f"{_fmt(report['sgd_peak_gib'].get(r['precision']))},{_fmt(r.get('baseline_ratio'))}"
         )
-    out.with_suffix(".csv").write_text("\n".join(lines) + "\n")
-    plot(report, out.with_suffix(".png"))
+    outputs.output_file(out, ".csv").write_text("\n".join(lines) + "\n")
+    plot(report, outputs.output_file(out, ".png"))
 
 
 def _fmt(value: float | None) -> str:
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['precision']} ({r['factor_update_freq']}, {r['inv_update_freq']}): K-FAC/SGD = {r['ratio']:.2f}"
             f"{met}{base}{memory}  {r['phase_ms_per_step']}"
         )
-    print(f"wrote {args.out.with_suffix('.json')}, .csv, .png")
+    print(f"wrote {outputs.output_file(args.out, '.json')}, .csv, .png")
 
 
 if __name__ == "__main__":

@@ -54,10 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if GLOBAL_BATCH % args.ranks:
         raise UsageError(f"--ranks {args.ranks} does not divide the global batch {GLOBAL_BATCH}")
-    if not (args.data_dir / "train-images-idx3-ubyte").exists():
-        raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
     stem = outputs.results_stem(args.out, "kfac_phases", (".json", ".png"), refresh_results=args.refresh_results,
                                 force=args.force, flag="--out")
+    if not (args.data_dir / "train-images-idx3-ubyte").exists():
+        raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
     scratch = Path(tempfile.mkdtemp(prefix="kfac_phases-")) if args.keep is None else args.keep
     common = ["--dataset", "mnist", "--data-dir", str(args.data_dir), "--model", "mnist_cnn",
               "--batch-size", str(GLOBAL_BATCH // args.ranks), "--epochs", "1", "--max-steps", str(args.steps),
@@ -76,10 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             report[label] = dict(step_phases=summary["step_phases"],
                                  seconds_per_step=summary["train_seconds"] / summary["global_steps"])
             dirs.append(out)
-        json_path = Path(f"{stem}.json")
+        json_path = outputs.output_file(stem, ".json")
         json_path.write_text(json.dumps(dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
                                              steps=args.steps, runs=report), indent=1) + "\n")
-        plot_phases(dirs, Path(f"{stem}.png"), list(report))
+        plot_phases(dirs, outputs.output_file(stem, ".png"), list(report))
     finally:
         if args.keep is None:
             shutil.rmtree(scratch, ignore_errors=True)

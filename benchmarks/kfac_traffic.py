@@ -330,6 +330,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
 
     hvd.init()
     world, rank = hvd.size(), hvd.rank()
+    if world < 2:
+        raise UsageError("measure times collectives between ranks and was started as one process; run it under a "
+                         "launcher: PYTHONPATH=benchmarks launch/mpirun.sh -np 4 --entry kfac_traffic -- measure")
     torch.set_num_threads(1)
 
     def timed(run: Any, repeats: int) -> float:
@@ -452,15 +455,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         each.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
     if args.phase == "count":
+        from hpcdl.bench.studies import check_launch
+
+        check_launch(args.ranks, args.vcluster)  # a virtual cluster that is not there: one line, before any run
         for fraction in args.fractions:
             if abs(fraction * args.ranks - round(fraction * args.ranks)) > 1e-9 or args.ranks % round(
                     fraction * args.ranks):
                 raise UsageError(f"--fractions: {fraction:g} x {args.ranks} ranks is not a whole divisor of the ranks")
         if not (args.data_dir / "train-images-idx3-ubyte").exists():
             raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
-    if args.phase == "predict" and args.measured and not args.measured.is_file():
-        raise UsageError(f"--measured: no such file {args.measured}")
+    if args.phase == "predict" and args.measured:
+        check_measured(args.measured)
     return args
+
+
+def check_measured(path: Path) -> None:
+    """UsageError (one line) unless ``path`` is a measure phase's results file (its fitted alpha and B)."""
+    if not path.is_file():
+        raise UsageError(f"--measured: no such file {path}")
+    try:
+        fit = json.loads(path.read_text())
+        usable = fit.get("kind") == "measure" and all(float(fit[key]) > 0 for key in ("alpha", "bandwidth"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        usable = False
+    if not usable:
+        raise UsageError(f"--measured {path} is not the results of the measure phase (a JSON with kind \"measure\" "
+                         "and a fitted alpha and bandwidth)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -494,7 +514,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{row['network'][:12]:12s} {row['ranks']:5d} ranks f={row['fraction']:<6.3g} "
                   f"({row['factor_every']},{row['inverse_every']}) {row['design']:14s} {row['backend']:4s} "
                   f"{row['payload']} " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "
+")
     print(f"wrote {stem}.json")
     return 0
 

@@ -41,6 +41,8 @@ from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
+SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.run.outputs.output_file)
+
 
 def write_jpegs(root: Path, images: int, classes: int, seed: int = 0) -> Path:
     """ImageNet-like class folders (train and a small val): smooth colour fields plus luminance noise,
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     outputs.add_arguments(parser)
     args = parser.parse_args(argv)
     stem = outputs.results_stem(
-        args.output.with_suffix("") if args.output else None, f"loader_throughput_{args.device}", (".json", ".png"),
+        outputs.given_stem(args.output, SUFFIXES), f"loader_throughput_{args.device}", SUFFIXES,
         refresh_results=args.refresh_results, force=args.force)
 
     import torch

@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = measure(args.epochs, Path(tmp))
     ratio = statistics.median(seconds["recorded"]) / statistics.median(seconds["silent"])
     report = dict(kind="phase_overhead", steps_per_epoch=32, seconds=seconds, ratio=ratio)
-    path = Path(f"{stem}.json")
+    path = outputs.output_file(stem, ".json")
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"recorded / silent, median epoch: {ratio:.3f}; wrote {path}")
     return 0

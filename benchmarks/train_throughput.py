@@ -40,6 +40,8 @@ from hpcdl.runtime.numbers import integer  # noqa: E402
 MODES = ("fp32", "amp", "amp+cl", "compile")
 SHAPES = {"cpu": dict(model="resnet32", batch=64, size=32), "cuda": dict(model="resnet50", batch=128, size=224)}
 
+SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.run.outputs.output_file)
+
 
 def mode_flags(mode: str, device: str) -> list[str]:
     """hpcdl.train flags of a mode; the bare loop reads the same choices from :func:`mode_settings`."""
@@ -184,8 +186,8 @@ def measure(args: argparse.Namespace) -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no GPU")
-    stem = outputs.results_stem(args.output.with_suffix("") if args.output else None,
-                                f"train_throughput_{args.device}", (".json", ".png"),
+    stem = outputs.results_stem(outputs.given_stem(args.output, SUFFIXES),
+                                f"train_throughput_{args.device}", SUFFIXES,
                                 refresh_results=args.refresh_results, force=args.force)
     me = world.init()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"

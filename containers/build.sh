@@ -168,6 +168,7 @@ HPCDL_IN_CONTAINER=1
 HPCDL_IMAGE_KIND=hpcdl-$VARIANT
 PYTHONUNBUFFERED=1
 LC_ALL=C.UTF-8
+PYTHONSAFEPATH=1
 ENV
   sed 's/^/export /' "$SCRATCH/ch/environment" >"$SCRATCH/.singularity.d/env/90-environment.sh"
   printf '#!/bin/sh\nexec python -m hpcdl.train "$@"\n' >"$SCRATCH/.singularity.d/runscript"

@@ -62,6 +62,13 @@ say "MPI inside: $mpi_line"
 HPCDL_GPU="$GPU" PYTHON=python3 HPCDL_VENV=/opt/hpcdl/venv HPCDL_CACHE="${HPCDL_CACHE:-/tmp/hpcdl-cache}" \
   bash "$SRC/scripts/setup.sh"
 
+# Which hpcdl runs is a decision (containers/hpcdl_code.py): the image's own, a checkout's only when HPCDL_CODE
+# asks. The image's environment sets PYTHONSAFEPATH=1 (the working folder is not put first on sys.path); this
+# .pth runs the choice at every start. A link, so that the source layer's copy is the one that runs.
+site="$(/opt/hpcdl/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+ln -sfn /opt/hpcdl/src/containers/hpcdl_code.py "$site/hpcdl_code.py"
+echo "import hpcdl_code" >"$site/hpcdl_code.pth"
+
 # What is inside, for `apptainer inspect`, ch-run and the doctor (hpcdl.tools.doctor reads it).
 # shellcheck source=scripts/versions.env
 . "$SRC/scripts/versions.env"

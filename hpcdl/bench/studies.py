@@ -1,23 +1,41 @@
 """What every accuracy study does the same way, written once: run ``python -m hpcdl.train`` (the one
 training application, so a study measures what users run), read its metrics back, alternate the
 contenders so that a shared machine's load hits both alike, and find when a target was first reached.
+
+A study runs inside :func:`session`: its scratch folder is removed and every run under way is ended
+(with everything it started) on any exit, and Ctrl-C or SIGTERM become :class:`StudyStopped`, which the
+study answers by saving what ran and saying so in one line. Runs of more than one rank go through
+``launch/mpirun.sh`` (root, oversubscription, virtual clusters: the launcher's rules, not a bare
+``mpirun``), whose arguments :func:`check_launch` tries before the first run. ``--keep`` keeps a recorded
+run only when :func:`differing_settings` finds nothing between its command and the one the study would
+run now.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
+import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
-from hpcdl.training.config import TrainConfig, parse_config
+from hpcdl.run.outputs import output_file
+from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime.processes import end_trees
+from hpcdl.training.config import TrainConfig, option_name, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -41,13 +59,27 @@ def check_flags(flags: Sequence[str]) -> TrainConfig:
 
 
 def train_command(flags: Sequence[str], ranks: int = 1, vcluster: str | None = None, threads: int = 1) -> list[str]:
-    """``python -m hpcdl.train FLAGS``, under ``mpirun -np RANKS`` for more than one rank, or on the nodes of a
-    virtual cluster through launch/mpirun.sh."""
-    if vcluster is not None:
-        return ["bash", str(REPO / "launch" / "mpirun.sh"), "--vcluster", vcluster, "-np", str(ranks), "--threads",
-                str(threads), "--", *flags]
-    command = [sys.executable, "-m", "hpcdl.train", *flags]
-    return command if ranks == 1 else ["mpirun", "-np", str(ranks), "--bind-to", "none", *command]
+    """``python -m hpcdl.train FLAGS``; for more than one rank (or on the nodes of a virtual cluster) through
+    launch/mpirun.sh, which knows what a bare ``mpirun`` does not (root, more ranks than cores, the cluster)."""
+    if vcluster is None and ranks == 1:
+        return [sys.executable, "-m", "hpcdl.train", *flags]
+    where = ["--vcluster", vcluster] if vcluster is not None else []
+    return ["bash", str(REPO / "launch" / "mpirun.sh"), *where, "-np", str(ranks), "--threads", str(threads), "--",
+            *flags]
+
+
+def check_launch(ranks: int = 1, vcluster: str | None = None, threads: int = 1) -> None:
+    """UsageError (the launcher's own line) when launch/mpirun.sh would refuse these settings, e.g. a virtual
+    cluster that does not exist: asked once before the first run, not found by each run in turn."""
+    command = train_command([], ranks, vcluster, threads)
+    if command[0] != "bash":
+        return
+    done = subprocess.run(command, env=dict(os.environ, HPCDL_DRY_RUN="1"), capture_output=True, text=True,
+                          timeout=120, check=False)
+    if done.returncode != 0:
+        lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        why = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
+        raise UsageError(f"launch/mpirun.sh refuses {' '.join(command[2:-1])}: {why.removeprefix('error: ')}")
 
 
 @dataclass
@@ -61,7 +93,7 @@ class StartedRun:
 
     @property
     def log(self) -> Path:
-        return self.output_dir.parent / f"{self.output_dir.name}.log"  # not with_suffix: names hold dots (lr0.4)
+        return output_file(self.output_dir, ".log")  # the one rule: names hold dots (lr0.4)
 
 
 def start_train(flags: Sequence[str], output_dir: Path, *, ranks: int = 1, threads: int = 1,
@@ -73,11 +105,14 @@ def start_train(flags: Sequence[str], output_dir: Path, *, ranks: int = 1, threa
     run_env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
     run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [*python_path, str(REPO), run_env.get("PYTHONPATH", "")]))
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    log = output_dir.parent / f"{output_dir.name}.log"
+    log = output_file(output_dir, ".log")
     # The run's parent folder as working directory: `python -m` puts it first on sys.path, never the
     # caller's. The log is a file, never a pipe nobody reads.
+    # A session of its own: a Ctrl-C at the terminal reaches the study, which ends its runs itself (end_runs).
     with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=output_dir.parent, env=run_env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=output_dir.parent, env=run_env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _RUNNING[proc.pid] = proc
     return StartedRun(command, output_dir, proc, time.perf_counter())
 
 
@@ -87,9 +122,10 @@ def finish_train(started: StartedRun, timeout: float) -> TrainRun:
     try:
         returncode = started.proc.wait(timeout=max(timeout - (time.perf_counter() - started.start), 1.0))
     except subprocess.TimeoutExpired:
-        started.proc.kill()
+        end_trees([started.proc.pid])  # mpirun's ranks too
         started.proc.wait()
         returncode, killed = -9, f"(killed after {timeout:.0f} s)"
+    _RUNNING.pop(started.proc.pid, None)  # ended: a signal that cut the wait short leaves it for end_runs
     run = TrainRun(started.command, returncode, wall_seconds=time.perf_counter() - started.start)
     metrics, summary = started.output_dir / "metrics.jsonl", started.output_dir / "summary.json"
     if metrics.exists():
@@ -125,6 +161,115 @@ def run_pool(starters: Sequence[Callable[[], StartedRun]], jobs: int, timeout: f
             time.sleep(0.5)
         index, started = running.pop(ended)
         yield index, finish_train(started, timeout)
+
+
+# The runs under way (by pid), so that a study that ends for any reason ends them too.
+_RUNNING: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def end_runs() -> None:
+    """End every run under way, with all it started (mpirun's ranks included)."""
+    running = [proc for proc in _RUNNING.values() if proc.poll() is None]
+    end_trees([proc.pid for proc in running])
+    for proc in running:
+        proc.wait()
+    _RUNNING.clear()
+
+
+class StudyStopped(Exception):
+    """Ctrl-C or SIGTERM ended the study: it saves what ran and says so in one line."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(f"stopped by {sig.name}")
+        self.signal = sig
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, the shell's convention (130 after Ctrl-C, 143 after SIGTERM)."""
+        return 128 + int(self.signal)
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise StudyStopped(signal.Signals(signum))
+
+
+@contextlib.contextmanager
+def session(program: str) -> Iterator[Path]:
+    """A study's scratch folder; inside, Ctrl-C and SIGTERM raise :class:`StudyStopped`. On any exit (an error,
+    a signal, the end) every run under way is ended and the scratch folder removed."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"{program}-"))
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield scratch
+    finally:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)  # the clean-up itself is not cut short
+        try:
+            end_runs()
+            shutil.rmtree(scratch, ignore_errors=True)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+# ---- what a recorded run was made with ---------------------------------------------------------------
+
+# Words of hpcdl.train's command that name where a run writes, not what it trains.
+_PLACE_FLAGS = {"--output-dir": 1, "--no-progress": 0}
+# What may differ without changing what is trained or measured: where it writes and how it keeps it, the progress
+# bar, the stall watchdog's patience.
+_PLACE_FIELDS = {"output_dir", "progress", "resume", "keep_checkpoints", "stall_timeout"}
+
+
+def split_command(command: str | Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """A recorded run's command as (how it was launched: ranks, threads, vcluster; hpcdl.train's flags without
+    those naming where it wrote). Understands ``python -m hpcdl.train``, ``mpirun -np N ... hpcdl.train`` and
+    ``launch/mpirun.sh [--vcluster V] -np N --threads T -- ...``."""
+    words = shlex.split(command) if isinstance(command, str) else list(command)
+    if "hpcdl.train" in words:
+        at = words.index("hpcdl.train")
+        head, flags = words[:at], words[at + 1:]
+    elif "--" in words:
+        at = words.index("--")
+        head, flags = words[:at], words[at + 1:]
+    else:
+        head, flags = words, []
+    launch = {"ranks": "1", "threads": "", "vcluster": ""}  # threads: one rank's command does not say
+    for flag, key in (("-np", "ranks"), ("--threads", "threads"), ("--vcluster", "vcluster")):
+        if flag in head[:-1]:
+            launch[key] = head[head.index(flag) + 1]
+    kept, skip = [], 0
+    for word in flags:
+        if skip:
+            skip -= 1
+        elif word.split("=", 1)[0] in _PLACE_FLAGS:
+            skip = _PLACE_FLAGS[word.split("=", 1)[0]] if "=" not in word else 0
+        else:
+            kept.append(word)
+    return launch, kept
+
+
+def differing_settings(recorded: str | Sequence[str], now: str | Sequence[str]) -> list[str]:
+    """How a recorded run's command differs from the one a study would run now, one phrase per setting
+    (``--max-steps 2, now none``); [] when both train the same (where they write aside). hpcdl.train's own parser
+    reads both, so the same setting spelt two ways is the same."""
+    (launch_then, flags_then), (launch_now, flags_now) = split_command(recorded), split_command(now)
+    phrases = [f"{key} {launch_then[key] or 'none'}, now {launch_now[key] or 'none'}"
+               for key in launch_then if launch_then[key] != launch_now[key]
+               and (key != "threads" or (launch_then[key] and launch_now[key]))]
+    try:
+        then = dataclasses.asdict(parse_config(flags_then))
+    except UsageError as exc:
+        return [*phrases, f"its command no longer parses ({exc})"]
+    current = dataclasses.asdict(parse_config(flags_now))
+    for name in then:
+        if name not in _PLACE_FIELDS and then[name] != current.get(name):
+            phrases.append(f"{option_name(name)} {_shown(then[name])}, now {_shown(current.get(name))}")
+    return phrases
+
+
+def _shown(value: Any) -> str:
+    return "none" if value is None else " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
 def interleaved(first: Sequence[T], second: Sequence[T], seeds: Sequence[int]) -> list[tuple[T, int]]:

@@ -3,7 +3,8 @@
 Benchmarks and plots follow the rules training follows: they never replace what they were not
 asked to replace, and they refuse with one line where they cannot do their job.
 
-* :func:`results_stem` decides where a tool writes ``<stem><suffix>`` files, and
+* :func:`results_stem` decides where a tool writes ``<stem><suffix>`` files (each named by
+  :func:`output_file`, never ``Path.with_suffix``, which cuts a stem such as ``sgd-lr0.05``), and
   :func:`results_folder` where one that writes a folder of files writes them. By default a new
   directory of its own, ``runs/bench/<name>/<YYYYmmdd-HHMMSS>-<suffix>/`` (never shared, as run
   directories are not). The figures committed in the repository (``benchmarks/results/``) are
@@ -55,8 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def output_file(stem: Path, suffix: str) -> Path:
-    """``stem`` + ``suffix`` (not ``with_suffix``, which would cut a stem such as ``allreduce_cycle0.03ms``)."""
+    """``stem`` + ``suffix``: the one way every writer names its files, the checks and ``--keep``'s reading too
+    (not ``with_suffix``, which cuts at the last dot: ``sgd-lr0.05`` and ``sgd-lr0.1`` would both be ``sgd-lr0``)."""
     return stem.with_name(stem.name + suffix)
+
+
+def given_stem(path: Path | None, suffixes: Sequence[str]) -> Path | None:
+    """The stem a user named on the command line: ``path`` whole, less one of the tool's own ``suffixes`` when it
+    ends in one (``runs/a/sgd-lr0.05`` stays whole; ``runs/a/sgd-lr0.05.json`` is ``runs/a/sgd-lr0.05``)."""
+    if path is None:
+        return None
+    for suffix in suffixes:
+        if path.name.endswith(suffix) and len(path.name) > len(suffix):
+            return path.with_name(path.name[: -len(suffix)])
+    return path
 
 
 def check_outputs(paths: Sequence[Path], *, force: bool = False, refresh_results: bool = False,

@@ -9,6 +9,7 @@ B inclusive, e.g. ``1:3-9:nan``):
     oom        raise MemoryError (out of memory)             the process stays alive (a hung
     nan        make its loss NaN (non-finite)                data loader, file system or GPU)
     exit       exit(3) without a word               term     send itself SIGTERM (preemption)
+    usr1       send itself SIGUSR1 (Slurm's notice before the time limit)
     killsave   SIGKILL itself half-way through writing the checkpoint of step STEP (rank 0 writes)
 
 The same syntax is accepted by ``python -m hpcdl.train`` under any launcher; a malformed value,
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from hpcdl.runtime.errors import UsageError
 
-KINDS = ("exception", "kill", "stop", "hang", "oom", "nan", "exit", "term", "killsave")
+KINDS = ("exception", "kill", "stop", "hang", "oom", "nan", "exit", "term", "usr1", "killsave")
 ENV = "HPCDL_FAULT"
 
 
@@ -109,7 +110,7 @@ class FaultInjector:
 
     def before_step(self, step: int) -> None:
         """Misbehave as configured for ``step``."""
-        for fault in self._due(step, ("exception", "oom", "exit", "kill", "stop", "term", "hang")):
+        for fault in self._due(step, ("exception", "oom", "exit", "kill", "stop", "term", "usr1", "hang")):
             self.announce(fault.kind, step)
             message = f"injected fault on rank {fault.rank} at step {step}"
             if fault.kind == "exception":
@@ -121,7 +122,8 @@ class FaultInjector:
             if fault.kind == "hang":
                 while True:  # alive (its threads run) but the training loop never comes back
                     time.sleep(3600)
-            sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[fault.kind]
+            sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM,
+                   "usr1": signal.SIGUSR1}[fault.kind]
             os.kill(os.getpid(), sig)
 
     def while_saving(self, step: int):

@@ -11,6 +11,7 @@ Each check is a small function returning facts or raising Problem, so tests can 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import os
 import platform
@@ -147,6 +148,9 @@ def check_launcher_agrees(world_size: int, env: dict[str, str] | None = None) ->
 # ---------------------------------------------------------------- inside an image
 
 IMAGE_FILE = Path("/opt/hpcdl/image")  # written by containers/build.sh: kind, environment and source keys
+IMAGE_SOURCE = Path("/opt/hpcdl/src")  # the source the image was built from (its own hpcdl)
+# The folders containers/build.sh keys an image's source by (its SOURCES).
+SOURCE_FOLDERS = ("pyproject.toml", "README.md", "hpcdl", "kfac", "launch", "scripts", "containers")
 LABELS_FILE = Path("/opt/hpcdl/labels")  # written by containers/install.sh: MPI family and versions
 
 
@@ -189,10 +193,49 @@ def container_rows(env: dict[str, str], mpi_library: str, world_size: int,
             else f"NO: the launcher started {launched}, MPI sees {world_size}")
     return [
         Row("image", image),
+        *code_rows(env, Path(__file__).resolve().parents[2]),
         Row("MPI inside", f"{inside}: {mpi_library}"),
         Row("launcher outside", launcher_outside(env)),
         Row("inside and outside talk", talk),
     ]
+
+
+def source_key(root: Path) -> str:
+    """The key containers/build.sh gives the source under ``root`` before it mixes in the mount points: the first 8
+    hex digits of the sha256 of ``sha256sum``'s lines for every file of :data:`SOURCE_FOLDERS` (caches left out),
+    in byte order of their paths."""
+    paths = []
+    for name in SOURCE_FOLDERS:
+        top = root / name
+        found = [top] if top.is_file() else [p for p in top.rglob("*") if p.is_file()] if top.is_dir() else []
+        paths += [p.relative_to(root).as_posix() for p in found
+                  if "__pycache__" not in p.relative_to(root).parts and p.suffix != ".pyc"]
+    lines = "".join(f"{hashlib.sha256((root / path).read_bytes()).hexdigest()}  {path}\n"
+                    for path in sorted(paths, key=lambda text: text.encode()))
+    return hashlib.sha256(lines.encode()).hexdigest()[:8]
+
+
+def code_rows(env: dict[str, str], running: Path, image_source: Path = IMAGE_SOURCE) -> list[Row]:
+    """Which hpcdl runs inside the image and from where (containers/hpcdl_code.py decides: the image's own unless
+    HPCDL_CODE asks for a checkout), and whether its source is the one the image was built from."""
+    chosen = env.get("HPCDL_CODE_CHOSEN", "")
+    own = running.resolve() == image_source.resolve()
+    why = ("the image's own (default)" if own else f"a checkout, asked for by HPCDL_CODE={env.get('HPCDL_CODE', '')}"
+           if chosen and chosen != "image" else "a checkout NOT asked for (PYTHONPATH or the working folder "
+           "shadows the image's; unset them, or say HPCDL_CODE=checkout)")
+    rows = [Row("hpcdl runs from", f"{running} ({why})")]
+    if own:
+        return rows
+    if not image_source.is_dir():
+        return [*rows, Row("its source", f"no {image_source} in this image to compare it with")]
+    try:
+        mine, image = source_key(running), source_key(image_source)
+    except OSError as exc:
+        return [*rows, Row("its source", f"cannot compare with the image's ({exc.strerror or exc})")]
+    rows.append(Row("its source", f"the image's (key {image})" if mine == image else
+                    f"DIFFERS from the image's (key {mine}, the image was built from {image}): new code on the "
+                    "image's older dependencies; rebuild the image (make image) or run the image's own"))
+    return rows
 
 
 def cuda_devices() -> list[str]:

@@ -78,7 +78,7 @@ def run(job: Job) -> TrainResult:
         result = train_one_epoch(trainer)
         progress.add_training(result.images, result.seconds)
         train_sums = add_sums(result.train, progress.epoch_sums)
-        if result.stop and not result.complete:
+        if result.stop and not result.complete and not due_for_evaluation(job):
             progress.epoch_sums = train_sums  # so that the resumed epoch's metrics cover all of it
             progress.stop_reason = result.stop.name
             progress.elapsed_seconds += time.perf_counter() - epoch_start
@@ -95,6 +95,9 @@ def run(job: Job) -> TrainResult:
             job.save()
         if result.stop and progress.stop_reason in runstate.FINAL_REASONS:
             print0(f"hpcdl: {result.stop.describe()} as the run reached its end ({progress.stop_reason}): finished")
+        elif result.stop and not result.complete:  # it came at an evaluation point: evaluated, then saved
+            print0(f"hpcdl: {result.stop.describe()}: checkpoint written at step {progress.global_step} after its "
+                   f"evaluation; continue with --resume --output-dir {job.output_dir}")
         elif result.stop:
             print0(f"hpcdl: {result.stop.describe()}: stopped after epoch {progress.epoch}; continue with --resume")
 
@@ -109,6 +112,14 @@ def run(job: Job) -> TrainResult:
         raise RuntimeError("ranks ended with different parameters: the allreduce did not keep replicas in sync")
     exit_code = 0 if progress.stop_reason in runstate.FINAL_REASONS else trainer.stop.exit_code(progress.stop_reason)
     return TrainResult(state.model, summary, exit_code)
+
+
+def due_for_evaluation(job: Job) -> bool:
+    """True when the loop paused where an evaluation is due (an --eval-every point, --max-steps): a stop signal
+    that lands there evaluates before checkpointing, since a resume starts after this step and never would."""
+    progress, config = job.state.progress, job.config
+    return runstate.pause_after(progress.global_step, progress.step_in_epoch, job.trainer.data.steps_per_epoch,
+                                config.max_steps, config.eval_every)
 
 
 def rank_seed(seed: int, epoch: int, rank: int) -> int:

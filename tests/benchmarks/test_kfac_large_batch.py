@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from hpcdl.runtime.errors import UsageError
 from hpcdl.training.config import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,9 +115,9 @@ def test_report_takes_only_the_batches_named_after_a_file(study: Any, tmp_path: 
 
 
 def test_bad_arguments_are_one_line(study: Any, tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="no rate for"):
+    with pytest.raises(UsageError, match="no rate for"):
         study.target_rates(study.parse_args(["--target-cell", "--dry-run", "--lrs", "sgd=0.1"]))
-    with pytest.raises(SystemExit, match="METHOD=LR"):
+    with pytest.raises(UsageError, match="METHOD=LR"):
         study.target_rates(study.parse_args(["--target-cell", "--dry-run", "--lrs", "adam=0.1"]))
 
 
@@ -224,6 +225,6 @@ def test_ranks_split_the_global_batch_and_the_rate_stays_the_peak_for_it(study: 
         assert config.base_lr * 4 == pytest.approx(0.4)  # hpcdl.train scales the per-rank rate by the world size
         command = study.train_command(cell, args, tmp_path / cell.name)
         assert command[1].endswith("launch/mpirun.sh") and command[2:6] == ["--vcluster", "lb", "-np", "4"]
-    with pytest.raises(SystemExit, match="do not split over 3 ranks"):
+    with pytest.raises(UsageError, match="do not split over 3 ranks"):
         three = study.parse_args(["--target-cell", "--methods", "kfac", "--ranks", "3"])
         study.train_flags(study.Cell("kfac", 4096, 0.4, 0), three)

@@ -38,11 +38,25 @@ CASES: dict[str, tuple[list[str], str]] = {
     "benchmarks/kfac_large_batch.py": (["--reduced", "--dataset", "digits", "--methods", "sgd"],
                                        "kfac_large_batch_reduced"),
     "benchmarks/kfac_traffic.py": (["predict"], "kfac_traffic_predict"),
+    "benchmarks/kfac_phases.py": ([], "kfac_phases"),
+    "benchmarks/phase_overhead.py": ([], "phase_overhead"),
     "hpcdl/bench/allreduce.py": ([], "allreduce_np1"),
 }
 # A second way into a program that writes elsewhere than its main path does.
 EXTRA = [("benchmarks/kfac_large_batch.py", ["--report", str(COMMITTED / "kfac_large_batch_target.json")],
           "kfac_large_batch")]
+# How each program that writes <stem><suffix> files is told the stem (network.py writes a folder of named files).
+DOTTED = ("dotted/study-lr0.05", "dotted/study-lr0.1")  # two studies whose names differ only after a dot
+
+
+def stem_args(program: str, stem: str) -> list[str]:
+    if program == "hpcdl/bench/allreduce.py":
+        folder, name = stem.rsplit("/", 1)
+        return ["--output-dir", folder, "--name", name]
+    return ["--output" if "throughput" in program or "deterministic" in program else "--out", stem]
+
+
+STEM_PROGRAMS = [program for program in CASES if program != "benchmarks/network.py"]
 NO_RESULTS = {
     "hpcdl/bench/probe.py": "prints one JSON line and writes no file",
     # reads the committed results to write the figures marked in README, docs and the studies' notes (its job;
@@ -73,6 +87,9 @@ def probed(tmp_path_factory) -> dict[tuple[str, str, bool], dict[str, Any]]:
     cases = [{"program": invocation(program), "argv": [*argv, *refresh],
               "key": [program, " ".join(argv), bool(refresh)]}
              for program, argv, _ in runs for refresh in ([], ["--refresh-results"])]
+    dotted = [[*CASES[program][0], *stem_args(program, stem)] for program in STEM_PROGRAMS for stem in DOTTED]
+    cases += [{"program": invocation(program), "argv": argv, "key": [program, " ".join(argv), False]}
+              for program, argv in zip([p for p in STEM_PROGRAMS for _ in DOTTED], dotted, strict=True)]
     (tmp / "cases.json").write_text(json.dumps(cases))
     before = snapshot()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -130,3 +147,53 @@ def test_the_rule_writes_elsewhere_by_default_and_into_benchmarks_results_only_w
     with pytest.raises(outputs.UsageError, match="add --refresh-results"):
         outputs.results_stem(COMMITTED / "kfac_large_batch_target", "thing", (".json",))
     assert outputs.results_folder(tmp_path / "mine", "thing") == tmp_path / "mine"
+
+
+# ---- one output rule for every writer (issue 38, kind 1) --------------------------------------------------------
+
+
+def test_the_rule_names_files_whole_and_strips_only_a_suffix_of_its_own() -> None:
+    assert outputs.output_file(Path("runs/x/sgd-lr0.05"), ".json") == Path("runs/x/sgd-lr0.05.json")
+    assert outputs.given_stem(Path("runs/x/sgd-lr0.05"), (".json", ".png")) == Path("runs/x/sgd-lr0.05")
+    assert outputs.given_stem(Path("runs/x/sgd-lr0.05.json"), (".json", ".png")) == Path("runs/x/sgd-lr0.05")
+    assert outputs.given_stem(Path("runs/x/a.csv"), (".json",)) == Path("runs/x/a.csv")
+    assert outputs.given_stem(None, (".json",)) is None
+
+
+@pytest.mark.parametrize("program", STEM_PROGRAMS)
+def test_a_stem_with_a_dot_reaches_the_rule_whole(probed, program: str) -> None:
+    """``--out runs/x/sgd-lr0.05`` is checked as ``sgd-lr0.05.json``, the file written (a stem cut at its last dot
+    was checked as one file and written as another, and two such studies wrote the same file)."""
+    for stem in DOTTED:
+        argv = [*CASES[program][0], *stem_args(program, stem)]
+        row = probed[(program, " ".join(argv), False)]
+        assert row["decided"] and row["requested"] == stem, row
+
+
+def test_no_writer_names_a_file_by_cutting_at_the_last_dot() -> None:
+    """Every file a study writes or reads back is named by outputs.output_file: ``Path.with_suffix`` cuts
+    ``sgd-lr0.05`` to ``sgd-lr0`` (the check, the write and --keep's reading must name one file)."""
+    sources = [*programs(), "hpcdl/bench/studies.py", "hpcdl/bench/report.py"]
+    offenders = [f"{source}:{node.lineno}" for source in sources for node in ast.walk(ast.parse((REPO / source)
+                 .read_text())) if isinstance(node, ast.Attribute) and node.attr == "with_suffix"]
+    assert not offenders, offenders
+
+
+def test_two_studies_whose_names_differ_after_a_dot_both_survive_and_a_rerun_refuses(tmp_path: Path) -> None:
+    """End to end with the cheapest study (kfac_traffic predict); the other studies' writers are the rule's too
+    (the two tests above, and tests/benchmarks/test_study_runs.py for the accuracy studies)."""
+    script, env = str(REPO / "benchmarks" / "kfac_traffic.py"), dict(os.environ, PYTHONPATH=str(REPO))
+    written = {}
+    for stem in DOTTED:
+        done = subprocess.run([sys.executable, script, "predict", "--out", str(tmp_path / stem)], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        path = tmp_path / f"{stem}.json"
+        assert f"wrote {path}" in done.stdout, done.stdout[-500:]
+        written[path] = path.read_bytes()
+    assert sorted(p.name for p in (tmp_path / "dotted").iterdir()) == ["study-lr0.05.json", "study-lr0.1.json"]
+    again = subprocess.run([sys.executable, script, "predict", "--out", str(tmp_path / DOTTED[0])], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and again.stderr.strip().count("\n") == 0, again.stderr
+    assert "study-lr0.05.json already exists; add --force" in again.stderr
+    assert all(path.read_bytes() == data for path, data in written.items())

@@ -78,3 +78,21 @@ def test_check_exits_1_on_a_wrong_figure_and_names_it(figures: Any, tmp_path: Pa
 def test_an_unknown_figure_is_one_line(figures: Any) -> None:
     with pytest.raises(SystemExit, match="unknown figure 'no.such'"):
         figures.refreshed("<!--fig:no.such-->1<!--/fig-->", "x.md")
+
+
+def test_a_results_file_of_an_interrupted_study_is_one_line_naming_the_figure_and_document(
+        figures: Any, tmp_path: Path, monkeypatch) -> None:
+    """A study stopped before the runs a figure needs (here: the traffic count without its verdict and ranks)
+    used to end --check in a KeyError traceback naming neither (issue 38, kind 7)."""
+    interrupted = {"kind": "count", "runs": []}  # what a stopped count phase would hold
+    (tmp_path / "kfac_traffic_count.json").write_text(__import__("json").dumps(interrupted))
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    figures.results.cache_clear()
+    try:
+        text = "before <!--fig:traffic.model_check-->old<!--/fig--> after"
+        new, lines = figures.refreshed(text, "benchmarks/results/kfac_traffic.md")
+    finally:
+        figures.results.cache_clear()
+    assert new == text and len(lines) == 1
+    assert lines[0].startswith("benchmarks/results/kfac_traffic.md: traffic.model_check cannot be computed")
+    assert "KeyError" in lines[0] and "\n" not in lines[0]
