@@ -514,8 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{row['network'][:12]:12s} {row['ranks']:5d} ranks f={row['fraction']:<6.3g} "
                   f"({row['factor_every']},{row['inverse_every']}) {row['design']:14s} {row['backend']:4s} "
                   f"{row['payload']} " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
-    outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "
-")
+    outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {stem}.json")
     return 0
 
