@@ -21,6 +21,7 @@ import functools
 import importlib.util
 import io
 import json
+import math
 import re
 import statistics
 import sys
@@ -667,6 +668,19 @@ def _phases_2x1() -> str:
 @figure("phases.2x2")
 def _phases_2x2() -> str:
     return _phases_table("kfac_phases_2x2")
+
+
+@figure("lb.2x1.bf16")
+def _two_by_one_bf16() -> str:
+    """K-FAC with --kfac-comm-precision bf16 against the fp32 payload, the same cell and seeds (2 nodes x 1 rank)."""
+    fp32 = [o for o in _outcomes("kfac_large_batch_2x1") if o.cell.method == "kfac"]
+    bf16 = _outcomes("kfac_large_batch_2x1_bf16")
+    median = {name: statistics.median(o.final_accuracy or 0.0 for o in runs) for name, runs in
+              (("fp32", fp32), ("bf16", bf16))}
+    steps = {name: statistics.median((o.to_target(0.985) or (math.inf,))[0] for o in runs) for name, runs in
+             (("fp32", fp32), ("bf16", bf16))}
+    return (f"final accuracy {percent(median['bf16'])} with bf16 against {percent(median['fp32'])} with fp32, "
+            f"{steps['bf16']:.0f} steps to 98.5 % against {steps['fp32']:.0f} (medians of {len(bf16)} seeds)")
 
 
 @figure("lb.1host.ratio")
