@@ -660,6 +660,13 @@ def _phases_table(name: str) -> str:
     return table(["phase (ms, median, slowest rank)", *labels], rows)
 
 
+@figure("phases.overhead")
+def _phases_overhead() -> str:
+    """The loop with its phase clock over the loop with a silent one (median epochs, side by side)."""
+    r = results("phase_overhead")
+    return f"{times(r['ratio'], 3)} (resnet20, batch 16, {len(r['seconds']['recorded'])} epochs each)"
+
+
 @figure("phases.2x1")
 def _phases_2x1() -> str:
     return _phases_table("kfac_phases_2x1")
@@ -668,6 +675,14 @@ def _phases_2x1() -> str:
 @figure("phases.2x2")
 def _phases_2x2() -> str:
     return _phases_table("kfac_phases_2x2")
+
+
+@figure("lb.2x1.short")
+def _two_by_one_short() -> str:
+    other, ratio, _ = _kfac_vs_other("kfac_large_batch_2x1")
+    per = {m: statistics.median(o.seconds_per_step for o in _outcomes("kfac_large_batch_2x1") if o.cell.method == m)
+           for m in ("kfac", other)}
+    return f"{times(ratio)} {TUNE_NAMES[other]}'s time, its step {times(per['kfac'] / per[other])}"
 
 
 @figure("lb.2x1.bf16")
