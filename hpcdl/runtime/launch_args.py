@@ -162,7 +162,11 @@ def load_vcluster(name: str, state: str) -> VirtualCluster:
 
 # ---------------------------------------------------------------------- the parser
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """argparse's help, its first line starting 'Usage:' as every launch script's does."""
+    """argparse's help, its first line starting 'Usage:' as every launch script's does; one layout whatever the
+    terminal and the script's longest option, so that the options every script takes read the same in each."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=18, width=100)
 
     def add_usage(self, usage, actions, groups, prefix=None):  # noqa: ANN001, ANN201 - argparse's signature
         super().add_usage(usage, actions, groups, prefix="Usage: ")

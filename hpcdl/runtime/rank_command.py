@@ -91,15 +91,18 @@ def container_runtime(settings: RankSettings, which: Callable[[str], str | None]
     if name in ("charliecloud", "ch-run") and kind != "charliecloud":
         raise LaunchError(f"Charliecloud cannot run a SIF ({image}): give it the image directory or .sqfs that "
                           "make image writes, or use --runtime apptainer")
-    programs = [RUNTIMES.get(name, name)] if name else (["ch-run"] if kind == "charliecloud" else list(AUTO_RUNTIMES))
+    if name == "ch-run":
+        name = "charliecloud"
+    programs = [RUNTIMES[name]] if name else (["ch-run"] if kind == "charliecloud" else list(AUTO_RUNTIMES))
     for program in programs:
         if which(program):
             return program
     if programs == ["ch-run"]:
-        raise LaunchError("no container runtime found (ch-run, Charliecloud's, is not on PATH): install "
-                          "charliecloud-runtime (bash containers/prereqs.sh) or module load charliecloud")
-    raise LaunchError(f"no container runtime found ({name or one_of(AUTO_RUNTIMES)}); on TACC systems: "
-                      "module load tacc-apptainer")
+        named = "charliecloud: ch-run" if name else "ch-run, Charliecloud's,"
+        raise LaunchError(f"no container runtime found ({named} is not on PATH): install charliecloud-runtime "
+                          "(bash containers/prereqs.sh) or module load charliecloud")
+    named = f"{name}: {RUNTIMES[name]} is not on PATH" if name else one_of(AUTO_RUNTIMES)
+    raise LaunchError(f"no container runtime found ({named}); on TACC systems: module load tacc-apptainer")
 
 
 def bind_items(bind: str) -> list[tuple[str, str]]:
@@ -125,6 +128,7 @@ def chrun_words(settings: RankSettings, env: Mapping[str, str], cwd: str, inner_
     if not inner_launcher:
         words.append("--join")
         # ch-run counts its peers from Open MPI's or Slurm's variables; other launchers say it here.
+        join_count = join_count or env.get("HPCDL_JOIN_CT", "")
         if join_count:
             words += ["--join-ct", join_count]
         # Under srun every task sees the same SLURM_STEP_ID, whichever job: name the group by the job.
