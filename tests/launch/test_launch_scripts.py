@@ -665,3 +665,20 @@ def test_a_copy_away_from_the_repository_says_where_to_point_it(tmp_path: Path) 
     result = subprocess.run(["bash", str(copy), "--dry-run"], env=clean_env({"HPCDL_ROOT": str(REPO), "SLURM_JOB_ID": "7"}),
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "-m hpcdl.train --output-dir runs/hpcdl-7 --resume" in result.stderr
+
+
+def test_a_spooled_copy_finds_the_repository_from_the_path_sbatch_was_given(tmp_path: Path, fakes: Path) -> None:
+    """Under sbatch the script runs from a copy in Slurm's spool folder, submitted from anywhere: scontrol names
+    the file sbatch was given, and the repository is the one it lies in."""
+    spool, elsewhere = tmp_path / "spool" / "job00007", tmp_path / "home"
+    spool.mkdir(parents=True)
+    elsewhere.mkdir()
+    shutil.copy(SLURM_SBATCH, spool / "slurm_script")
+    (fakes / "scontrol").write_text(f'#!/bin/sh\necho "JobId=7 JobName=hpcdl"\necho "   Command={SLURM_SBATCH} --epochs 1"\n')
+    (fakes / "scontrol").chmod(0o755)
+    env = clean_env({"SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(elsewhere)}, fakes=fakes)
+    result = subprocess.run(["bash", str(spool / "slurm_script"), "--dry-run", "--epochs", "1"], env=env,
+                            cwd=elsewhere, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert command_of(result).endswith(f"{REPO}/.venv/bin/python -m hpcdl.train --output-dir runs/hpcdl-7 --resume "
+                                       "--epochs 1") or "python3 -m hpcdl.train" in command_of(result)
