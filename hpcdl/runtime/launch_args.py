@@ -283,128 +283,123 @@ SCRIPTS = {
 }
 
 
+@dataclass(frozen=True)
+class Option:
+    """One launcher option: its flags, help, and the environment variable that gives its default."""
+
+    flags: tuple[str, ...]
+    help: str
+    variable: str = ""
+    default: str | None = ""  # when the variable is unset or empty; None: not given (a host list, the modules)
+    metavar: str = ""  # "" for a switch, which stores ``const``
+    const: str = "1"
+    dest: str | None = None
+    empty_is_a_value: bool = False  # HPCDL_MODULES='' loads none
+
+
+def value(flags: str, metavar: str, text: str, variable: str = "", default: str | None = "", dest: str | None = None,
+          empty_is_a_value: bool = False) -> Option:
+    """An option that takes a value."""
+    return Option(tuple(flags.split()), text, variable, default, metavar, dest=dest, empty_is_a_value=empty_is_a_value)
+
+
+def switch(flags: str, text: str, variable: str, const: str, default: str, dest: str | None = None) -> Option:
+    """An option that takes none: given, it stores ``const``."""
+    return Option(tuple(flags.split()), text, variable, default, "", const, dest)
+
+
+THREADS_HELP = "OpenMP threads per rank (OMP_NUM_THREADS; default: {})"
+MPIRUN_OPTIONS = [
+    value("-np -n --np", "N", "number of ranks (HPCDL_NP; default: the slots of -H, --hostfile or --vcluster; "
+          "SLURM_NTASKS inside a Slurm job; else the GPUs of this host, or 2 without GPUs)", "HPCDL_NP", dest="np"),
+    # No variable here: a host list on the command line replaces the environment's (split_words).
+    value("--hostfile", "FILE", "hostfile, one 'HOST slots=N' line per node (HPCDL_HOSTFILE)", default=None),
+    value("-H --host", "LIST", "hosts as HOST:SLOTS,HOST:SLOTS (HPCDL_HOSTS). Neither -H nor --hostfile inside a "
+          "Slurm job: Open MPI uses the job's nodes, -np defaults to SLURM_NTASKS. Either on the command line "
+          "replaces both variables", default=None, dest="hosts"),
+    value("--iface", "IF", "the network the job uses, an interface name (ib0, eth0) or a subnet (10.1.2.0/24) "
+          "(HPCDL_IFACE): Open MPI's TCP transport and its daemons' out-of-band channel (btl_tcp_if_include, "
+          "oob_tcp_if_include); a name also goes to Horovod's Gloo (HOROVOD_GLOO_IFACE) and NCCL "
+          "(NCCL_SOCKET_IFNAME)", "HPCDL_IFACE"),
+    value("--vcluster", "NAME", "run on a virtual cluster (python -m hpcdl.tools.vcluster up) (HPCDL_VCLUSTER): its "
+          "nodes as hosts (-H may name them, with slots: node1:3,node2:1; default: -np spread evenly), its subnet "
+          "as --iface, launch/vcluster-rsh to reach them", "HPCDL_VCLUSTER"),
+    value("--abort-grace", "S", "when a rank aborts the job (a lost node, a stall) and mpirun has not ended S "
+          "seconds later, kill it (HPCDL_ABORT_GRACE; default 20; 0 = no supervisor)", "HPCDL_ABORT_GRACE", "20"),
+    value("--threads", "N", THREADS_HELP.format("cores / ranks per host"), "OMP_NUM_THREADS"),
+    switch("--oversubscribe", "allow more ranks than slots or cores (HPCDL_OVERSUBSCRIBE=1; added by itself when "
+           "-np exceeds the cores of this machine and there is no host list)", "HPCDL_OVERSUBSCRIBE", "1", "0"),
+    value("--mpirun", "CMD", "the mpirun to use (HPCDL_MPIRUN; default: mpirun on PATH)", "HPCDL_MPIRUN", "mpirun"),
+    value("--mpi-args", '"ARGS"', 'extra words for mpirun, e.g. "-mca pml ob1 -mca btl ^openib" to force TCP when '
+          "RDMA misbehaves (HPCDL_MPI_ARGS)", "HPCDL_MPI_ARGS"),
+    value("--export", '"VARS"', "more environment variables to pass to every rank (HPCDL_EXPORT)", "HPCDL_EXPORT"),
+]
+SLURM_OPTIONS = [
+    value("--mpi", "TYPE", "srun's --mpi plugin (HPCDL_SRUN_MPI; default: pmix)", "HPCDL_SRUN_MPI", "pmix"),
+    value("--srun-args", '"ARGS"', "extra words for srun (HPCDL_SRUN_ARGS)", "HPCDL_SRUN_ARGS"),
+    value("--threads", "N", THREADS_HELP.format("--cpus-per-task"), "OMP_NUM_THREADS"),
+]
+FRONTERA_OPTIONS = [
+    value("--modules", '"LIST"', "modules to load first (HPCDL_MODULES; default: 'cuda' on the host, "
+          "'tacc-apptainer' with --image; '' loads none)", "HPCDL_MODULES", None, empty_is_a_value=True),
+    value("--launcher", "NAME", "ibrun, srun or image-mpirun (HPCDL_LAUNCHER; default: ibrun when present, else "
+          "srun). image-mpirun: the image's own mpirun starts the ranks inside one container (one node only; no "
+          "host MPI needed, so no MPI mismatch)", "HPCDL_LAUNCHER"),
+    value("--threads", "N", THREADS_HELP.format("node cores / tasks per node"), "OMP_NUM_THREADS"),
+]
+BATCH_OPTIONS = [
+    value("--output-dir", "DIR", "where hpcdl.train writes checkpoints and summary.json (HPCDL_OUTPUT_DIR; "
+          "default: runs/<job name>-<job id>, kept across requeues)", "HPCDL_OUTPUT_DIR"),
+    switch("--no-resume", "start a new run: no --resume for hpcdl.train, which then refuses an output folder "
+           "holding an earlier run's checkpoints (HPCDL_RESUME=0). A requeued start of the job "
+           "(SLURM_RESTART_COUNT > 0) resumes its own run all the same", "HPCDL_RESUME", "0", "1", "resume"),
+    switch("--no-requeue", "do not requeue when the time limit is near (HPCDL_REQUEUE=0)", "HPCDL_REQUEUE", "0",
+           "1", "requeue"),
+]
+COMMON_OPTIONS = [
+    value("--python", "PATH", "interpreter for the ranks (HPCDL_PYTHON; default: <repo>/.venv/bin/python, "
+          "'python' inside a container)", "HPCDL_PYTHON"),
+    value("--entry", "MODULE", "Python module each rank runs (HPCDL_ENTRY; default: hpcdl.train; hpcdl.doctor "
+          "shows the rank -> GPU mapping)", "HPCDL_ENTRY", "hpcdl.train"),
+    value("--image", "IMAGE", "run every rank inside this image (HPCDL_IMAGE): a .sif (Apptainer/Singularity), or "
+          "the directory or .sqfs that make image builds (Charliecloud's ch-run)", "HPCDL_IMAGE"),
+    value("--runtime", "NAME", f"the container runtime: {one_of(RUNTIMES)} (HPCDL_RUNTIME; default: by the "
+          f"image's kind: charliecloud for a directory or .sqfs, else {' or '.join(AUTO_RUNTIMES)}, whichever is "
+          "on PATH)", "HPCDL_RUNTIME"),
+    value("--bind", "LIST", "extra container bind mounts, comma separated SRC[:DST] (HPCDL_BIND)", "HPCDL_BIND"),
+    switch("--no-nv", "do not pass --nv to the container runtime (HPCDL_NV=0; default: --nv when nvidia-smi "
+           "exists)", "HPCDL_NV", "0", "", "nv"),
+    switch("--dry-run", "print the command and stop (HPCDL_DRY_RUN=1)", "HPCDL_DRY_RUN", "1", "0"),
+    switch("-h --help", "this text", "", "1", ""),
+]
+GROUPS = {
+    "mpirun": [("where and how many (mpirun)", MPIRUN_OPTIONS)],
+    "slurm": [("srun", SLURM_OPTIONS), ("the batch job", BATCH_OPTIONS)],
+    "frontera-rtx": [("Frontera", FRONTERA_OPTIONS), ("the batch job", BATCH_OPTIONS)],
+}
+
+
 def parser_for(script: str, env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The parser of one launch script ('mpirun', 'slurm' or 'frontera-rtx'); defaults from ``env``."""
     about = SCRIPTS[script]
     parser = _Parser(prog=about.name, usage=about.usage, description=about.description, epilog=about.epilog,
                      formatter_class=_Formatter, allow_abbrev=False, add_help=False)
-    {"mpirun": add_mpirun_options, "slurm": add_slurm_options, "frontera-rtx": add_frontera_options}[script](
-        parser, env)
-    if script != "mpirun":
-        add_batch_options(parser, env)
-    add_common_options(parser, env)
+    for title, options in [*GROUPS[script], ("what each rank runs (every launch script)", COMMON_OPTIONS)]:
+        group = parser.add_argument_group(title)
+        for option in options:
+            given = env.get(option.variable) if option.variable else None
+            default = given if given is not None and (given or option.empty_is_a_value) else option.default
+            dest = option.dest or next(f for f in option.flags if f.startswith("--"))[2:].replace("-", "_")
+            if option.metavar:
+                group.add_argument(*option.flags, dest=dest, metavar=option.metavar, default=default, help=option.help)
+            else:
+                group.add_argument(*option.flags, dest=dest, action="store_const", const=option.const, default=default,
+                                   help=option.help)
     return parser
 
 
 def mpirun_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser_for("mpirun", env)
-
-
-def add_mpirun_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    e = env.get
-    mpi = parser.add_argument_group("where and how many (mpirun)")
-    mpi.add_argument("-np", "-n", "--np", dest="np", metavar="N", default=e("HPCDL_NP", ""),
-                     help="number of ranks (HPCDL_NP; default: the slots of -H, --hostfile or --vcluster; "
-                          "SLURM_NTASKS inside a Slurm job; else the GPUs of this host, or 2 without GPUs)")
-    # No default here: a host list on the command line replaces the environment's (split_words).
-    mpi.add_argument("--hostfile", metavar="FILE", default=None,
-                     help="hostfile, one 'HOST slots=N' line per node (HPCDL_HOSTFILE)")
-    mpi.add_argument("-H", "--host", dest="hosts", metavar="LIST", default=None,
-                     help="hosts as HOST:SLOTS,HOST:SLOTS (HPCDL_HOSTS). Neither -H nor --hostfile inside a "
-                          "Slurm job: Open MPI uses the job's nodes, -np defaults to SLURM_NTASKS. Either on the "
-                          "command line replaces both variables")
-    mpi.add_argument("--iface", metavar="IF", default=e("HPCDL_IFACE", ""),
-                     help="the network the job uses, an interface name (ib0, eth0) or a subnet (10.1.2.0/24) "
-                          "(HPCDL_IFACE): Open MPI's TCP transport and its daemons' out-of-band channel "
-                          "(btl_tcp_if_include, oob_tcp_if_include); a name also goes to Horovod's Gloo "
-                          "(HOROVOD_GLOO_IFACE) and NCCL (NCCL_SOCKET_IFNAME)")
-    mpi.add_argument("--vcluster", metavar="NAME", default=e("HPCDL_VCLUSTER", ""),
-                     help="run on a virtual cluster (python -m hpcdl.tools.vcluster up) (HPCDL_VCLUSTER): its "
-                          "nodes as hosts (-H may name them, with slots: node1:3,node2:1; default: -np spread "
-                          "evenly), its subnet as --iface, launch/vcluster-rsh to reach them")
-    mpi.add_argument("--abort-grace", metavar="S", default=e("HPCDL_ABORT_GRACE", "20"),
-                     help="when a rank aborts the job (a lost node, a stall) and mpirun has not ended S seconds "
-                          "later, kill it (HPCDL_ABORT_GRACE; default 20; 0 = no supervisor)")
-    mpi.add_argument("--threads", metavar="N", default=e("OMP_NUM_THREADS", ""),
-                     help="OpenMP threads per rank (OMP_NUM_THREADS; default: cores / ranks per host)")
-    mpi.add_argument("--oversubscribe", action="store_const", const="1", default=e("HPCDL_OVERSUBSCRIBE", "0"),
-                     help="allow more ranks than slots or cores (HPCDL_OVERSUBSCRIBE=1; added by itself when "
-                          "-np exceeds the cores of this machine and there is no host list)")
-    mpi.add_argument("--mpirun", metavar="CMD", default=e("HPCDL_MPIRUN", "mpirun"),
-                     help="the mpirun to use (HPCDL_MPIRUN; default: mpirun on PATH)")
-    mpi.add_argument("--mpi-args", metavar='"ARGS"', default=e("HPCDL_MPI_ARGS", ""),
-                     help='extra words for mpirun, e.g. "-mca pml ob1 -mca btl ^openib" to force TCP when RDMA '
-                          "misbehaves (HPCDL_MPI_ARGS)")
-    mpi.add_argument("--export", metavar='"VARS"', default=e("HPCDL_EXPORT", ""),
-                     help="more environment variables to pass to every rank (HPCDL_EXPORT)")
-
-
-def add_slurm_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    e = env.get
-    srun = parser.add_argument_group("srun")
-    srun.add_argument("--mpi", metavar="TYPE", default=e("HPCDL_SRUN_MPI", "") or "pmix",
-                      help="srun's --mpi plugin (HPCDL_SRUN_MPI; default: pmix)")
-    srun.add_argument("--srun-args", metavar='"ARGS"', default=e("HPCDL_SRUN_ARGS", ""),
-                      help="extra words for srun (HPCDL_SRUN_ARGS)")
-    srun.add_argument("--threads", metavar="N", default=e("OMP_NUM_THREADS", ""),
-                      help="OpenMP threads per rank (OMP_NUM_THREADS; default: --cpus-per-task)")
-
-
-def add_frontera_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    e = env.get
-    rtx = parser.add_argument_group("Frontera")
-    rtx.add_argument("--modules", metavar='"LIST"', default=e("HPCDL_MODULES"),
-                     help="modules to load first (HPCDL_MODULES; default: 'cuda' on the host, 'tacc-apptainer' "
-                          "with --image; '' loads none)")
-    rtx.add_argument("--launcher", metavar="NAME", default=e("HPCDL_LAUNCHER", ""),
-                     help="ibrun, srun or image-mpirun (HPCDL_LAUNCHER; default: ibrun when present, else srun). "
-                          "image-mpirun: the image's own mpirun starts the ranks inside one container (one node "
-                          "only; no host MPI needed, so no MPI mismatch)")
-    rtx.add_argument("--threads", metavar="N", default=e("OMP_NUM_THREADS", ""),
-                     help="OpenMP threads per rank (OMP_NUM_THREADS; default: node cores / tasks per node)")
-
-
-def add_batch_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """The options of the batch scripts: the job's output folder, resuming and requeueing."""
-    e = env.get
-    batch = parser.add_argument_group("the batch job")
-    batch.add_argument("--output-dir", metavar="DIR", default=e("HPCDL_OUTPUT_DIR", ""),
-                       help="where hpcdl.train writes checkpoints and summary.json (HPCDL_OUTPUT_DIR; default: "
-                            "runs/<job name>-<job id>, kept across requeues)")
-    batch.add_argument("--no-resume", dest="resume", action="store_const", const="0", default=e("HPCDL_RESUME", "1"),
-                       help="start a new run: no --resume for hpcdl.train, which then refuses an output folder "
-                            "holding an earlier run's checkpoints (HPCDL_RESUME=0). A requeued start of the job "
-                            "(SLURM_RESTART_COUNT > 0) resumes its own run all the same")
-    batch.add_argument("--no-requeue", dest="requeue", action="store_const", const="0",
-                       default=e("HPCDL_REQUEUE", "1"),
-                       help="do not requeue when the time limit is near (HPCDL_REQUEUE=0)")
-
-
-def add_common_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """The options every launch script takes."""
-    e = env.get
-    common = parser.add_argument_group("what each rank runs (every launch script)")
-    common.add_argument("--python", metavar="PATH", default=e("HPCDL_PYTHON", ""),
-                        help="interpreter for the ranks (HPCDL_PYTHON; default: <repo>/.venv/bin/python, "
-                             "'python' inside a container)")
-    common.add_argument("--entry", metavar="MODULE", default=e("HPCDL_ENTRY", "") or "hpcdl.train",
-                        help="Python module each rank runs (HPCDL_ENTRY; default: hpcdl.train; hpcdl.doctor shows "
-                             "the rank -> GPU mapping)")
-    common.add_argument("--image", metavar="IMAGE", default=e("HPCDL_IMAGE", ""),
-                        help="run every rank inside this image (HPCDL_IMAGE): a .sif (Apptainer/Singularity), or "
-                             "the directory or .sqfs that make image builds (Charliecloud's ch-run)")
-    common.add_argument("--runtime", metavar="NAME", default=e("HPCDL_RUNTIME", ""),
-                        help=f"the container runtime: {one_of(RUNTIMES)} (HPCDL_RUNTIME; default: "
-                             f"by the image's kind: charliecloud for a directory or .sqfs, else "
-                             f"{' or '.join(AUTO_RUNTIMES)}, whichever is on PATH)")
-    common.add_argument("--bind", metavar="LIST", default=e("HPCDL_BIND", ""),
-                        help="extra container bind mounts, comma separated SRC[:DST] (HPCDL_BIND)")
-    common.add_argument("--no-nv", dest="nv", action="store_const", const="0", default=e("HPCDL_NV", ""),
-                        help="do not pass --nv to the container runtime (HPCDL_NV=0; default: --nv when "
-                             "nvidia-smi exists)")
-    common.add_argument("--dry-run", action="store_const", const="1", default=e("HPCDL_DRY_RUN", "0"),
-                        help="print the command and stop (HPCDL_DRY_RUN=1)")
-    common.add_argument("-h", "--help", action="store_true", help="this text")
 
 
 def split_words(parser: argparse.ArgumentParser, argv: Sequence[str],
