@@ -2,9 +2,9 @@
 
 launch/common.sh runs it twice per launch, with SCRIPT one of mpirun, slurm, frontera-rtx:
   STEP ``modules``: reads the arguments, makes the checks that need nothing loaded and prints
-  ``HPCDL_MODULES_TO_LOAD=...`` (frontera-rtx's modules; the shell loads them, as only it can);
-  STEP ``command``: decides everything else and prints the exports, ``HPCDL_LAUNCH=(...)`` (the words
-  to run) and ``HPCDL_LAUNCH_HOW`` (exec, step or dry-run), after showing the notes and the command on
+  ``LAUNCH_MODULES=...`` (frontera-rtx's modules; the shell loads them, as only it can);
+  STEP ``command``: decides everything else and prints the exports, ``LAUNCH_WORDS=(...)`` (the words
+  to run) and ``LAUNCH_HOW`` (exec, step or dry-run), after showing the notes and the command on
   stderr, ``[hpcdl] `` before each line.
 ``--help`` prints the script's help (as a ``printf``, then ``exit 0``); a bad argument or setting is one
 ``error: ...`` line and exit 2. Standard library only: it runs before a virtual environment is known.
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = Machine(env=env, path=env.get("PATH", ""), cores=cores, root=root)
     try:
         if step == "modules":
-            sys.stdout.write(shell_assignments({"HPCDL_MODULES_TO_LOAD": modules_to_load(script, options, env)}))
+            sys.stdout.write(shell_assignments({"LAUNCH_MODULES": modules_to_load(script, options, env)}))
             return 0
         launch = plan(script, options, entry_args, machine)
     except LaunchError as err:

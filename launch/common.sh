@@ -87,16 +87,16 @@ hpcdl_run_step() {
 # The whole launch: decide, load the modules asked for, decide the command with them loaded, run it.
 # Usage: hpcdl_launch SCRIPT ARGS... (SCRIPT: mpirun, slurm or frontera-rtx)
 hpcdl_launch() {
-  local decided HPCDL_MODULES_TO_LOAD="" HPCDL_LAUNCH_HOW="" HPCDL_REQUEUE=""
-  local -a HPCDL_LAUNCH=()
+  local decided LAUNCH_MODULES="" LAUNCH_HOW="" LAUNCH_REQUEUE=""
+  local -a LAUNCH_WORDS=()
   decided="$(hpcdl_decide "$1" modules "${@:2}")" || exit "$?"
   eval "$decided"
-  if [ -n "$HPCDL_MODULES_TO_LOAD" ]; then hpcdl_load_modules "$HPCDL_MODULES_TO_LOAD"; fi
+  if [ -n "$LAUNCH_MODULES" ]; then hpcdl_load_modules "$LAUNCH_MODULES"; fi
   decided="$(hpcdl_decide "$1" command "${@:2}")" || exit "$?"
   eval "$decided"
-  case "$HPCDL_LAUNCH_HOW" in
+  case "$LAUNCH_HOW" in
     dry-run) exit 0 ;;
-    step) hpcdl_run_step "$HPCDL_REQUEUE" "${HPCDL_LAUNCH[@]}" ;;
-    *) exec "${HPCDL_LAUNCH[@]}" ;;
+    step) hpcdl_run_step "$LAUNCH_REQUEUE" "${LAUNCH_WORDS[@]}" ;;
+    *) exec "${LAUNCH_WORDS[@]}" ;;
   esac
 }

@@ -470,4 +470,4 @@ def launch_shell(launch: Launch) -> str:
     """The shell launch/common.sh evals: the exports, then the words and how to run them."""
     lines = [f"export {name}={shlex.quote(value)}" for name, value in launch.exports.items()]
     return "\n".join(lines) + "\n" + shell_assignments({
-        "HPCDL_LAUNCH": launch.words, "HPCDL_LAUNCH_HOW": launch.how, "HPCDL_REQUEUE": launch.requeue})
+        "LAUNCH_WORDS": launch.words, "LAUNCH_HOW": launch.how, "LAUNCH_REQUEUE": launch.requeue})
