@@ -31,7 +31,7 @@ if [ "$(id -u)" = 0 ] && { [ -f "$WHEELHOUSE/hpcdl-wheelhouse.txt" ] || [ "${HPC
 fi
 # The tests see empty data and run caches (MNIST, torch.compile's), as on a fresh machine; the build
 # caches above (Horovod's wheels, the wheelhouse, the image) stay.
-# shellcheck source=fresh_caches.sh
+# shellcheck source=scripts/fresh_caches.sh
 source scripts/fresh_caches.sh
 hpcdl_fresh_caches
 echo "[test] data and run caches: $HPCDL_FRESH_CACHES (empty; removed at the end)"

@@ -31,7 +31,8 @@ MPIRUN_SH = LAUNCH / "mpirun.sh"
 SLURM_SBATCH = LAUNCH / "slurm.sbatch"
 FRONTERA_SBATCH = LAUNCH / "frontera-rtx.sbatch"
 SCRIPTS = [MPIRUN_SH, SLURM_SBATCH, FRONTERA_SBATCH]
-SHELL_FILES = SCRIPTS + [LAUNCH / "common.sh", LAUNCH / "vcluster-rsh", REPO / "scripts" / "install-slurm.sh"]
+SHELL_FILES = SCRIPTS + [LAUNCH / "common.sh", LAUNCH / "vcluster-rsh", REPO / "scripts" / "install-slurm.sh",
+                         REPO / "scripts" / "test.sh", REPO / "scripts" / "fresh_caches.sh"]
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 FAKE_CONTAINER = r"""#!/bin/sh
