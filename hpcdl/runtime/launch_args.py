@@ -45,13 +45,13 @@ class Host:
     slots: int | None  # None: a hostfile line without slots= (Open MPI then counts the node's cores)
 
 
-def _count(text: str, what: str) -> int:
+def positive_count(text: str, what: str) -> int:
     if not COUNT.match(text):
         raise LaunchError(f"{what} must be a positive whole number, got '{text}'")
     return int(text)
 
 
-def _merge(hosts: list[Host]) -> list[Host]:
+def merge_hosts(hosts: list[Host]) -> list[Host]:
     """One entry per host in order of first appearance; a repeated host adds its slots (Open MPI's rule)."""
     merged: dict[str, Host] = {}
     for host in hosts:
@@ -74,7 +74,7 @@ def parse_host_list(text: str) -> list[Host]:
             raise LaunchError(f"-H wants HOST:SLOTS,HOST:SLOTS with SLOTS a positive whole number (HOST alone is "
                               f"one slot), got '{text}'")
         hosts.append(Host(name, int(slots) if colon else 1))
-    return _merge(hosts)
+    return merge_hosts(hosts)
 
 
 def parse_hostfile(path: str) -> list[Host]:
@@ -92,13 +92,13 @@ def parse_hostfile(path: str) -> list[Host]:
         slots: int | None = None
         where = f"hostfile {path} line {number}"
         if colon:
-            slots = _count(slots_text, f"the slots in {where}")
+            slots = positive_count(slots_text, f"the slots in {where}")
         for word in words[1:]:
             key, _, value = word.partition("=")
             if key == "slots":
-                slots = _count(value, f"slots= in {where}")
+                slots = positive_count(value, f"slots= in {where}")
             elif key in ("max_slots", "max-slots"):
-                _count(value, f"{key}= in {where}")
+                positive_count(value, f"{key}= in {where}")
             else:
                 raise LaunchError(f"{where}: '{word}' is not 'slots=N' or 'max_slots=N'")
         if not name:
@@ -106,7 +106,7 @@ def parse_hostfile(path: str) -> list[Host]:
         hosts.append(Host(name, slots))
     if not hosts:
         raise LaunchError(f"hostfile lists no hosts: {path}")
-    return _merge(hosts)
+    return merge_hosts(hosts)
 
 
 def total_slots(hosts: Sequence[Host]) -> int | None:

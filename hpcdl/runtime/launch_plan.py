@@ -27,12 +27,12 @@ from hpcdl.runtime.launch_args import (
     VCLUSTER_STATE,
     WHOLE,
     Host,
-    _count,
-    _merge,
     fill_slots,
     load_vcluster,
+    merge_hosts,
     parse_host_list,
     parse_hostfile,
+    positive_count,
     shell_assignments,
     total_slots,
 )
@@ -174,8 +174,8 @@ def decide_mpirun(options: argparse.Namespace, entry_args: list[str], machine: M
     env = machine.env
     notes: list[str] = []
 
-    np = _count(options.np, "-np") if options.np != "" else None
-    threads = _count(options.threads, "--threads") if options.threads != "" else None
+    np = positive_count(options.np, "-np") if options.np != "" else None
+    threads = positive_count(options.threads, "--threads") if options.threads != "" else None
     if not WHOLE.match(options.abort_grace):
         raise LaunchError(f"--abort-grace must be a whole number of seconds, got '{options.abort_grace}'")
     oversubscribe = _flag01(options.oversubscribe, "HPCDL_OVERSUBSCRIBE")
@@ -210,7 +210,7 @@ def decide_mpirun(options: argparse.Namespace, entry_args: list[str], machine: M
         for host in file_hosts:
             cluster.address_of(host.name)
         if hosts:
-            hosts = _merge([Host(cluster.address_of(h.name), h.slots) for h in hosts])
+            hosts = merge_hosts([Host(cluster.address_of(h.name), h.slots) for h in hosts])
         elif not file_hosts:
             nodes = len(cluster.nodes)
             per_node = math.ceil(np / nodes) if np is not None else 2
@@ -226,7 +226,7 @@ def decide_mpirun(options: argparse.Namespace, entry_args: list[str], machine: M
         if slots is not None:
             np = slots
         elif in_job:
-            np = _count(env["SLURM_NTASKS"], "SLURM_NTASKS")
+            np = positive_count(env["SLURM_NTASKS"], "SLURM_NTASKS")
         else:
             np = machine.gpu_count() or 2
     if slots is not None and np > slots and not oversubscribe:
