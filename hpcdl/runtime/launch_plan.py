@@ -404,8 +404,8 @@ def frontera_command(options: argparse.Namespace, entry_args: list[str], machine
     mpirun inside one container."""
     env = machine.env
     settings = rank_settings(options)
-    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-    tasks = int(env.get("SLURM_NTASKS") or 4)
+    nodes = positive_count(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1", "SLURM_JOB_NUM_NODES")
+    tasks = positive_count(env.get("SLURM_NTASKS") or "4", "SLURM_NTASKS")
     per_node = math.ceil(tasks / nodes)
     cores_text = env.get("SLURM_CPUS_ON_NODE") or str(machine.cores)
     cores = int(cores_text) if COUNT.match(cores_text) else 1
