@@ -1,7 +1,7 @@
 """Time and epochs to a test-accuracy target: tuned SGD against SGD preconditioned by K-FAC, each run
 a ``python -m hpcdl.train`` process (the one training application: the study measures what users run).
 
-    python -m hpcdl.fetch_mnist                                             # once: real MNIST into ~/.cache/hpcdl/mnist
+    python -m hpcdl.fetch_mnist                                             # once: real MNIST into ${XDG_CACHE_HOME:-~/.cache}/hpcdl/mnist
     nice -n 5 .venv/bin/python benchmarks/kfac_convergence.py --dataset mnist                  # 1 rank
     .venv/bin/python benchmarks/kfac_convergence.py --dataset mnist --ranks 2                  # each run under mpirun
     .venv/bin/python benchmarks/kfac_convergence.py                                           # digits (a minute)
@@ -58,8 +58,8 @@ from hpcdl.run.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import EXIT_USAGE, UsageError  # noqa: E402
 from hpcdl.runtime.numbers import integer, real  # noqa: E402
+from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT as DEFAULT_MNIST_DIR  # noqa: E402
 
-DEFAULT_MNIST_DIR = Path.home() / ".cache" / "hpcdl" / "mnist"
 TRAIN_EXAMPLES = {"digits": 1437, "mnist": 60_000, "cifar10": 50_000}  # digits: sklearn's set less its test fifth
 __all__ = ["first_reaching", "interleaved", "median_or_inf"]  # the shared rules, re-exported for the tests
 

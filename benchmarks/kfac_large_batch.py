@@ -60,10 +60,10 @@ from hpcdl.run.atomic import write_text_atomically
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
+from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT as DEFAULT_MNIST_DIR
 from hpcdl.training.config import parse_config, seed_value
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MNIST_DIR = Path.home() / ".cache" / "hpcdl" / "mnist"
 DEFAULT_KFAC_PYTORCH_SITE = Path(os.environ.get("KFAC_PYTORCH_SITE", Path.home() / ".cache" / "hpcdl" / "kfac-pytorch"))
 # kfac-pytorch 0.4.2 (github.com/gpauloski/kfac-pytorch), the commit the committed results used.
 KFAC_PYTORCH_SOURCE = "git+https://github.com/gpauloski/kfac-pytorch@869cf110334e5a6e9ea054bafdc4558313a821e8"
@@ -579,7 +579,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="test-set evaluations per epoch (MNIST; hpcdl.train --eval-every), for the time to target")
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--model", default="mnist_cnn")
-    parser.add_argument("--data-dir", type=Path, default=None, help="MNIST's IDX files (default ~/.cache/hpcdl/mnist)")
+    parser.add_argument("--data-dir", type=Path, default=None, help=f"MNIST's IDX files (default {DEFAULT_MNIST_DIR})")
     parser.add_argument("--kfac-pytorch-site", type=Path, default=DEFAULT_KFAC_PYTORCH_SITE,
                         help="directory holding kfac-pytorch's installed `kfac` package (outside the repository)")
     parser.add_argument("--jobs", type=integer(1), default=2, help="runs at a time (each gets --threads threads)")

@@ -40,6 +40,7 @@ from hpcdl.run import outputs
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
+from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT
 from kfac.assignment import assign_work
 from kfac.comm import Communicator, Group, Handle, default_communicator
 from kfac.factors import upper_size
@@ -441,7 +442,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     c.add_argument("--fractions", type=real(0, low_open=True, high=1), nargs="+", default=[1.0, 0.5, 0.25],
                    help="grad-worker fractions (k/ranks, k dividing ranks)")
     c.add_argument("--steps", type=integer(2), default=6)
-    c.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "hpcdl" / "mnist")
+    c.add_argument("--data-dir", type=Path, default=DEFAULT_OUTPUT)  # hpcdl.fetch_mnist's folder
     c.add_argument("--timeout", type=real(0, low_open=True), default=900.0, help="seconds per counted run")
     c.add_argument("--vcluster", help="run on this virtual cluster (launch/mpirun.sh --vcluster): seconds per step "
                                       "over its links besides the bytes")

@@ -29,6 +29,12 @@ if [ "$(id -u)" = 0 ] && { [ -f "$WHEELHOUSE/hpcdl-wheelhouse.txt" ] || [ "${HPC
   HPCDL_WHEELHOUSE="$WHEELHOUSE" bash containers/build.sh >/dev/null ||
     echo "[test] the image could not be built (above): its tests say why they skip, or fail in CI"
 fi
+# The tests see empty data and run caches (MNIST, torch.compile's), as on a fresh machine; the build
+# caches above (Horovod's wheels, the wheelhouse, the image) stay.
+# shellcheck source=scripts/fresh_caches.sh
+source scripts/fresh_caches.sh
+hpcdl_fresh_caches
+echo "[test] data and run caches: $HPCDL_FRESH_CACHES (empty; removed at the end)"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1
 

@@ -1,22 +1,18 @@
-"""The command line of launch/mpirun.sh: which words are the launcher's, which the entry module's,
-and every value checked before mpirun starts.
-
-    python3 hpcdl/runtime/launch_args.py mpirun REPO_ROOT ARGS...   # prints shell assignments
-
-The shell script runs this file by path with any python3 (standard library only: it runs before
-a virtual environment is known) and ``eval``s what it prints: one ``NAME=value`` per setting,
-arrays for the word lists, each value shell-quoted. A bad value is one ``error: ...`` line on
-stderr and exit 2, and the script stops before anything starts. ``--help`` prints a ``printf``
-of the help text and ``exit 0``.
+"""The command line of every launch script (launch/mpirun.sh, slurm.sbatch, frontera-rtx.sbatch): which
+words are the launcher's, which the entry module's, the host lists, and one help text per script.
 
 The rule for the words: everything after the first ``--`` is the entry module's; before it, a
-launcher option is the launcher's wherever it stands (``--epochs 1 -np 2`` is -np for mpirun),
-and every other word goes, in order, to the entry module. Options are matched whole (no
-abbreviations). Host lists count slots as Open MPI does: ``HOST`` alone is one slot, a repeated
-host adds up (``-H a,a,b`` is two slots on a).
+launcher option is the launcher's wherever it stands (``--epochs 1 -np 2`` is -np for mpirun), and
+every other word goes, in order, to the entry module. Options are matched whole (no abbreviations),
+and an option that takes a value takes the next word whatever it looks like (``--mpi-args -npernode``).
+Each option is also read from an environment variable; a flag given on the command line wins, and a
+host list given there (-H, --hostfile) replaces one given in the environment.
+Host lists count slots as Open MPI does: ``HOST`` alone is one slot, a repeated host adds up
+(``-H a,a,b`` is two slots on a). A virtual cluster (hpcdl.tools.vcluster) is read from its state
+file ``<state>/<name>.json`` (``subnet`` and ``nodes[].hostname/address``), the format that tool writes.
 
-A virtual cluster (hpcdl.tools.vcluster) is read from its state file ``<state>/<name>.json``
-(``subnet`` and ``nodes[].hostname/address``), the format that tool writes.
+Standard library only: ``python -m hpcdl.launch`` (launch/common.sh) runs it before a virtual
+environment is known. :mod:`hpcdl.runtime.launch_plan` decides what the options mean.
 """
 
 from __future__ import annotations
@@ -24,31 +20,22 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import math
-import os
 import re
 import shlex
-import shutil
-import subprocess
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-# Container runtimes by name -> the program that runs an image. AUTO is tried in order when none is named.
-RUNTIMES = {"apptainer": "apptainer", "singularity": "singularity", "charliecloud": "ch-run"}
-AUTO_RUNTIMES = ("apptainer", "singularity")
+from hpcdl.runtime.rank_command import AUTO_RUNTIMES, RUNTIMES, LaunchError, one_of
+
 VCLUSTER_STATE = "/run/hpcdl-vcluster"
 VCLUSTER_NAME = re.compile(r"^[a-z0-9]{1,6}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 IFACE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 COUNT = re.compile(r"^[1-9][0-9]*$")
 WHOLE = re.compile(r"^[0-9]+$")
-
-
-class LaunchError(ValueError):
-    """A bad launcher argument; the message is one line."""
 
 
 # ---------------------------------------------------------------------- host lists
@@ -58,13 +45,13 @@ class Host:
     slots: int | None  # None: a hostfile line without slots= (Open MPI then counts the node's cores)
 
 
-def _count(text: str, what: str) -> int:
+def positive_count(text: str, what: str) -> int:
     if not COUNT.match(text):
         raise LaunchError(f"{what} must be a positive whole number, got '{text}'")
     return int(text)
 
 
-def _merge(hosts: list[Host]) -> list[Host]:
+def merge_hosts(hosts: list[Host]) -> list[Host]:
     """One entry per host in order of first appearance; a repeated host adds its slots (Open MPI's rule)."""
     merged: dict[str, Host] = {}
     for host in hosts:
@@ -87,7 +74,7 @@ def parse_host_list(text: str) -> list[Host]:
             raise LaunchError(f"-H wants HOST:SLOTS,HOST:SLOTS with SLOTS a positive whole number (HOST alone is "
                               f"one slot), got '{text}'")
         hosts.append(Host(name, int(slots) if colon else 1))
-    return _merge(hosts)
+    return merge_hosts(hosts)
 
 
 def parse_hostfile(path: str) -> list[Host]:
@@ -105,13 +92,13 @@ def parse_hostfile(path: str) -> list[Host]:
         slots: int | None = None
         where = f"hostfile {path} line {number}"
         if colon:
-            slots = _count(slots_text, f"the slots in {where}")
+            slots = positive_count(slots_text, f"the slots in {where}")
         for word in words[1:]:
             key, _, value = word.partition("=")
             if key == "slots":
-                slots = _count(value, f"slots= in {where}")
+                slots = positive_count(value, f"slots= in {where}")
             elif key in ("max_slots", "max-slots"):
-                _count(value, f"{key}= in {where}")
+                positive_count(value, f"{key}= in {where}")
             else:
                 raise LaunchError(f"{where}: '{word}' is not 'slots=N' or 'max_slots=N'")
         if not name:
@@ -119,7 +106,7 @@ def parse_hostfile(path: str) -> list[Host]:
         hosts.append(Host(name, slots))
     if not hosts:
         raise LaunchError(f"hostfile lists no hosts: {path}")
-    return _merge(hosts)
+    return merge_hosts(hosts)
 
 
 def total_slots(hosts: Sequence[Host]) -> int | None:
@@ -175,7 +162,11 @@ def load_vcluster(name: str, state: str) -> VirtualCluster:
 
 # ---------------------------------------------------------------------- the parser
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """argparse's help, its first line starting 'Usage:' as every launch script's does."""
+    """argparse's help, its first line starting 'Usage:' as every launch script's does; one layout whatever the
+    terminal and the script's longest option, so that the options every script takes read the same in each."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=18, width=100)
 
     def add_usage(self, usage, actions, groups, prefix=None):  # noqa: ANN001, ANN201 - argparse's signature
         super().add_usage(usage, actions, groups, prefix="Usage: ")
@@ -197,8 +188,23 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-MPIRUN_USAGE = "launch/mpirun.sh [options] [--] [entry module options]"
-MPIRUN_DESCRIPTION = """\
+WORDS_RULE = """\
+Which words are whose: everything after the first -- goes to the entry module (hpcdl.train
+unless --entry says otherwise). Before it, an option below is the launcher's wherever it stands
+(--epochs 5 --threads 4: --threads is the launcher's), and every other word goes, in order, to the
+entry module. Options are matched whole, never abbreviated; an option's value is the next word,
+whatever it starts with. To give the entry module a word that is also a launcher option (its
+--help, say), put it after --. Each option is also read from the environment variable shown; a
+flag wins."""
+COMMON_EPILOG = """\
+--  end of the launcher's options: every word after it goes to the entry module
+HPCDL_JOIN_CT (environment only): ranks per host for ch-run --join where the launcher does not
+  say it (set by mpirun.sh for MPICH-family launchers; Open MPI and Slurm set variables ch-run reads)
+HPCDL_ROOT (environment only) is the repository; it is found by itself, set it when the
+  script cannot tell (a copy of the script submitted from elsewhere).
+Exit status: 2 for a bad option or setting (one 'error: ...' line, nothing started); else the job's."""
+
+MPIRUN_DESCRIPTION = f"""\
 Runs one rank per GPU (or per slot on a CPU machine) with mpirun and the flags Horovod
 recommends: -bind-to none -map-by slot, the environment exported to every rank, and
 OMP_NUM_THREADS set so that the ranks of a host share its cores instead of fighting over them.
@@ -208,314 +214,230 @@ OMP_NUM_THREADS set so that the ranks of a host share its cores instead of fight
   launch/mpirun.sh -np 8 --hostfile hosts.txt --image hpcdl.sif -- --dataset cifar10
   launch/mpirun.sh -np 2 --entry hpcdl.doctor     # show which rank got which GPU
 
-Which words are whose: everything after the first -- goes to the entry module (hpcdl.train
-unless --entry says otherwise). Before it, an option below is the launcher's wherever it stands
-(--epochs 5 -np 4: -np is mpirun's), and every other word goes, in order, to the entry module.
-Options are matched whole, never abbreviated. To give the entry module a word that is also a
-launcher option (its --help, say), put it after --. A value that starts with '-' is written
---mpi-args=-v. Each option is also read from the environment variable shown; a flag wins."""
-MPIRUN_EPILOG = """\
+{WORDS_RULE}"""
+MPIRUN_EPILOG = f"""\
 HPCDL_OOB_KEEPALIVE (environment only): "TIME INTVL PROBES" of Open MPI's daemon keepalives
   (default "10 5 3": a cut node is noticed in 10-25 s; "" = Open MPI's 8 min)
 HPCDL_VCLUSTER_STATE (environment only): where the virtual clusters are listed
   (default /run/hpcdl-vcluster)
 PMIX_MCA_gds (environment only): PMIx's data store under Open MPI (default hash: the shared-memory
   store's lock can fail when two jobs start at the same moment on one machine)
-HPCDL_JOIN_CT (environment only): ranks per host for ch-run --join where the launcher does not
-  say it (set here for MPICH-family launchers; Open MPI and Slurm set variables ch-run reads)
-HPCDL_ROOT (environment only) is the repository; it is found by itself, set it when the
-  script cannot tell (a copy of the script submitted from elsewhere).
 Host lists count slots as Open MPI does: HOST alone is one slot, a repeated host adds up
-(-H a,a,b is two ranks' room on a, one on b); -np above the slots needs --oversubscribe."""
+(-H a,a,b is two ranks' room on a, one on b); -np above the slots needs --oversubscribe.
+{COMMON_EPILOG}"""
+
+SLURM_DESCRIPTION = f"""\
+Starts one rank per task with 'srun --mpi=pmix --kill-on-bad-exit=1', on the host or inside a
+container, and trains with python -m hpcdl.train. Defaults (override with sbatch flags):
+1 node, 4 tasks per node (= GPUs per node), 8 CPUs per task, --gres=gpu:4, 1 hour.
+
+GPU placement: with --gres=gpu:N every rank sees all N GPUs and takes the one at its local
+rank; with --gpus-per-task=1 each rank sees exactly one and uses it. Both work unchanged.
+
+When the time limit is 120 s away Slurm signals this script (--signal=B:USR1@120); the ranks
+checkpoint, the job is requeued, and the requeued job resumes (hpcdl.train --resume).
+
+  sbatch launch/slurm.sbatch --epochs 10
+  sbatch -N 2 --ntasks-per-node=4 launch/slurm.sbatch --image hpcdl.sif -- --dataset cifar10
+  sbatch -n 2 launch/slurm.sbatch --entry hpcdl.doctor     # the rank -> GPU table
+
+{WORDS_RULE} (sbatch passes the environment on.)"""
+
+FRONTERA_DESCRIPTION = f"""\
+For Frontera's rtx queue: 4 GPUs per node, so 4 tasks per node (-n = 4 x -N). Loads modules,
+then starts the ranks with ibrun (TACC's MPI launcher; srun --mpi=pmix where ibrun is absent).
+Every rank sees the node's 4 GPUs and takes the one at its local rank (ibrun sets
+MPI_LOCALRANKID or MV2_COMM_WORLD_LOCAL_RANK); 'python -m hpcdl.doctor' shows the mapping.
+
+With --image, each rank runs in the container (ibrun apptainer exec --nv hpcdl.sif ...): the
+image's MPI must be of the same family as the host MPI that ibrun starts (see docs/cluster.md).
+
+When the time limit is 120 s away the ranks checkpoint, the job is requeued and resumes.
+
+  sbatch -A PROJ launch/frontera-rtx.sbatch --epochs 10
+  sbatch -A PROJ -N 2 -n 8 launch/frontera-rtx.sbatch --image $SCRATCH/hpcdl.sif -- --dataset cifar10
+  idev -N 1 -n 4 -p rtx, then: bash launch/frontera-rtx.sbatch --entry hpcdl.doctor
+
+{WORDS_RULE} (sbatch passes the environment on.)"""
 
 
-def mpirun_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    parser = _Parser(prog="launch/mpirun.sh", usage=MPIRUN_USAGE, description=MPIRUN_DESCRIPTION,
-                     epilog=MPIRUN_EPILOG, formatter_class=_Formatter, allow_abbrev=False, add_help=False)
-    e = env.get
-    mpi = parser.add_argument_group("where and how many (mpirun)")
-    mpi.add_argument("-np", "-n", "--np", dest="np", metavar="N", default=e("HPCDL_NP", ""),
-                     help="number of ranks (HPCDL_NP; default: the slots of -H, --hostfile or --vcluster; "
-                          "SLURM_NTASKS inside a Slurm job; else the GPUs of this host, or 2 without GPUs)")
-    mpi.add_argument("--hostfile", metavar="FILE", default=e("HPCDL_HOSTFILE", ""),
-                     help="hostfile, one 'HOST slots=N' line per node (HPCDL_HOSTFILE)")
-    mpi.add_argument("-H", "--host", dest="hosts", metavar="LIST", default=e("HPCDL_HOSTS", ""),
-                     help="hosts as HOST:SLOTS,HOST:SLOTS (HPCDL_HOSTS). Neither -H nor --hostfile inside a "
-                          "Slurm job: Open MPI uses the job's nodes, -np defaults to SLURM_NTASKS")
-    mpi.add_argument("--iface", metavar="IF", default=e("HPCDL_IFACE", ""),
-                     help="the network the job uses, an interface name (ib0, eth0) or a subnet (10.1.2.0/24) "
-                          "(HPCDL_IFACE): Open MPI's TCP transport and its daemons' out-of-band channel "
-                          "(btl_tcp_if_include, oob_tcp_if_include); a name also goes to Horovod's Gloo "
-                          "(HOROVOD_GLOO_IFACE) and NCCL (NCCL_SOCKET_IFNAME)")
-    mpi.add_argument("--vcluster", metavar="NAME", default=e("HPCDL_VCLUSTER", ""),
-                     help="run on a virtual cluster (python -m hpcdl.tools.vcluster up) (HPCDL_VCLUSTER): its "
-                          "nodes as hosts (-H may name them, with slots: node1:3,node2:1; default: -np spread "
-                          "evenly), its subnet as --iface, launch/vcluster-rsh to reach them")
-    mpi.add_argument("--abort-grace", metavar="S", default=e("HPCDL_ABORT_GRACE", "20"),
-                     help="when a rank aborts the job (a lost node, a stall) and mpirun has not ended S seconds "
-                          "later, kill it (HPCDL_ABORT_GRACE; default 20; 0 = no supervisor)")
-    mpi.add_argument("--threads", metavar="N", default=e("OMP_NUM_THREADS", ""),
-                     help="OpenMP threads per rank (OMP_NUM_THREADS; default: cores / ranks per host)")
-    mpi.add_argument("--oversubscribe", action="store_const", const="1", default=e("HPCDL_OVERSUBSCRIBE", "0"),
-                     help="allow more ranks than slots or cores (HPCDL_OVERSUBSCRIBE=1; added by itself when "
-                          "-np exceeds the cores of this machine and there is no host list)")
-    mpi.add_argument("--mpirun", metavar="CMD", default=e("HPCDL_MPIRUN", "mpirun"),
-                     help="the mpirun to use (HPCDL_MPIRUN; default: mpirun on PATH)")
-    mpi.add_argument("--mpi-args", metavar='"ARGS"', default=e("HPCDL_MPI_ARGS", ""),
-                     help='extra words for mpirun, e.g. "-mca pml ob1 -mca btl ^openib" to force TCP when RDMA '
-                          "misbehaves (HPCDL_MPI_ARGS)")
-    mpi.add_argument("--export", metavar='"VARS"', default=e("HPCDL_EXPORT", ""),
-                     help="more environment variables to pass to every rank (HPCDL_EXPORT)")
-    add_common_options(parser, env)
+@dataclass(frozen=True)
+class Script:
+    """One launch script: its name in launch/, its usage line and help text."""
+
+    name: str
+    usage: str
+    description: str
+    epilog: str
+
+
+SCRIPTS = {
+    "mpirun": Script("launch/mpirun.sh", "launch/mpirun.sh [options] [--] [entry module options]",
+                     MPIRUN_DESCRIPTION, MPIRUN_EPILOG),
+    "slurm": Script("launch/slurm.sbatch",
+                    "sbatch [sbatch options] launch/slurm.sbatch [options] [--] [hpcdl.train options]",
+                    SLURM_DESCRIPTION, COMMON_EPILOG),
+    "frontera-rtx": Script("launch/frontera-rtx.sbatch", "sbatch -A PROJECT [sbatch options] "
+                           "launch/frontera-rtx.sbatch [options] [--] [hpcdl.train options]",
+                           FRONTERA_DESCRIPTION, COMMON_EPILOG),
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One launcher option: its flags, help, and the environment variable that gives its default."""
+
+    flags: tuple[str, ...]
+    help: str
+    variable: str = ""
+    default: str | None = ""  # when the variable is unset or empty; None: not given (a host list, the modules)
+    metavar: str = ""  # "" for a switch, which stores ``const``
+    const: str = "1"
+    dest: str | None = None
+    empty_is_a_value: bool = False  # HPCDL_MODULES='' loads none
+
+
+def value(flags: str, metavar: str, text: str, variable: str = "", default: str | None = "", dest: str | None = None,
+          empty_is_a_value: bool = False) -> Option:
+    """An option that takes a value."""
+    return Option(tuple(flags.split()), text, variable, default, metavar, dest=dest, empty_is_a_value=empty_is_a_value)
+
+
+def switch(flags: str, text: str, variable: str, const: str, default: str, dest: str | None = None) -> Option:
+    """An option that takes none: given, it stores ``const``."""
+    return Option(tuple(flags.split()), text, variable, default, "", const, dest)
+
+
+THREADS_HELP = "OpenMP threads per rank (OMP_NUM_THREADS; default: {})"
+MPIRUN_OPTIONS = [
+    value("-np -n --np", "N", "number of ranks (HPCDL_NP; default: the slots of -H, --hostfile or --vcluster; "
+          "SLURM_NTASKS inside a Slurm job; else the GPUs of this host, or 2 without GPUs)", "HPCDL_NP", dest="np"),
+    # No variable here: a host list on the command line replaces the environment's (split_words).
+    value("--hostfile", "FILE", "hostfile, one 'HOST slots=N' line per node (HPCDL_HOSTFILE)", default=None),
+    value("-H --host", "LIST", "hosts as HOST:SLOTS,HOST:SLOTS (HPCDL_HOSTS). Neither -H nor --hostfile inside a "
+          "Slurm job: Open MPI uses the job's nodes, -np defaults to SLURM_NTASKS. Either on the command line "
+          "replaces both variables", default=None, dest="hosts"),
+    value("--iface", "IF", "the network the job uses, an interface name (ib0, eth0) or a subnet (10.1.2.0/24) "
+          "(HPCDL_IFACE): Open MPI's TCP transport and its daemons' out-of-band channel (btl_tcp_if_include, "
+          "oob_tcp_if_include); a name also goes to Horovod's Gloo (HOROVOD_GLOO_IFACE) and NCCL "
+          "(NCCL_SOCKET_IFNAME)", "HPCDL_IFACE"),
+    value("--vcluster", "NAME", "run on a virtual cluster (python -m hpcdl.tools.vcluster up) (HPCDL_VCLUSTER): its "
+          "nodes as hosts (-H may name them, with slots: node1:3,node2:1; default: -np spread evenly), its subnet "
+          "as --iface, launch/vcluster-rsh to reach them", "HPCDL_VCLUSTER"),
+    value("--abort-grace", "S", "when a rank aborts the job (a lost node, a stall) and mpirun has not ended S "
+          "seconds later, kill it (HPCDL_ABORT_GRACE; default 20; 0 = no supervisor)", "HPCDL_ABORT_GRACE", "20"),
+    value("--threads", "N", THREADS_HELP.format("cores / ranks per host"), "OMP_NUM_THREADS"),
+    switch("--oversubscribe", "allow more ranks than slots or cores (HPCDL_OVERSUBSCRIBE=1; added by itself when "
+           "-np exceeds the cores of this machine and there is no host list)", "HPCDL_OVERSUBSCRIBE", "1", "0"),
+    value("--mpirun", "CMD", "the mpirun to use (HPCDL_MPIRUN; default: mpirun on PATH)", "HPCDL_MPIRUN", "mpirun"),
+    value("--mpi-args", '"ARGS"', 'extra words for mpirun, e.g. "-mca pml ob1 -mca btl ^openib" to force TCP when '
+          "RDMA misbehaves (HPCDL_MPI_ARGS)", "HPCDL_MPI_ARGS"),
+    value("--export", '"VARS"', "more environment variables to pass to every rank (HPCDL_EXPORT)", "HPCDL_EXPORT"),
+]
+SLURM_OPTIONS = [
+    value("--mpi", "TYPE", "srun's --mpi plugin (HPCDL_SRUN_MPI; default: pmix)", "HPCDL_SRUN_MPI", "pmix"),
+    value("--srun-args", '"ARGS"', "extra words for srun (HPCDL_SRUN_ARGS)", "HPCDL_SRUN_ARGS"),
+    value("--threads", "N", THREADS_HELP.format("--cpus-per-task"), "OMP_NUM_THREADS"),
+]
+FRONTERA_OPTIONS = [
+    value("--modules", '"LIST"', "modules to load first (HPCDL_MODULES; default: 'cuda' on the host, "
+          "'tacc-apptainer' with --image; '' loads none)", "HPCDL_MODULES", None, empty_is_a_value=True),
+    value("--launcher", "NAME", "ibrun, srun or image-mpirun (HPCDL_LAUNCHER; default: ibrun when present, else "
+          "srun). image-mpirun: the image's own mpirun starts the ranks inside one container (one node only; no "
+          "host MPI needed, so no MPI mismatch)", "HPCDL_LAUNCHER"),
+    value("--threads", "N", THREADS_HELP.format("node cores / tasks per node"), "OMP_NUM_THREADS"),
+]
+BATCH_OPTIONS = [
+    value("--output-dir", "DIR", "where hpcdl.train writes checkpoints and summary.json (HPCDL_OUTPUT_DIR; "
+          "default: runs/<job name>-<job id>, kept across requeues)", "HPCDL_OUTPUT_DIR"),
+    switch("--no-resume", "start a new run: no --resume for hpcdl.train, which then refuses an output folder "
+           "holding an earlier run's checkpoints (HPCDL_RESUME=0). A requeued start of the job "
+           "(SLURM_RESTART_COUNT > 0) resumes its own run all the same", "HPCDL_RESUME", "0", "1", "resume"),
+    switch("--no-requeue", "do not requeue when the time limit is near (HPCDL_REQUEUE=0)", "HPCDL_REQUEUE", "0",
+           "1", "requeue"),
+]
+COMMON_OPTIONS = [
+    value("--python", "PATH", "interpreter for the ranks (HPCDL_PYTHON; default: <repo>/.venv/bin/python, "
+          "'python' inside a container)", "HPCDL_PYTHON"),
+    value("--entry", "MODULE", "Python module each rank runs (HPCDL_ENTRY; default: hpcdl.train; hpcdl.doctor "
+          "shows the rank -> GPU mapping)", "HPCDL_ENTRY", "hpcdl.train"),
+    value("--image", "IMAGE", "run every rank inside this image (HPCDL_IMAGE): a .sif (Apptainer/Singularity), or "
+          "the directory or .sqfs that make image builds (Charliecloud's ch-run)", "HPCDL_IMAGE"),
+    value("--runtime", "NAME", f"the container runtime: {one_of(RUNTIMES)} (HPCDL_RUNTIME; default: by the "
+          f"image's kind: charliecloud for a directory or .sqfs, else {' or '.join(AUTO_RUNTIMES)}, whichever is "
+          "on PATH)", "HPCDL_RUNTIME"),
+    value("--bind", "LIST", "extra container bind mounts, comma separated SRC[:DST] (HPCDL_BIND)", "HPCDL_BIND"),
+    switch("--no-nv", "do not pass --nv to the container runtime (HPCDL_NV=0; default: --nv when nvidia-smi "
+           "exists)", "HPCDL_NV", "0", "", "nv"),
+    switch("--dry-run", "print the command and stop (HPCDL_DRY_RUN=1)", "HPCDL_DRY_RUN", "1", "0"),
+    switch("-h --help", "this text", "", "1", ""),
+]
+GROUPS = {
+    "mpirun": [("where and how many (mpirun)", MPIRUN_OPTIONS)],
+    "slurm": [("srun", SLURM_OPTIONS), ("the batch job", BATCH_OPTIONS)],
+    "frontera-rtx": [("Frontera", FRONTERA_OPTIONS), ("the batch job", BATCH_OPTIONS)],
+}
+
+
+def parser_for(script: str, env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The parser of one launch script ('mpirun', 'slurm' or 'frontera-rtx'); defaults from ``env``."""
+    about = SCRIPTS[script]
+    parser = _Parser(prog=about.name, usage=about.usage, description=about.description, epilog=about.epilog,
+                     formatter_class=_Formatter, allow_abbrev=False, add_help=False)
+    for title, options in [*GROUPS[script], ("what each rank runs (every launch script)", COMMON_OPTIONS)]:
+        group = parser.add_argument_group(title)
+        for option in options:
+            given = env.get(option.variable) if option.variable else None
+            default = given if given is not None and (given or option.empty_is_a_value) else option.default
+            dest = option.dest or next(f for f in option.flags if f.startswith("--"))[2:].replace("-", "_")
+            if option.metavar:
+                group.add_argument(*option.flags, dest=dest, metavar=option.metavar, default=default, help=option.help)
+            else:
+                group.add_argument(*option.flags, dest=dest, action="store_const", const=option.const, default=default,
+                                   help=option.help)
     return parser
 
 
-def add_common_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """The options every launch script takes (launch/common.sh reads the same variables)."""
-    e = env.get
-    common = parser.add_argument_group("what each rank runs")
-    common.add_argument("--python", metavar="PATH", default=e("HPCDL_PYTHON", ""),
-                        help="interpreter for the ranks (HPCDL_PYTHON; default: <repo>/.venv/bin/python, "
-                             "'python' inside a container)")
-    common.add_argument("--entry", metavar="MODULE", default=e("HPCDL_ENTRY", "") or "hpcdl.train",
-                        help="Python module each rank runs (HPCDL_ENTRY; default: hpcdl.train; hpcdl.doctor shows "
-                             "the rank -> GPU mapping)")
-    common.add_argument("--image", metavar="IMAGE", default=e("HPCDL_IMAGE", ""),
-                        help="run every rank inside this container image (HPCDL_IMAGE)")
-    common.add_argument("--runtime", metavar="NAME", default=e("HPCDL_RUNTIME", ""),
-                        help=f"the container runtime: {_one_of(RUNTIMES)} (HPCDL_RUNTIME; default: "
-                             f"by the image's kind: charliecloud for a directory or .sqfs, else "
-                             f"{' or '.join(AUTO_RUNTIMES)}, whichever is on PATH)")
-    common.add_argument("--bind", metavar="LIST", default=e("HPCDL_BIND", ""),
-                        help="extra container bind mounts, comma separated (HPCDL_BIND)")
-    common.add_argument("--no-nv", dest="nv", action="store_const", const="0", default=e("HPCDL_NV", ""),
-                        help="do not pass --nv to the container runtime (HPCDL_NV=0; default: --nv when "
-                             "nvidia-smi exists)")
-    common.add_argument("--dry-run", action="store_const", const="1", default=e("HPCDL_DRY_RUN", "0"),
-                        help="print the command and stop (HPCDL_DRY_RUN=1)")
-    common.add_argument("-h", "--help", action="store_true", help="this text")
+def mpirun_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    return parser_for("mpirun", env)
 
 
-def split_words(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def split_words(parser: argparse.ArgumentParser, argv: Sequence[str],
+                env: Mapping[str, str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     """(the launcher's options, the entry module's words), by the rule in the module docstring."""
     words = list(argv)
     cut = words.index("--") if "--" in words else len(words)
-    options, others = parser.parse_known_args(words[:cut])
+    # An option's value is the next word, even one that looks like an option (-npernode, -host):
+    # joined as OPTION=VALUE, argparse takes it whole.
+    takes_value = {option for action in parser._actions if isinstance(action, argparse._StoreAction)
+                   for option in action.option_strings}
+    mine: list[str] = []
+    index = 0
+    while index < cut:
+        word = words[index]
+        if word in takes_value and index + 1 < cut:
+            mine.append(f"{word}={words[index + 1]}")
+            index += 2
+        else:
+            mine.append(word)
+            index += 1
+    options, others = parser.parse_known_args(mine)
+    if hasattr(options, "hosts"):
+        host_lists_from_environment(options, env or {})
     return options, others + words[cut + 1:]
 
 
-# ---------------------------------------------------------------------- decisions
-@dataclass
-class Machine:
-    """What the decisions depend on besides the arguments (a test gives its own)."""
-    env: Mapping[str, str]
-    path: str  # the caller's PATH: a python3 shim (pyenv) may have changed ours
-    cores: int
-    root: str  # the repository (launch/vcluster-rsh lives there)
-    gpus: int | None = None  # None: ask nvidia-smi
-
-    def which(self, program: str) -> str | None:
-        return shutil.which(program, path=self.path)
-
-    def is_open_mpi(self, mpirun: str) -> bool:
-        try:
-            out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.SubprocessError):
-            return False
-        return "Open MPI" in out.stdout + out.stderr
-
-    def gpu_count(self) -> int:
-        if self.gpus is None:
-            self.gpus = 0
-            smi = self.which("nvidia-smi")
-            if smi:
-                try:
-                    out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
-                    self.gpus = sum(1 for line in out.splitlines() if line.startswith("GPU"))
-                except (OSError, subprocess.SubprocessError):
-                    pass
-        return self.gpus
+def host_lists_from_environment(options: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """-H and --hostfile: from the command line when either is there, else from HPCDL_HOSTS / HPCDL_HOSTFILE."""
+    if options.hosts is None and options.hostfile is None:
+        options.hosts, options.hostfile = env.get("HPCDL_HOSTS", ""), env.get("HPCDL_HOSTFILE", "")
+    options.hosts, options.hostfile = options.hosts or "", options.hostfile or ""
 
 
-@dataclass
-class MpirunLaunch:
-    """Everything launch/mpirun.sh needs, decided and checked."""
-    np: int
-    hosts: str  # -H for mpirun (merged, vcluster nodes as addresses), or ""
-    hostfile: str
-    iface: str
-    vcluster: str
-    vcluster_state: str
-    rsh_agent: str
-    abort_grace: int
-    threads: int
-    ranks_per_host: int
-    oversubscribe: bool
-    mpirun: str
-    open_mpi: bool
-    mpi_args: list[str]
-    export: list[str]
-    keepalive: list[str]
-    rank_map: str
-    python: str
-    entry: str
-    image: str
-    runtime: str
-    bind: str
-    nv: str
-    dry_run: bool
-    entry_args: list[str]
-    notes: list[str] = field(default_factory=list)
+def help_shell(parser: argparse.ArgumentParser) -> str:
+    return f"printf '%s\\n' {shlex.quote(parser.format_help().rstrip())}\nexit 0\n"
 
 
-def _flag01(value: str, what: str) -> bool:
-    if value not in ("0", "1", ""):
-        raise LaunchError(f"{what} must be 0 or 1, got '{value}'")
-    return value == "1"
-
-
-def _one_of(names: Iterable[str]) -> str:
-    """'a, b or c'."""
-    items = list(names)
-    return ", ".join(items[:-1]) + " or " + items[-1] if len(items) > 1 else items[0]
-
-
-def check_runtime(name: str, image: str, machine: Machine) -> str:
-    """The container runtime to use ("" without an image): a known name whose program is on PATH."""
-    if name and name not in RUNTIMES:
-        raise LaunchError(f"--runtime must be {_one_of(RUNTIMES)}, got '{name}'")
-    if not image:
-        return name
-    if not os.path.exists(image):
-        raise LaunchError(f"container image not found: {image} (build it with: apptainer build hpcdl.sif "
-                          "Singularity.def)")
-    # No name: by the image's kind. A directory or SquashFS file is what `make image` writes for
-    # Charliecloud (launch/common.sh); anything else is a SIF for Apptainer or Singularity.
-    charliecloud_kind = os.path.isdir(image) or image.endswith((".sqfs", ".squashfs"))
-    candidates = [name] if name else (["charliecloud"] if charliecloud_kind else list(AUTO_RUNTIMES))
-    for candidate in candidates:
-        if machine.which(RUNTIMES[candidate]):
-            return candidate
-    if charliecloud_kind and not name:
-        name = "charliecloud"
-    if name and RUNTIMES[name] != name:
-        raise LaunchError(f"no container runtime found ({name}: {RUNTIMES[name]} is not on PATH)")
-    raise LaunchError(f"no container runtime found ({name or _one_of(AUTO_RUNTIMES)} not on PATH); on TACC "
-                      "systems: module load tacc-apptainer")
-
-
-def check_iface(iface: str) -> None:
-    for item in iface.split(","):
-        if "/" in item:
-            try:
-                ipaddress.ip_network(item, strict=False)
-            except ValueError:
-                raise LaunchError(f"--iface: '{item}' is no subnet (10.1.2.0/24) or interface name (ib0)") from None
-        elif not IFACE_NAME.match(item):
-            raise LaunchError(f"--iface: '{item}' is no subnet (10.1.2.0/24) or interface name (ib0)")
-
-
-def decide_mpirun(options: argparse.Namespace, entry_args: list[str], machine: Machine) -> MpirunLaunch:
-    """Check every value and work out the rest (ranks, hosts, threads); raises LaunchError."""
-    env = machine.env
-    notes: list[str] = []
-
-    np = _count(options.np, "-np") if options.np != "" else None
-    threads = _count(options.threads, "--threads") if options.threads != "" else None
-    if not WHOLE.match(options.abort_grace):
-        raise LaunchError(f"--abort-grace must be a whole number of seconds, got '{options.abort_grace}'")
-    oversubscribe = _flag01(options.oversubscribe, "HPCDL_OVERSUBSCRIBE")
-    dry_run = _flag01(options.dry_run, "HPCDL_DRY_RUN")
-    if options.nv not in ("", "0", "1"):
-        raise LaunchError(f"HPCDL_NV must be 0 or 1, got '{options.nv}'")
-    if options.hosts and options.hostfile:
-        raise LaunchError("give -H or --hostfile, not both")
-    if options.iface:
-        check_iface(options.iface)
-    try:
-        mpi_args = shlex.split(options.mpi_args)
-    except ValueError as err:
-        raise LaunchError(f"--mpi-args: {err} in '{options.mpi_args}'") from None
-    export = options.export.split()
-    for name in export:
-        if not ENV_NAME.match(name):
-            raise LaunchError(f"--export wants variable names separated by spaces, got '{name}'")
-    keepalive_text = env.get("HPCDL_OOB_KEEPALIVE", "10 5 3")
-    keepalive = keepalive_text.split()
-    if keepalive and (len(keepalive) > 3 or not all(WHOLE.match(w) for w in keepalive)):
-        raise LaunchError(f"HPCDL_OOB_KEEPALIVE must be \"TIME INTVL PROBES\" in seconds, got '{keepalive_text}'")
-    if keepalive:
-        keepalive += ["5", "3"][len(keepalive) - 1:]
-
-    # Hosts: -H, a hostfile, a virtual cluster's nodes.
-    hosts = parse_host_list(options.hosts) if options.hosts else []
-    file_hosts = parse_hostfile(options.hostfile) if options.hostfile else []
-    iface, rsh_agent, vcluster_state = options.iface, "", env.get("HPCDL_VCLUSTER_STATE", "") or VCLUSTER_STATE
-    if options.vcluster:
-        cluster = load_vcluster(options.vcluster, vcluster_state)
-        for host in file_hosts:
-            cluster.address_of(host.name)
-        if hosts:
-            hosts = _merge([Host(cluster.address_of(h.name), h.slots) for h in hosts])
-        elif not file_hosts:
-            nodes = len(cluster.nodes)
-            per_node = math.ceil(np / nodes) if np is not None else 2
-            hosts = [Host(address, per_node) for _, address in cluster.nodes]
-            np = np if np is not None else per_node * nodes
-        iface = iface or cluster.subnet
-        rsh_agent = str(Path(machine.root) / "launch" / "vcluster-rsh")
-    listed = hosts or file_hosts
-    slots = total_slots(listed) if listed else None
-
-    in_job = bool(env.get("SLURM_NTASKS")) and not listed
-    if np is None:
-        if slots is not None:
-            np = slots
-        elif in_job:
-            np = _count(env["SLURM_NTASKS"], "SLURM_NTASKS")
-        else:
-            np = machine.gpu_count() or 2
-    if slots is not None and np > slots and not oversubscribe:
-        where = f"-H {options.hosts}" if options.hosts else (f"--hostfile {options.hostfile}" if file_hosts
-                                                            else f"--vcluster {options.vcluster}")
-        raise LaunchError(f"-np {np} is more ranks than the {slots} slots of {where}: give more slots "
-                          "(HOST:SLOTS) or --oversubscribe")
-
-    # Ranks per host (for the threads) and which ranks each host gets (for the supervisor).
-    placed = fill_slots(listed, np) if listed else None
-    if placed is not None:
-        ranks_per_host = max(len(r) for r in placed)
-        rank_map = "".join(f"{h.name}={','.join(map(str, r))};" for h, r in zip(listed, placed, strict=True))
-    else:
-        rank_map = ""
-        nodes_text = env.get("SLURM_JOB_NUM_NODES", "")
-        if listed:
-            ranks_per_host = math.ceil(np / len(listed))
-        elif COUNT.match(nodes_text):  # inside a Slurm job, Open MPI takes its nodes
-            ranks_per_host = math.ceil(np / int(nodes_text))
-        else:
-            ranks_per_host = np
-            if np > machine.cores and not oversubscribe:
-                notes.append(f"{np} ranks on {machine.cores} cores: adding --oversubscribe")
-                oversubscribe = True
-    threads = threads or max(1, machine.cores // ranks_per_host)
-
-    mpirun = options.mpirun
-    found = machine.which(mpirun)
-    if not mpirun or not found:
-        raise LaunchError(f"{mpirun} not found; load your MPI (e.g. module load openmpi) or pass --mpirun")
-    runtime = check_runtime(options.runtime, options.image, machine)
-    return MpirunLaunch(
-        np=np, hosts=",".join(f"{h.name}:{h.slots}" for h in hosts), hostfile=options.hostfile, iface=iface,
-        vcluster=options.vcluster, vcluster_state=vcluster_state, rsh_agent=rsh_agent,
-        abort_grace=int(options.abort_grace), threads=threads, ranks_per_host=ranks_per_host,
-        oversubscribe=oversubscribe, mpirun=mpirun, open_mpi=machine.is_open_mpi(found), mpi_args=mpi_args,
-        export=export, keepalive=keepalive, rank_map=rank_map, python=options.python, entry=options.entry,
-        image=options.image, runtime=runtime, bind=options.bind, nv=options.nv, dry_run=dry_run, entry_args=entry_args,
-        notes=notes)
-
-
-# ---------------------------------------------------------------------- shell output
 def shell_assignments(values: Mapping[str, object]) -> str:
     """NAME=value lines for ``eval``: strings quoted, bools as 1/0, lists as arrays."""
     lines = []
@@ -527,46 +449,3 @@ def shell_assignments(values: Mapping[str, object]) -> str:
         else:
             lines.append(f"{name}={shlex.quote(str(value))}")
     return "\n".join(lines) + "\n"
-
-
-def mpirun_shell(launch: MpirunLaunch) -> str:
-    return shell_assignments({
-        "NP": launch.np, "HOSTS": launch.hosts, "HOSTFILE": launch.hostfile, "IFACE": launch.iface,
-        "VCLUSTER": launch.vcluster, "VCLUSTER_STATE": launch.vcluster_state, "RSH_AGENT": launch.rsh_agent,
-        "ABORT_GRACE": launch.abort_grace, "THREADS": launch.threads, "RANKS_PER_HOST": launch.ranks_per_host,
-        "OVERSUBSCRIBE": launch.oversubscribe, "MPIRUN": launch.mpirun, "OPEN_MPI": launch.open_mpi,
-        "MPI_WORDS": launch.mpi_args, "EXPORT_NAMES": launch.export, "OOB_KEEPALIVE": launch.keepalive,
-        "RANK_MAP": launch.rank_map, "HPCDL_PYTHON": launch.python, "HPCDL_ENTRY": launch.entry,
-        "HPCDL_IMAGE": launch.image, "HPCDL_RUNTIME": launch.runtime, "HPCDL_BIND": launch.bind,
-        "HPCDL_NV": launch.nv, "HPCDL_DRY_RUN": launch.dry_run, "ENTRY_ARGS": launch.entry_args,
-    })
-
-
-def help_shell(parser: argparse.ArgumentParser) -> str:
-    return f"printf '%s\\n' {shlex.quote(parser.format_help().rstrip())}\nexit 0\n"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 2 or args[0] != "mpirun":
-        fail("usage: launch_args.py mpirun REPO_ROOT ARGS...")
-    env = dict(os.environ)
-    parser = mpirun_parser(env)
-    options, entry_args = split_words(parser, args[2:])
-    if options.help:
-        sys.stdout.write(help_shell(parser))
-        return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    machine = Machine(env=env, path=env.get("LAUNCH_CALLER_PATH") or env.get("PATH", ""), cores=cores, root=args[1])
-    try:
-        launch = decide_mpirun(options, entry_args, machine)
-    except LaunchError as err:
-        fail(str(err))
-    for note in launch.notes:
-        print(f"[hpcdl] {note}", file=sys.stderr)
-    sys.stdout.write(mpirun_shell(launch))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

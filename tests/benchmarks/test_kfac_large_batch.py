@@ -13,6 +13,7 @@ import pytest
 
 from hpcdl.runtime.errors import UsageError
 from hpcdl.training.config import parse_config
+from tests.support.data_files import write_mnist
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "kfac_large_batch.py"
@@ -225,6 +226,8 @@ def test_ranks_split_the_global_batch_and_the_rate_stays_the_peak_for_it(study: 
         assert config.base_lr * 4 == pytest.approx(0.4)  # hpcdl.train scales the per-rank rate by the world size
         command = study.train_command(cell, args, tmp_path / cell.name)
         assert command[1].endswith("launch/mpirun.sh") and command[2:6] == ["--vcluster", "lb", "-np", "4"]
+    # A real (not dry) run's arguments: MNIST as generated IDX files, never what an earlier run left in the cache.
     with pytest.raises(UsageError, match="do not split over 3 ranks"):
-        three = study.parse_args(["--target-cell", "--methods", "kfac", "--ranks", "3"])
+        three = study.parse_args(["--target-cell", "--methods", "kfac", "--ranks", "3",
+                                  "--data-dir", str(write_mnist(tmp_path / "mnist"))])
         study.train_flags(study.Cell("kfac", 4096, 0.4, 0), three)

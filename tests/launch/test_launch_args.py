@@ -1,4 +1,4 @@
-"""launch/mpirun.sh's parser (hpcdl/runtime/launch_args.py), without starting anything.
+"""launch/mpirun.sh's parser and decisions (hpcdl/runtime/launch_args.py, launch_plan.py), without starting anything.
 
 Which words are the launcher's and which the entry module's, host lists counted as Open MPI
 counts them, slots against -np, a virtual cluster's nodes, and every bad value refused with one
@@ -9,13 +9,16 @@ script itself.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from hpcdl.runtime import launch_args
-from hpcdl.runtime.launch_args import Host, LaunchError, Machine, MpirunLaunch
+from hpcdl.runtime import launch_args, launch_plan
+from hpcdl.runtime.launch_args import Host
+from hpcdl.runtime.launch_plan import Launch, Machine, MpirunLaunch
+from hpcdl.runtime.rank_command import LaunchError
 
 
 class FakeMachine(Machine):
@@ -37,14 +40,22 @@ def bin_dir(tmp_path: Path) -> Path:
 def decide(argv: list[str], bin_dir: Path, env: dict[str, str] | None = None, cores: int = 8,
            gpus: int = 0) -> MpirunLaunch:
     environment = dict(env or {})
-    options, entry_args = launch_args.split_words(launch_args.mpirun_parser(environment), argv)
+    options, entry_args = launch_args.split_words(launch_args.mpirun_parser(environment), argv, environment)
     machine = FakeMachine(env=environment, path=str(bin_dir), cores=cores, root="/repo", gpus=gpus)
-    return launch_args.decide_mpirun(options, entry_args, machine)
+    return launch_plan.decide_mpirun(options, entry_args, machine)
+
+
+def command(argv: list[str], bin_dir: Path, env: dict[str, str] | None = None) -> Launch:
+    """The whole plan: the decisions, then the command with each rank's words (the container's included)."""
+    environment = dict(env or {})
+    options, entry_args = launch_args.split_words(launch_args.mpirun_parser(environment), argv, environment)
+    machine = FakeMachine(env=environment, path=str(bin_dir), cores=8, root="/repo", gpus=0)
+    return launch_plan.plan("mpirun", options, entry_args, machine)
 
 
 def refused(argv: list[str], bin_dir: Path, env: dict[str, str] | None = None) -> str:
     with pytest.raises(LaunchError) as caught:
-        decide(argv, bin_dir, env)
+        command(argv, bin_dir, env)
     message = str(caught.value)
     assert "\n" not in message
     return message
@@ -229,10 +240,13 @@ def test_bad_values_are_one_line(argv: list[str], env: dict[str, str], message: 
 @pytest.mark.parametrize(("runtime", "program"), [("apptainer", "apptainer"), ("singularity", "singularity"),
                                                   ("charliecloud", "ch-run")])
 def test_a_runtime_is_accepted_only_where_its_program_is(runtime: str, program: str, bin_dir: Path,
-                                                         tmp_path: Path) -> None:
-    image = tmp_path / "image"
-    image.write_text("")
-    assert decide(["--image", str(image), "--runtime", runtime], bin_dir).runtime == runtime
+                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # under /tmp: ch-run binds nothing for the working folder
+    image = tmp_path / "image" if runtime == "charliecloud" else tmp_path / "image.sif"  # ch-run runs a directory
+    (tmp_path / "image").mkdir()
+    (tmp_path / "image.sif").write_text("")
+    words = command(["--image", str(image), "--runtime", runtime], bin_dir).words
+    assert words[words.index(program) - 2] == "-x" and words[-3:] == ["python", "-m", "hpcdl.train"]
     assert decide(["--runtime", runtime], bin_dir).runtime == runtime  # no image: nothing to run it with
     (bin_dir / program).unlink()
     message = refused(["--image", str(image), "--runtime", runtime], bin_dir)
@@ -240,11 +254,11 @@ def test_a_runtime_is_accepted_only_where_its_program_is(runtime: str, program: 
 
 
 def test_without_a_runtime_apptainer_comes_first(bin_dir: Path, tmp_path: Path) -> None:
-    image = tmp_path / "image"
+    image = tmp_path / "image.sif"
     image.write_text("")
-    assert decide(["--image", str(image)], bin_dir).runtime == "apptainer"
+    assert "apptainer exec" in " ".join(command(["--image", str(image)], bin_dir).words)
     (bin_dir / "apptainer").unlink()
-    assert decide(["--image", str(image)], bin_dir).runtime == "singularity"
+    assert "singularity exec" in " ".join(command(["--image", str(image)], bin_dir).words)
     (bin_dir / "singularity").unlink()
     assert refused(["--image", str(image)], bin_dir).startswith("no container runtime found (apptainer or singularity")
     assert refused(["--image", str(tmp_path / "none.sif")], bin_dir).startswith("container image not found")
@@ -289,3 +303,57 @@ def test_help_names_every_option_and_its_variable() -> None:
                  "HPCDL_OOB_KEEPALIVE", "HPCDL_VCLUSTER_STATE"):
         assert name in text
     assert "everything after the first -- goes to the entry module" in text
+
+
+# ------------------------------------------------------------------ the environment, and values like options
+
+
+def test_a_host_list_on_the_command_line_replaces_the_environments(bin_dir: Path, tmp_path: Path) -> None:
+    """--help says a flag wins; a host list of the other kind in the environment must not clash with it."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("n1 slots=2\nn2 slots=2\n")
+    launch = decide(["--hostfile", str(hostfile)], bin_dir, {"HPCDL_HOSTS": "a:1"})
+    assert (launch.hostfile, launch.hosts, launch.np) == (str(hostfile), "", 4)
+    launch = decide(["-H", "b:3"], bin_dir, {"HPCDL_HOSTFILE": str(hostfile)})
+    assert (launch.hostfile, launch.hosts, launch.np) == ("", "b:3", 3)
+    assert decide([], bin_dir, {"HPCDL_HOSTFILE": str(hostfile)}).hostfile == str(hostfile)
+    both = {"HPCDL_HOSTS": "a:1", "HPCDL_HOSTFILE": str(hostfile)}
+    assert refused([], bin_dir, both) == "give -H or --hostfile, not both"
+    assert refused(["-H", "a:1", "--hostfile", str(hostfile)], bin_dir) == "give -H or --hostfile, not both"
+
+
+@pytest.mark.parametrize(("argv", "field", "value"), [
+    (["--mpi-args", "-npernode 2"], "mpi_args", ["-npernode", "2"]),  # once read as -np with 'pernode 2'
+    (["--mpi-args", "-host"], "mpi_args", ["-host"]),  # once read as -h/--help
+    (["--mpi-args", "-n"], "mpi_args", ["-n"]),
+    (["--python", "-h"], "python", "-h"),
+    (["--entry", "--help"], "entry", "--help"),
+    (["--epochs", "1", "--mpi-args", "-mca pml ob1", "-np", "3"], "np", 3),
+])
+def test_an_options_value_is_the_next_word_whatever_it_starts_with(argv: list[str], field: str, value: object,
+                                                                    bin_dir: Path) -> None:
+    assert getattr(decide(argv, bin_dir), field) == value
+
+
+@pytest.mark.parametrize("script", ["mpirun", "slurm", "frontera-rtx"])
+def test_every_option_of_every_script_is_taken_after_an_entry_word(script: str) -> None:
+    parser = launch_args.parser_for(script, {})
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option in ("-h", "--help"):
+                continue
+            takes_value = isinstance(action, argparse._StoreAction)
+            argv = ["--epochs", "2", option] + (["-x"] if takes_value else []) + ["--lr", "1"]
+            options, entry_args = launch_args.split_words(parser, argv, {})
+            assert entry_args == ["--epochs", "2", "--lr", "1"], (script, option)
+            assert getattr(options, action.dest) == ("-x" if takes_value else action.const), (script, option)
+
+
+def test_the_options_every_script_takes_have_one_help_text() -> None:
+    def common_section(script: str) -> str:
+        text = launch_args.parser_for(script, {}).format_help()
+        start = text.index("what each rank runs (every launch script):")
+        return text[start:text.index("\n\n", start)]
+
+    sections = {common_section(script) for script in launch_args.SCRIPTS}
+    assert len(sections) == 1 and "--image IMAGE" in sections.pop()

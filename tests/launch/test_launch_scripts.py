@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcdl.runtime import launch_args
+
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
 
@@ -28,9 +30,9 @@ LAUNCH = REPO / "launch"
 MPIRUN_SH = LAUNCH / "mpirun.sh"
 SLURM_SBATCH = LAUNCH / "slurm.sbatch"
 FRONTERA_SBATCH = LAUNCH / "frontera-rtx.sbatch"
-LAUNCH_ARGS = REPO / "hpcdl" / "runtime" / "launch_args.py"
 SCRIPTS = [MPIRUN_SH, SLURM_SBATCH, FRONTERA_SBATCH]
-SHELL_FILES = SCRIPTS + [LAUNCH / "common.sh", LAUNCH / "vcluster-rsh", REPO / "scripts" / "install-slurm.sh"]
+SHELL_FILES = SCRIPTS + [LAUNCH / "common.sh", LAUNCH / "vcluster-rsh", REPO / "scripts" / "install-slurm.sh",
+                         REPO / "scripts" / "test.sh", REPO / "scripts" / "fresh_caches.sh"]
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 FAKE_CONTAINER = r"""#!/bin/sh
@@ -138,22 +140,44 @@ def test_strict_mode_and_executable(path: Path) -> None:
     assert os.access(path, os.X_OK), f"{path.name} is not executable"
 
 
+class Recorder(dict[str, str]):
+    """An empty environment that remembers which variables were asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: set[str] = set()
+
+    def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        self.asked.add(key)
+        return default
+
+
+# Read outside the parsers: by every script (rank_command), or by mpirun.sh's decisions alone.
+ENVIRONMENT_ONLY = {"HPCDL_JOIN_CT", "HPCDL_ROOT"}
+MPIRUN_ENVIRONMENT_ONLY = {"HPCDL_OOB_KEEPALIVE", "HPCDL_VCLUSTER_STATE", "HPCDL_HOSTS", "HPCDL_HOSTFILE"}
+SCRIPT_NAMES = {MPIRUN_SH: "mpirun", SLURM_SBATCH: "slurm", FRONTERA_SBATCH: "frontera-rtx"}
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_help(script: Path) -> None:
     result = run(script, "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Usage:")
-    # Every setting the script or the shared library reads from the environment is documented.
-    sources = script.read_text() + (LAUNCH / "common.sh").read_text()
-    internal = {"HPCDL_SHIFT", "HPCDL_RANK_CMD", "HPCDL_ENTRY_ARGS", "HPCDL_TIME_LIMIT_NEAR"}
-    settings = set(re.findall(r"\$\{(HPCDL_[A-Z_]+)[:}-]", sources))
-    if script == MPIRUN_SH:  # the batch-only settings live in common.sh but do not apply here
-        internal |= {"HPCDL_OUTPUT_DIR", "HPCDL_RESUME", "HPCDL_REQUEUE"}
-        settings |= set(re.findall(r'"(HPCDL_[A-Z_]+)"', LAUNCH_ARGS.read_text()))  # its parser's
-    settings -= internal
-    assert settings, "found no settings at all: the pattern is out of date"
+    # Every setting the script's parser or the decisions read from the environment is documented.
+    env = Recorder()
+    launch_args.parser_for(SCRIPT_NAMES[script], env)
+    settings = {name for name in env.asked if name.startswith("HPCDL_")} | ENVIRONMENT_ONLY
+    settings |= MPIRUN_ENVIRONMENT_ONLY if script == MPIRUN_SH else set()
     undocumented = sorted(name for name in settings if name not in result.stdout)
     assert not undocumented, f"--help of {script.name} does not mention {undocumented}"
+
+
+def test_every_setting_read_is_one_some_help_shows() -> None:
+    sources = "".join((REPO / "hpcdl" / "runtime" / name).read_text()
+                      for name in ("launch_args.py", "launch_plan.py", "rank_command.py"))
+    read = set(re.findall(r'env\.get\("(HPCDL_[A-Z_]+)"', sources)) | set(re.findall(r'e\("(HPCDL_[A-Z_]+)"', sources))
+    helps = "".join(run(script, "--help").stdout for script in SCRIPTS)
+    assert read and not sorted(name for name in read if name not in helps)
 
 
 def sbatch_directives(script: Path) -> list[str]:
@@ -430,6 +454,7 @@ def test_missing_container_runtime_is_a_clear_error(tmp_path: Path, fakes: Path)
         (fakes / program).unlink(missing_ok=True)
         if shutil.which(program):
             continue
+        image = tmp_path if runtime == "charliecloud" else image  # ch-run runs an image directory
         result = run(MPIRUN_SH, "--dry-run", "--image", str(image), "--runtime", runtime, env=clean_env(fakes=fakes))
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith(f"error: no container runtime found ({runtime}"), result.stderr
@@ -593,3 +618,68 @@ def test_mpirun_sh_trains_on_digits(tmp_path: Path) -> None:
     assert summary["config"]["dataset"] == "digits"
     # Ten classes: chance is 0.1. One epoch of the small CNN gets well past it.
     assert summary["final_accuracy"] > 0.2, summary
+
+
+# ------------------------------------------------------------------ one parser for every script
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_decide_nothing_themselves(script: Path) -> None:
+    """No flag loop or decision in bash: a script finds the repository and hands its words to hpcdl.launch."""
+    code = [line.strip() for line in script.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert not [line for line in code if re.match(r"(while|case|if|shift)\b", line)], code
+    assert code[-1] == f"hpcdl_launch {SCRIPT_NAMES[script]} \"$@\""
+
+
+@pytest.mark.parametrize("script", [SLURM_SBATCH, FRONTERA_SBATCH], ids=lambda p: p.name)
+def test_batch_launcher_flags_after_a_training_flag_are_the_launchers(script: Path, fakes: Path) -> None:
+    result = run(script, "--epochs", "1", "--no-requeue", "--threads", "2", "--output-dir", "out/x", "--batch-size",
+                 "16", "--dry-run", env=job_env(fakes))
+    cmd = command_of(result)
+    assert "2 threads each" in result.stderr and "requeue near the limit: off" in result.stderr
+    assert cmd.endswith("-m hpcdl.train --output-dir out/x --resume --epochs 1 --batch-size 16"), cmd
+
+
+@pytest.mark.parametrize(("script", "args", "extra", "message"), [
+    (MPIRUN_SH, ["--threads"], {}, "--threads needs a value"),
+    (MPIRUN_SH, ["--image", "/nonexistent.sif"], {}, "container image not found"),
+    (SLURM_SBATCH, [], {}, "not inside a Slurm job"),
+    (SLURM_SBATCH, ["--dry-run", "--mpi"], {}, "--mpi needs a value"),
+    (FRONTERA_SBATCH, ["--launcher", "mpiexec"], {"SLURM_JOB_ID": "1", "HPCDL_MODULES": ""}, "--launcher must be"),
+    (FRONTERA_SBATCH, ["--modules", "nosuch"], {"SLURM_JOB_ID": "1"}, "module load nosuch failed"),
+], ids=["no-value", "no-image", "outside-a-job", "batch-no-value", "bad-launcher", "module-load-fails"])
+def test_every_launch_error_exits_2_in_one_line(script: Path, args: list[str], extra: dict[str, str], message: str,
+                                                fakes: Path) -> None:
+    (fakes / "module").write_text('#!/bin/sh\nexit 1\n')  # a site whose module system has none of it
+    result = run(script, *args, env=clean_env(extra, fakes=fakes))
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("[hpcdl] ")]
+    assert result.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], (
+        result.returncode, result.stderr)
+
+
+def test_a_copy_away_from_the_repository_says_where_to_point_it(tmp_path: Path) -> None:
+    copy = tmp_path / "slurm.sbatch"
+    shutil.copy(SLURM_SBATCH, copy)
+    result = subprocess.run(["bash", str(copy), "--dry-run"], env=clean_env(), cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith("error: cannot find the hpcdl repository; set HPCDL_ROOT")
+    result = subprocess.run(["bash", str(copy), "--dry-run"], env=clean_env({"HPCDL_ROOT": str(REPO), "SLURM_JOB_ID": "7"}),
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "-m hpcdl.train --output-dir runs/hpcdl-7 --resume" in result.stderr
+
+
+def test_a_spooled_copy_finds_the_repository_from_the_path_sbatch_was_given(tmp_path: Path, fakes: Path) -> None:
+    """Under sbatch the script runs from a copy in Slurm's spool folder, submitted from anywhere: scontrol names
+    the file sbatch was given, and the repository is the one it lies in."""
+    spool, elsewhere = tmp_path / "spool" / "job00007", tmp_path / "home"
+    spool.mkdir(parents=True)
+    elsewhere.mkdir()
+    shutil.copy(SLURM_SBATCH, spool / "slurm_script")
+    (fakes / "scontrol").write_text(f'#!/bin/sh\necho "JobId=7 JobName=hpcdl"\necho "   Command={SLURM_SBATCH} --epochs 1"\n')
+    (fakes / "scontrol").chmod(0o755)
+    env = clean_env({"SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(elsewhere)}, fakes=fakes)
+    result = subprocess.run(["bash", str(spool / "slurm_script"), "--dry-run", "--epochs", "1"], env=env,
+                            cwd=elsewhere, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert command_of(result).endswith(f"{REPO}/.venv/bin/python -m hpcdl.train --output-dir runs/hpcdl-7 --resume "
+                                       "--epochs 1") or "python3 -m hpcdl.train" in command_of(result)

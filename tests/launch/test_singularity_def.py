@@ -210,15 +210,6 @@ def test_spython_parses_the_definition() -> None:
     assert f"FROM {header['From']}" in DockerWriter(stages).convert()
 
 
-def test_spython_alone_would_miss_a_misspelt_section(tmp_path: Path) -> None:
-    """Why definition_problems exists: spython parses a broken file without complaint."""
-    from spython.main.parse.parsers import SingularityParser
-
-    broken = tmp_path / "Singularity.def"
-    broken.write_text(DEFINITION.read_text().replace("%post", "%psot"))
-    SingularityParser(str(broken)).recipe  # no exception
-
-
 # ------------------------------------------------------------------------- broken copies fail
 
 BREAKAGES = {

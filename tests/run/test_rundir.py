@@ -152,11 +152,20 @@ def test_heartbeat_keeps_a_live_lock_fresh(tmp_path: Path) -> None:
 
 
 def test_requeued_slurm_job_takes_over_its_earlier_incarnation(tmp_path: Path, monkeypatch) -> None:
-    write_lock(tmp_path, host="node-that-is-not-here", slurm_job_id="4242", slurm_restart_count=0)
+    """The earlier start's lock is fresh and on a host whose processes cannot be asked: only the job's restart
+    count says it is gone. The same job before a requeue is still refused."""
+    earlier = "20260101T000000-elsewhere-1-abcdef"
+    write_lock(tmp_path, run_id=earlier, host="node-that-is-not-here", slurm_job_id="4242", slurm_restart_count=0)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    with pytest.raises(LockHeldError, match=f"is in use by run {earlier}"):
+        rundir.claim(tmp_path, None, resume=True)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    with rundir.claim(tmp_path, None, resume=True):
-        pass
+    with rundir.claim(tmp_path, None, resume=True) as run:
+        holder = json.loads((tmp_path / rundir.LOCK_NAME).read_text())
+        assert run.run_id != earlier and holder["run_id"] == run.run_id
+        assert (holder["host"], holder["slurm_job_id"], holder["slurm_restart_count"]) == (
+            socket.gethostname(), "4242", 1)
 
 
 def test_takeover_removes_only_the_dead_runs_temporaries(tmp_path: Path) -> None:
