@@ -12,6 +12,7 @@ rank is a one-line error on all of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterator
@@ -41,6 +42,8 @@ from hpcdl.training.loop import LoopSettings, Trainer
 from hpcdl.training.models import build_model
 from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
+from hpcdl.training.scoring import scoring_of
+from hpcdl.training.task import TaskSource, check_first_batch, load_task, task_data, task_label
 
 
 @dataclass
@@ -221,7 +224,9 @@ def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, d
     return compiled  # type: ignore[return-value]  # torch.compile of a Module is a Module
 
 
-def build_job(config: TrainConfig) -> Job:
+def build_job(config: TrainConfig, task: TaskSource | None = None) -> Job:
+    """Build the job of ``config``; ``task``: a Task (or the function that returns one) given by the Python API
+    instead of ``--task``'s path."""
     if deterministic(config):
         world.fix_reduction_order()
     me = world.init()
@@ -241,7 +246,7 @@ def build_job(config: TrainConfig) -> Job:
         print0(warning)
     run = claim(config.output_dir, comm, resume=config.resume)
     try:
-        return _build_rest(config, me, comm, run, faults, amp_dtype)
+        return _build_rest(config, me, comm, run, faults, amp_dtype, task if task is not None else config.task)
     except BaseException:
         run.release()
         raise
@@ -264,7 +269,7 @@ def deterministic(config: TrainConfig) -> bool:
 
 
 def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, faults: FaultInjector,
-                amp_dtype: torch.dtype | None) -> Job:
+                amp_dtype: torch.dtype | None, task_source: TaskSource | None = None) -> Job:
     cuda = me.device.type == "cuda"
     train_in_tf32()  # on every run, so that CPU and GPU runs are in one state (K-FAC switches it per stage)
     if cuda:
@@ -289,13 +294,19 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         test_batch_size=config.test_batch_size, workers=config.workers, seed=config.seed, decode=config.decode,
         channels_last=channels_last_wanted, synthetic_shape=tuple(config.synthetic_shape),  # type: ignore[arg-type]
         synthetic_classes=config.synthetic_classes, synthetic_size=config.synthetic_size)
-    data = agree(lambda: build_pipeline(spec, me.rank, me.size, me.device))
-    model = agree(lambda: build_model(config.model, data.num_classes, data.input_shape[0])).to(me.device)
+    task = agree(lambda: load_task(task_source)) if task_source is not None else None  # after the seed: its weights
+    if task is None:
+        data = agree(lambda: build_pipeline(spec, me.rank, me.size, me.device))
+        model = agree(lambda: build_model(config.model, data.num_classes, data.input_shape[0])).to(me.device)
+    else:
+        data = agree(lambda: task_data(task, spec, me.rank, me.size, me.device))
+        model = task.model.to(me.device)
     broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
     channels_last = channels_last_wanted and is_convolutional(model)
     if channels_last:  # before the optimizer exists, so that its state is made in the same layout
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    agree(lambda: try_one_batch(model, data, config, me.device))
+    agree(lambda: try_one_batch(model, data, config, me.device) if task is None
+          else check_first_batch(task, model, me.device))
 
     compiled = (compile_and_warm_up(model, data, spec, me.device, amp_dtype, config.batches_per_allreduce)
                 if config.compile else model)
@@ -317,19 +328,21 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     with warnings.catch_warnings(record=True) as said:  # K-FAC's warnings (layers it skips): one line, rank 0
-        preconditioner = agree(lambda: build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"],
+        kfac_config = config if task is None else dataclasses.replace(
+            config, kfac_skip_layers=[*config.kfac_skip_layers, *task.kfac_skip])
+        preconditioner = agree(lambda: build_preconditioner(kfac_config, model, lambda *_: optimizer.param_groups[0]["lr"],
                                                             scaler))
     for warning in said:
         print0(f"hpcdl: {warning.category.__name__}: {warning.message}")
 
-    criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+    criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing) if task is None else task.loss
     state = runstate.TrainState(model, optimizer, scaler, preconditioner)
     # A resume drops the records of the steps after its checkpoint: they were trained, then discarded.
     kept_through = (resumed["global_step"] if resumed is not None else 0) if config.resume else None
     record = agree(lambda: RunRecord(run.path, me.is_root, kept_through, run.run_id))
     trainer = Trainer(model=compiled, state=state, schedule=schedule, criterion=criterion, amp_dtype=amp_dtype,
                       data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
-                      settings=LoopSettings.of(config))
+                      settings=LoopSettings.of(config), scoring=scoring_of(task))
     job = Job(config=config, world=me, comm=comm, run=run, record=record, trainer=trainer, checkpointer=checkpointer)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
         runstate.restore(state, resumed, config, me.rank, me.size, run.path)
@@ -337,7 +350,7 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         match_state_layouts(optimizer)
     watchdog.start()
     print0(
-        f"hpcdl: {config.model} on {config.dataset} | {me.size} rank(s) x batch {config.batch_size}"
+        f"hpcdl: {task_label(task_source) if task is not None else f'{config.model} on {config.dataset}'} | {me.size} rank(s) x batch {config.batch_size}"
         f" x {config.batches_per_allreduce} = global batch {me.size * config.batch_size * config.batches_per_allreduce}"
         f" | lr {config.base_lr} -> {peak_lr:g} | {data.steps_per_epoch} steps/epoch | {me.device}"
         f"{'' if cuda else f' ({me.threads} thread(s)/rank)'} | amp {amp_dtype or 'off'}"
@@ -347,9 +360,9 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
 
 
 @contextlib.contextmanager
-def opened(config: TrainConfig) -> Iterator[Job]:
+def opened(config: TrainConfig, task: TaskSource | None = None) -> Iterator[Job]:
     """``with opened(config) as job:`` builds the job and always closes it."""
-    job = build_job(config)
+    job = build_job(config, task)
     try:
         yield job
     finally:
