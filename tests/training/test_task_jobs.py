@@ -99,3 +99,28 @@ def test_task_with_dataset_is_one_line_under_mpirun(tmp_path: Path) -> None:
     job = run_job(2, tmp_path / "run", "--task", "examples.segmentation:task", "--dataset", "mnist", timeout=120)
     assert_usage_error(job, "--task brings its own model, data and loss: leave out --dataset")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(600)
+def test_the_transformer_example_in_the_image_equals_the_host_run(tmp_path: Path) -> None:
+    """launch/mpirun.sh --image: the user's task module stays outside the image (here, the repository's examples/
+    in the working directory) and trains inside it, to the host run's weights bit for bit."""
+    import torch
+
+    from tests.support.container import clean_env, existing_image
+    from tests.support.vcluster import Launch
+
+    image, reason = existing_image()
+    if image is None:
+        pytest.skip(reason)
+    flags = [*LM, "--max-steps", "10", "--no-progress"]
+    checkpoints = {}
+    for where, extra in (("host", []), ("image", ["--image", str(image)])):
+        out_dir = tmp_path / where
+        job = Launch(["-np", "2", *extra, "--", *flags, "--output-dir", str(out_dir)], tmp_path / f"{where}.log", 300,
+                     env=clean_env())
+        rc = job.wait(315)
+        assert rc == 0, f"{where}:\n{job.tail()}"
+        assert ("ch-run" in job.text) == (where == "image"), job.tail()
+        checkpoints[where] = load_checkpoint(out_dir, 10)["model"]
+    assert all(torch.equal(checkpoints["host"][k], checkpoints["image"][k]) for k in checkpoints["host"])
