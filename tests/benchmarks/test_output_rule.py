@@ -38,6 +38,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "benchmarks/kfac_large_batch.py": (["--reduced", "--dataset", "digits", "--methods", "sgd"],
                                        "kfac_large_batch_reduced"),
     "benchmarks/kfac_traffic.py": (["predict"], "kfac_traffic_predict"),
+    "benchmarks/transformer_lm.py": ([], "transformer_lm"),
     "hpcdl/bench/allreduce.py": ([], "allreduce_np1"),
 }
 # A second way into a program that writes elsewhere than its main path does.

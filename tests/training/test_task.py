@@ -137,3 +137,16 @@ def test_task_scoring_is_the_example_weighted_mean_of_a_direct_computation() -> 
     assert scoring.best_key == "test_hit" and scoring.improved(0.5, 0.4) and not scoring.improved(0.3, 0.4)
     task.best, task.goal = "loss", "min"
     assert TaskScoring(task).improved(0.3, 0.4) and not TaskScoring(task).train_accuracy
+
+
+def test_the_documented_commands_are_the_tests_commands() -> None:
+    """docs/training.md's "Your own model" prints the examples' commands exactly as tests/training/test_task_jobs.py
+    runs them (the test adds --no-progress and its own --output-dir)."""
+    from pathlib import Path
+
+    from tests.training.test_task_jobs import LM, SEGMENTATION
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    section = text[text.index("## Your own model"):text.index("## Figures on a GPU")]
+    for flags in (LM, SEGMENTATION):
+        assert f"mpirun -np 2 .venv/bin/python -m hpcdl.train {' '.join(flags)} --output-dir runs/" in section, flags
