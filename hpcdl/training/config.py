@@ -304,6 +304,8 @@ def to_argv(config: TrainConfig) -> list[str]:
     for name in FIELDS:
         value = getattr(config, name)
         option = option_name(name)
+        if config.task is not None and name in TASK_CONFLICTS:
+            continue  # a task's run leaves them at their defaults, and --task refuses them
         if isinstance(value, bool):
             argv.append(option if value else "--no-" + option[2:])
         elif value is None:
