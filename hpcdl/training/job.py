@@ -327,11 +327,11 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     )
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+    kfac_config = config if task is None else dataclasses.replace(
+        config, kfac_skip_layers=[*config.kfac_skip_layers, *task.kfac_skip])
     with warnings.catch_warnings(record=True) as said:  # K-FAC's warnings (layers it skips): one line, rank 0
-        kfac_config = config if task is None else dataclasses.replace(
-            config, kfac_skip_layers=[*config.kfac_skip_layers, *task.kfac_skip])
-        preconditioner = agree(lambda: build_preconditioner(kfac_config, model, lambda *_: optimizer.param_groups[0]["lr"],
-                                                            scaler))
+        preconditioner = agree(lambda: build_preconditioner(kfac_config, model,
+                                                            lambda *_: optimizer.param_groups[0]["lr"], scaler))
     for warning in said:
         print0(f"hpcdl: {warning.category.__name__}: {warning.message}")
 
@@ -349,8 +349,9 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         job.resumed = {key: value for key, value in resumed.items() if key not in state.parts() and key != "rng"}
         match_state_layouts(optimizer)
     watchdog.start()
+    what = f"{config.model} on {config.dataset}" if task_source is None else task_label(task_source)
     print0(
-        f"hpcdl: {task_label(task_source) if task is not None else f'{config.model} on {config.dataset}'} | {me.size} rank(s) x batch {config.batch_size}"
+        f"hpcdl: {what} | {me.size} rank(s) x batch {config.batch_size}"
         f" x {config.batches_per_allreduce} = global batch {me.size * config.batch_size * config.batches_per_allreduce}"
         f" | lr {config.base_lr} -> {peak_lr:g} | {data.steps_per_epoch} steps/epoch | {me.device}"
         f"{'' if cuda else f' ({me.threads} thread(s)/rank)'} | amp {amp_dtype or 'off'}"

@@ -153,7 +153,7 @@ def describe(value: Any) -> str:
 
 def first_batch(task: Task) -> tuple[Tensor, Tensor]:
     """Two training examples collated as the loop's batches are: ``(inputs, targets)`` tensors, or one line."""
-    examples = [task.train_data[i] for i in range(min(2, len(task.train_data)))]
+    examples = [task.train_data[i] for i in range(min(2, len(task.train_data)))]  # type: ignore[arg-type]
     for example in examples:
         if not (isinstance(example, (tuple, list)) and len(example) == 2):
             raise UsageError(f"the task's train_data items are {type(example).__name__}s; each must be an "

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from hpcdl.data import DataSpec, DatasetPipeline
+from hpcdl.data import DatasetPipeline, DataSpec
 from hpcdl.runtime.errors import UsageError
 
 CPU = torch.device("cpu")

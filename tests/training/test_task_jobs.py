@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.mpi_harness import REPO
 from tests.support.reliability_runs import assert_usage_error, checkpoint_steps, load_checkpoint, run_job, same_weights
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
@@ -124,3 +125,30 @@ def test_the_transformer_example_in_the_image_equals_the_host_run(tmp_path: Path
         assert ("ch-run" in job.text) == (where == "image"), job.tail()
         checkpoints[where] = load_checkpoint(out_dir, 10)["model"]
     assert all(torch.equal(checkpoints["host"][k], checkpoints["image"][k]) for k in checkpoints["host"])
+
+
+API_SCRIPT = """
+import sys
+import hpcdl.train
+from examples.segmentation import task
+hpcdl.train.main(task, epochs=1, max_steps=int(sys.argv[2]), batch_size=16, output_dir=sys.argv[1], progress=False,
+                 **({"dataset": "mnist"} if sys.argv[3] == "bad" else {}))
+"""
+
+
+def test_the_python_api_trains_a_task_function_from_a_users_script_under_mpirun(tmp_path: Path) -> None:
+    from tests.support.mpi_harness import run_mpi
+
+    script = tmp_path / "mine.py"
+    script.write_text(API_SCRIPT)
+    done = run_mpi(2, [str(script), str(tmp_path / "run"), "4", "good"], timeout=180, env={"PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert checkpoint_steps(tmp_path / "run") == [4]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["config"]["task"] == "examples.segmentation:task" and summary["stop_reason"] == "max_steps"
+    assert summary["best"]["metric"] == "test_iou"
+    bad = run_mpi(2, [str(script), str(tmp_path / "bad"), "4", "bad"], timeout=120, env={"PYTHONPATH": str(REPO)})
+    lines = [line for line in bad.stderr.splitlines() if ": error: " in line]
+    assert bad.returncode == 2 and lines == ["hpcdl.train: error: --task brings its own model, data and loss: leave "
+                                             "out --dataset (put them in the task's function)"], bad.stderr[-2000:]
+    assert not (tmp_path / "bad").exists()
