@@ -185,3 +185,15 @@ def test_a_run_of_one_row_is_drawn_as_a_point_in_every_panel(tmp_path: Path) -> 
         x, y = shown[0].get_xydata()[0]
         (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
         assert x0 <= x <= x1 and y0 <= y <= y1, ax.get_title()
+
+
+def test_a_task_run_plots_its_first_metric_or_its_loss(tmp_path: Path) -> None:
+    """--task runs have no accuracy unless the task says so: the second panel shows their first metric."""
+    from hpcdl.tools.plot import plot_runs, read_metrics, score_key
+
+    base = {"epoch": 1, "train_loss": 1.0, "test_loss": 0.9, "elapsed_seconds": 2.0}
+    segmentation = make_run(tmp_path / "seg", [json.dumps({**base, "test_iou": 0.7, "test_pixel_accuracy": 0.9})])
+    language = make_run(tmp_path / "lm", [json.dumps(base)])
+    assert score_key(read_metrics(segmentation)[0]) == "test_iou"
+    assert score_key(read_metrics(language)[0]) == "test_loss"
+    assert plot_runs([segmentation, language], tmp_path / "curves.png").stat().st_size > 0
