@@ -73,8 +73,9 @@ class Job:
         return self.world.size * self.config.batch_size * self.config.batches_per_allreduce
 
     def save(self) -> None:
-        """Write a checkpoint of the stateful parts (collective)."""
+        """Write a checkpoint of the stateful parts (collective); ``best.pt`` follows the best evaluation saved."""
         runstate.save(self.trainer.state, self.checkpointer, self.config)
+        runstate.keep_best(self.trainer.state.progress, self.checkpointer)
 
     def close(self) -> None:
         """Stop the threads and handlers the job started; safe to call twice."""

@@ -40,9 +40,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcdl.run import checkpoint_files
 from hpcdl.run.checkpointer import Checkpointer, Stateful, load_parts, set_rng_state
 from hpcdl.runtime.console import print0
-from hpcdl.runtime.errors import UsageError, agree
+from hpcdl.runtime.errors import StorageError, UsageError, agree, rank0_then_all
 from hpcdl.training.config import TrainConfig, current_names, option_name
 
 FORMAT = "hpcdl.train checkpoint"
@@ -122,6 +123,22 @@ def save(state: TrainState, checkpointer: Checkpointer, config: TrainConfig) -> 
     """Write the checkpoint of ``state`` (collective; StorageError on every rank when the write fails)."""
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": dataclasses.asdict(config)}
     checkpointer.save(state.parts(), header, state.progress.global_step)
+
+
+def keep_best(progress: Progress, checkpointer: Checkpointer) -> None:
+    """When the checkpoint just written is of the best evaluation so far (by the run's deciding metric: test
+    accuracy, or a task's ``best``), make it the run's ``best.pt`` too (rank 0; a failure is one line on all)."""
+    if progress.best.get("step") != progress.global_step:
+        return
+    directory, comm = checkpointer.directory, checkpointer.comm
+
+    def link() -> None:
+        try:
+            checkpoint_files.keep_as_best(directory, progress.global_step)
+        except OSError as exc:
+            raise StorageError(f"could not keep the best checkpoint ({exc}); the checkpoints are intact") from exc
+
+    rank0_then_all(link, comm)
 
 
 def read_latest(checkpointer: Checkpointer) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.mpi_harness import REPO
 from tests.support.reliability_runs import assert_usage_error, checkpoint_steps, load_checkpoint, run_job, same_weights
@@ -48,6 +49,8 @@ def test_an_example_trains_on_two_ranks_and_resumes_bit_identically_on_one(examp
 
     rows = rows_of(tmp_path / "whole")
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    best = torch.load(tmp_path / "whole" / "best.pt", map_location="cpu", weights_only=True)
+    assert best["global_step"] == summary["best"]["step"]  # the checkpoint of the best evaluation, by the task's metric
     assert "train_accuracy" not in rows[-1] and "test_accuracy" not in rows[-1]  # accuracy only where a task says so
     assert summary["best_accuracy"] is None and summary["best"]["metric"] == summary["best"]["metric"]
     if example == "transformer":
