@@ -864,6 +864,45 @@ def _loader_shards() -> str:
     return " / ".join(times(ratios[w]["shards-cpu/folder-cpu"]) for w in ratios)
 
 
+# ---- your own model: the transformer language model (benchmarks/transformer_lm.py) ----------------------
+
+def _lm_run(method: str) -> str:
+    run = results("transformer_lm")["runs"][method]
+    if run["seconds_to_target"] is None:
+        return f"not reached in {results('transformer_lm')['epochs']} epochs (best {run['best_test_loss']:.3f})"
+    return f"{run['seconds_to_target']:.0f} s ({run['epochs_to_target']} epochs)"
+
+
+@figure("lm.target")
+def _lm_target() -> str:
+    return f"{results('transformer_lm')['target']:g}"
+
+
+@figure("lm.kfac")
+def _lm_kfac() -> str:
+    return _lm_run("kfac")
+
+
+@figure("lm.adamw")
+def _lm_adamw() -> str:
+    return _lm_run("adamw")
+
+
+@figure("lm.table")
+def _lm_table() -> str:
+    data = results("transformer_lm")
+    rows = [(method, " ".join(run["flags"]), _lm_run(method), f"{run['best_test_loss']:.3f}",
+             ", ".join(f"{loss:.3f}" for loss in run["losses"])) for method, run in data["runs"].items()]
+    return table(["method", "flags", f"to validation loss {data['target']:g}", "best validation loss",
+                  "validation loss after each epoch"], rows)
+
+
+@figure("lm.load")
+def _lm_load() -> str:
+    data = results("transformer_lm")
+    return f"{data['load_average'][1]:.1f} on {data['cores']} cores"
+
+
 # ---- allreduce and the network (python -m hpcdl.bench.allreduce, benchmarks/network.py) ---------------
 
 @figure("allreduce.ring")

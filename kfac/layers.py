@@ -197,13 +197,24 @@ def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = ()) -> list[
     """The Linear and Conv2d modules of ``model`` that K-FAC will precondition, in model order.
 
     ``skip_layers`` holds module names (a name also skips everything under it), class names
-    (case-insensitive) or classes. Grouped and depthwise convolutions are skipped with a warning:
-    their Fisher block is not one Kronecker product of the shapes used here.
+    (case-insensitive) or classes. A Linear layer takes inputs of any rank (a transformer's
+    (batch, sequence, features): every row is one example). What K-FAC cannot precondition takes
+    the optimizer's plain step, and is said once, in one warning each: grouped and depthwise
+    convolutions (their Fisher block is not one Kronecker product of the shapes used here), and
+    any other module with trainable parameters of its own (embeddings, norms, other convolutions,
+    nn.MultiheadAttention, whose projections run without calling their modules).
     """
     layers: list[KFACLayer] = []
     grouped: list[str] = []
+    plain: list[str] = []
+    attention = [name for name, module in model.named_modules() if isinstance(module, nn.MultiheadAttention)]
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, nn.Conv2d)) or _matches(name, module, skip_layers):
+        if _matches(name, module, skip_layers):
+            continue
+        modelled = isinstance(module, (nn.Linear, nn.Conv2d)) and not _inside(name, attention)
+        if not modelled:
+            if any(p.requires_grad for p in module.parameters(recurse=False)):
+                plain.append(f"{name or 'the model'} ({type(module).__name__})")
             continue
         if not module.weight.requires_grad:
             continue
@@ -215,7 +226,17 @@ def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = ()) -> list[
         else:
             layers.append(LinearLayer(name, module))
     if grouped:  # one warning for all of them: a MobileNet has dozens
-        shown = ", ".join(grouped[:3]) + (f" and {len(grouped) - 3} more" if len(grouped) > 3 else "")
         warnings.warn(f"K-FAC skips {len(grouped)} grouped or depthwise convolution(s), left to the optimizer as "
-                      f"they are: {shown}", stacklevel=2)
+                      f"they are: {_first_few(grouped)}", stacklevel=2)
+    if plain:
+        warnings.warn(f"K-FAC leaves {len(plain)} layer(s) it does not model to the optimizer's plain step: "
+                      f"{_first_few(plain)}", stacklevel=2)
     return layers
+
+
+def _inside(name: str, parents: Sequence[str]) -> bool:
+    return any(name.startswith(parent + ".") for parent in parents)
+
+
+def _first_few(names: Sequence[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

@@ -69,6 +69,23 @@ def save(directory: Path, state: dict[str, Any], keep: int,
     return final
 
 
+def keep_as_best(directory: Path, step: int) -> Path:
+    """Make ``best.pt``, beside the checkpoint folder, the checkpoint of ``step``: a hard link (checkpoints are
+    never written in place), swapped in atomically; pruning the checkpoint leaves it."""
+    best, source = directory.parent / "best.pt", directory / f"ckpt-{step:09d}.pt"
+    if not source.exists():  # not saved (a non-finite model is refused): the best so far stays
+        return best
+    temporary = directory / f".best-{os.getpid()}.tmp"
+    temporary.unlink(missing_ok=True)
+    try:
+        os.link(source, temporary)
+        os.replace(temporary, best)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise WriteError(best, exc) from exc
+    return best
+
+
 def remove_stale_temporaries(directory: Path, run_id: str | None = None) -> list[Path]:
     """Delete half-written checkpoint files that this run left behind (a write it abandoned).
 

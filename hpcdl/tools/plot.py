@@ -1,10 +1,11 @@
 """Plot loss and accuracy curves of one or more runs: ``python -m hpcdl.plot RUN_DIR... [-o curves.png]``.
 
 Reads each run's ``metrics.jsonl`` and draws train/test loss and test accuracy against the epoch,
-and test accuracy against wall time (the time-to-accuracy view HPC users compare). With ``--phases``
-it draws where each rank's step goes instead: one stacked bar per rank and run, the mean seconds of
-every phase from the run's ``summary.json`` (hpcdl.training.phases), so that a slow rank or a phase
-that does not shrink with more ranks shows at a glance.
+and test accuracy against wall time (the time-to-accuracy view HPC users compare). A ``--task`` run without
+an accuracy shows its first metric instead (its test loss when it has none). With ``--phases`` it draws
+where each rank's step goes instead: one stacked bar per rank and run, the mean seconds of every phase
+from the run's ``summary.json`` (hpcdl.training.phases), so that a slow rank or a phase that does not
+shrink with more ranks shows at a glance.
 
 Like every tool around training, it refuses with one line what it cannot do well: a run directory
 that is missing or holds no epochs yet, a metrics file with a malformed line, and an output file
@@ -27,6 +28,18 @@ from hpcdl.runtime.errors import UsageError, run_main
 
 PROGRAM = "hpcdl.plot"
 REQUIRED = ("epoch", "train_loss", "test_loss", "test_accuracy", "elapsed_seconds")
+
+
+def score_key(row: dict[str, Any]) -> str:
+    """What the accuracy panels show: test_accuracy, or a task's first metric, or its test loss when it has none
+    (a row without test_loss is an incomplete row, named as missing test_accuracy as before)."""
+    if "test_accuracy" in row or "test_loss" not in row:
+        return "test_accuracy"
+    return next((key for key in row if key.startswith("test_") and key != "test_loss"), "test_loss")
+
+
+def required(row: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(score_key(row) if key == "test_accuracy" else key for key in REQUIRED)
 FORMATS = (".png", ".pdf", ".svg")
 
 
@@ -59,14 +72,15 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             raise UsageError(f"{path}, line {number}: not JSON ({exc.msg}, column {exc.colno})") from None
         if not isinstance(row, dict):
             raise UsageError(f"{path}, line {number}: expected an object with {', '.join(REQUIRED)}")
-        missing = [key for key in REQUIRED if key not in row]
+        keys = required(row)
+        missing = [key for key in keys if key not in row]
         if missing:
-            raise UsageError(f"{path}, line {number}: missing {', '.join(missing)}")
+            raise UsageError(f"{path}, line {number}: missing {', '.join(dict.fromkeys(missing))}")
         # null is how a run writes a value that was not finite (hpcdl.run.metrics): drawn as a gap
-        wrong = [key for key in REQUIRED if not _number(row[key], nullable=key != "epoch")]
+        wrong = [key for key in dict.fromkeys(keys) if not _number(row[key], nullable=key != "epoch")]
         if wrong:
             raise UsageError(f"{path}, line {number}: {', '.join(f'{k}={row[k]!r}' for k in wrong)} is not a number")
-        rows.append({**row, **{key: math.nan for key in REQUIRED if row[key] is None}})
+        rows.append({**row, **{key: math.nan for key in keys if row[key] is None}})
     if not rows:
         raise UsageError(f"{path} has no epochs yet; nothing to plot")
     return rows
@@ -107,19 +121,22 @@ def draw(runs: Sequence[tuple[str, list[dict[str, Any]]]]) -> Any:
 
     fig, (ax_loss, ax_acc, ax_time) = plt.subplots(1, 3, figsize=(15, 4.2))
     all_losses: list[float] = []
+    scores = sorted({score_key(rows[0]) for _, rows in runs})
+    name = ", ".join(key.removeprefix("test_").replace("_", " ") for key in scores)
     for label, rows in runs:
+        score = score_key(rows[0])
         epochs = [r["epoch"] for r in rows]
         losses = [r["train_loss"] for r in rows], [r["test_loss"] for r in rows]
         all_losses += losses[0] + losses[1]
         (line,) = ax_loss.plot(epochs, losses[0], marker=".", label=f"{label} train")
         ax_loss.plot(epochs, losses[1], "--", marker=".", color=line.get_color(), label=f"{label} test")
-        ax_acc.plot(epochs, [r["test_accuracy"] for r in rows], marker=".", color=line.get_color(), label=label)
-        ax_time.plot([r["elapsed_seconds"] for r in rows], [r["test_accuracy"] for r in rows], marker=".",
+        ax_acc.plot(epochs, [r[score] for r in rows], marker=".", color=line.get_color(), label=label)
+        ax_time.plot([r["elapsed_seconds"] for r in rows], [r[score] for r in rows], marker=".",
                      color=line.get_color(), label=label)
     # A log axis needs a positive value to show; a diverged run (NaN, inf) is drawn where it is finite.
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss", yscale="log" if _positive(all_losses) else "linear")
-    ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy")
-    ax_time.set(xlabel="wall time (s)", ylabel="test accuracy", title="time to accuracy")
+    ax_acc.set(xlabel="epoch", ylabel=f"test {name}", title=f"test {name}")
+    ax_time.set(xlabel="wall time (s)", ylabel=f"test {name}", title=f"time to {name}")
     for ax in (ax_loss, ax_acc, ax_time):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

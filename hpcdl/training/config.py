@@ -112,6 +112,9 @@ def profile_steps_value(text: str) -> str:
 @dataclass
 class TrainConfig:
     # data
+    task: str | None = flag(None, "your own model, data and loss: package.module:function returning an "
+                                  "hpcdl.training.task.Task (docs/training.md, \"Your own model\"); replaces "
+                                  "--dataset and --model", parse=str, group=DATA)
     dataset: str = flag("digits", "digits and synthetic are built in; others read --data-dir", choices=DATASETS,
                         group=DATA)
     data_dir: str | None = flag(None, "dataset folder: cifar-10-batches-py, MNIST's IDX files, ImageNet's train/ and "
@@ -124,8 +127,9 @@ class TrainConfig:
     decode: str = flag("auto", "where JPEGs are decoded: auto is gpu on CUDA, else cpu",
                        choices=("auto", "cpu", "gpu"), group=DATA)
     # model and optimisation
-    model: str = flag("digits_cnn", "digits_cnn, mnist_cnn, mnist_resnet, resnet20/32/44/56/110, or a torchvision "
-                                    "model name", parse=str, group=MODEL)
+    model: str = flag("digits_cnn", "digits_cnn, mnist_cnn, mnist_resnet, resnet20/32/44/56/110, a torchvision "
+                                    "model name, or package.module:function(num_classes, in_channels) returning "
+                                    "your own nn.Module", parse=str, group=MODEL)
     epochs: int = flag(15, "epochs to train", parse=int, valid=AT_LEAST_1, group=MODEL)
     batch_size: int = flag(32, "per rank, per backward pass", parse=int, valid=AT_LEAST_1, group=MODEL)
     test_batch_size: int = flag(256, "per rank, evaluation", parse=int, valid=AT_LEAST_1, group=MODEL)
@@ -205,6 +209,8 @@ class TrainConfig:
     max_steps: int | None = flag(None, "stop after this many optimizer steps", parse=int, valid=AT_LEAST_1)
     target_accuracy: float | None = flag(None, "stop once test accuracy (a fraction) reaches this", parse=float,
                                          valid=FRACTION)
+    target_metric: float | None = flag(None, "with --task: stop once the task's deciding metric (Task.best) reaches "
+                                             "this value in its direction", parse=float)
     eval_every: int | None = flag(None, "also evaluate every this many optimizer steps, mid-epoch too (rows with a "
                                         "fractional epoch in metrics.jsonl; --target-accuracy can stop there); "
                                         "default: at each epoch's end", parse=int, valid=AT_LEAST_1)
@@ -303,9 +309,28 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     dataset = given.get("dataset", FIELDS["dataset"].default)
     if given.get("lr_decay") and "lr_schedule" not in given:
         given["lr_schedule"] = "step"  # milestones mean a step schedule, whatever the preset's
+    refuse_task_conflicts(given)
     config = TrainConfig(**{**PRESETS[dataset], **KFAC_PRESETS[given.get("kfac_preset", "none")], **given})
     validate(config)
     return config
+
+
+# What a task brings itself: these flags would be ignored beside --task, so they are refused with it.
+TASK_CONFLICTS = ("dataset", "data_dir", "synthetic_shape", "synthetic_classes", "synthetic_size", "decode", "model",
+                  "label_smoothing", "target_accuracy")
+
+
+def refuse_task_conflicts(given: dict[str, Any]) -> None:
+    """--task brings its own data, model and loss: a flag that chooses one of those too is refused, not ignored."""
+    if given.get("task") is not None:
+        clash = [option_name(name) for name in TASK_CONFLICTS if name in given]
+        if clash:
+            raise UsageError(f"--task brings its own model, data and loss: leave out {', '.join(clash)} "
+                             "(put them in the task's function)")
+        if given.get("compile"):
+            raise UsageError("--compile cannot be combined with --task yet: its warm-up compiles on a batch of images")
+    elif given.get("target_metric") is not None:
+        raise UsageError("--target-metric needs --task (built-in models stop with --target-accuracy)")
 
 
 def to_argv(config: TrainConfig) -> list[str]:
@@ -314,6 +339,8 @@ def to_argv(config: TrainConfig) -> list[str]:
     for name in FIELDS:
         value = getattr(config, name)
         option = option_name(name)
+        if config.task is not None and name in TASK_CONFLICTS:
+            continue  # a task's run leaves them at their defaults, and --task refuses them
         if isinstance(value, bool):
             argv.append(option if value else "--no-" + option[2:])
         elif value is None:

@@ -12,6 +12,7 @@ rank is a one-line error on all of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterator
@@ -42,6 +43,8 @@ from hpcdl.training.models import build_model
 from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.phases import StepPhases, TraceWindow, parse_profile_steps
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
+from hpcdl.training.scoring import scoring_of
+from hpcdl.training.task import TaskSource, check_first_batch, load_task, task_data, task_label
 
 
 @dataclass
@@ -71,8 +74,9 @@ class Job:
         return self.world.size * self.config.batch_size * self.config.batches_per_allreduce
 
     def save(self) -> None:
-        """Write a checkpoint of the stateful parts (collective)."""
+        """Write a checkpoint of the stateful parts (collective); ``best.pt`` follows the best evaluation saved."""
         runstate.save(self.trainer.state, self.checkpointer, self.config)
+        runstate.keep_best(self.trainer.state.progress, self.checkpointer)
 
     def close(self) -> None:
         """Stop the threads and handlers the job started; safe to call twice."""
@@ -225,7 +229,9 @@ def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, d
     return compiled  # type: ignore[return-value]  # torch.compile of a Module is a Module
 
 
-def build_job(config: TrainConfig) -> Job:
+def build_job(config: TrainConfig, task: TaskSource | None = None) -> Job:
+    """Build the job of ``config``; ``task``: a Task (or the function that returns one) given by the Python API
+    instead of ``--task``'s path."""
     if deterministic(config):
         world.fix_reduction_order()
     if config.profile_steps:  # Horovod can start its timeline mid-run only when told before it starts
@@ -247,7 +253,7 @@ def build_job(config: TrainConfig) -> Job:
         print0(warning)
     run_dir = claim(config.output_dir, comm, resume=config.resume)
     try:
-        return _build_job_in(run_dir, config, me, comm, faults, amp_dtype)
+        return _build_job_in(run_dir, config, me, comm, faults, amp_dtype, task if task is not None else config.task)
     except BaseException:
         run_dir.release()
         raise
@@ -270,9 +276,10 @@ def deterministic(config: TrainConfig) -> bool:
 
 
 def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: Any, faults: FaultInjector,
-                  amp_dtype: torch.dtype | None) -> Job:
+                  amp_dtype: torch.dtype | None, task_source: TaskSource | None = None) -> Job:
     """The job on a claimed run directory, the world up: numerics settings, checkpoints (and the one to resume),
-    data, model, update rule, K-FAC, the trainer; every rank builds the same, failing together (agree)."""
+    data, model (built in, or the user's task), update rule, K-FAC, the trainer; every rank builds the same,
+    failing together (agree)."""
     cuda = me.device.type == "cuda"
     train_in_tf32()  # on every run, so that CPU and GPU runs are in one state (K-FAC switches it per stage)
     if cuda:
@@ -297,13 +304,19 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         test_batch_size=config.test_batch_size, workers=config.workers, seed=config.seed, decode=config.decode,
         channels_last=channels_last_wanted, synthetic_shape=tuple(config.synthetic_shape),  # type: ignore[arg-type]
         synthetic_classes=config.synthetic_classes, synthetic_size=config.synthetic_size)
-    data = agree(lambda: build_pipeline(spec, me.rank, me.size, me.device))
-    model = agree(lambda: build_model(config.model, data.num_classes, data.input_shape[0])).to(me.device)
+    task = agree(lambda: load_task(task_source)) if task_source is not None else None  # after the seed: its weights
+    if task is None:
+        data = agree(lambda: build_pipeline(spec, me.rank, me.size, me.device))
+        model = agree(lambda: build_model(config.model, data.num_classes, data.input_shape[0])).to(me.device)
+    else:
+        data = agree(lambda: task_data(task, spec, me.rank, me.size, me.device))
+        model = task.model.to(me.device)
     broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
     channels_last = channels_last_wanted and is_convolutional(model)
     if channels_last:  # before the optimizer exists, so that its state is made in the same layout
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    agree(lambda: try_one_batch(model, data, config, me.device))
+    agree(lambda: try_one_batch(model, data, config, me.device) if task is None
+          else check_first_batch(task, model, me.device))
 
     compiled = (compile_and_warm_up(model, data, spec, me.device, amp_dtype, config.batches_per_allreduce)
                 if config.compile else model)
@@ -324,20 +337,23 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
     )
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+    kfac_config = config if task is None else dataclasses.replace(
+        config, kfac_skip_layers=[*config.kfac_skip_layers, *task.kfac_skip])
     with warnings.catch_warnings(record=True) as said:  # K-FAC's warnings (layers it skips): one line, rank 0
-        preconditioner = agree(lambda: build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"],
-                                                            scaler))
+        preconditioner = agree(lambda: build_preconditioner(kfac_config, model,
+                                                            lambda *_: optimizer.param_groups[0]["lr"], scaler))
     for warning in said:
         print0(f"hpcdl: {warning.category.__name__}: {warning.message}")
 
-    criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+    criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing) if task is None else task.loss
     state = runstate.TrainState(model, optimizer, scaler, preconditioner)
     # A resume drops the records of the steps after its checkpoint: they were trained, then discarded.
     kept_through = (resumed["global_step"] if resumed is not None else 0) if config.resume else None
     record = agree(lambda: RunRecord(run_dir.path, me.is_root, kept_through, run_dir.run_id))
     trainer = Trainer(model=compiled, state=state, schedule=schedule, criterion=criterion, amp_dtype=amp_dtype,
                       data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
-                      settings=LoopSettings.of(config), phases=(phases := StepPhases(preconditioner, me.device)),
+                      settings=LoopSettings.of(config), scoring=scoring_of(task),
+                      phases=(phases := StepPhases(preconditioner, me.device)),
                       trace=TraceWindow(parse_profile_steps(config.profile_steps), run_dir.path / "traces", me.rank,
                                         phases, hvd if me.size > 1 and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC"
                                         else None) if config.profile_steps else None)
@@ -348,8 +364,9 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         job.resumed = {key: value for key, value in resumed.items() if key not in state.parts() and key != "rng"}
         match_state_layouts(optimizer)
     watchdog.start()
+    what = f"{config.model} on {config.dataset}" if task_source is None else task_label(task_source)
     print0(
-        f"hpcdl: {config.model} on {config.dataset} | {me.size} rank(s) x batch {config.batch_size}"
+        f"hpcdl: {what} | {me.size} rank(s) x batch {config.batch_size}"
         f" x {config.batches_per_allreduce} = global batch {me.size * config.batch_size * config.batches_per_allreduce}"
         f" | lr {config.base_lr} -> {peak_lr:g} | {data.steps_per_epoch} steps/epoch | {me.device}"
         f"{'' if cuda else f' ({me.threads} thread(s)/rank)'} | amp {amp_dtype or 'off'}"
@@ -360,9 +377,9 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
 
 
 @contextlib.contextmanager
-def opened(config: TrainConfig) -> Iterator[Job]:
+def opened(config: TrainConfig, task: TaskSource | None = None) -> Iterator[Job]:
     """``with opened(config) as job:`` builds the job and always closes it."""
-    job = build_job(config)
+    job = build_job(config, task)
     try:
         yield job
     finally:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -32,6 +31,7 @@ from hpcdl.training.config import TrainConfig
 from hpcdl.training.phases import StepPhases, TraceWindow
 from hpcdl.training.runstate import TrainState, pause_after
 from hpcdl.training.schedule import LRSchedule
+from hpcdl.training.scoring import Scoring
 
 LOG_POINT = "hpcdl.log_point"  # the profiler range of the only place a training epoch reads from the device
 # An fp16 step that overflows is skipped by the GradScaler, which then halves the loss scale: that is
@@ -65,7 +65,7 @@ class Trainer:
     model: nn.Module  # what is called (compiled when --compile); state.model is the bare one
     state: TrainState
     schedule: LRSchedule
-    criterion: nn.Module
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the loss: a batch's mean
     amp_dtype: torch.dtype | None
     data: InputPipeline
     world: World
@@ -76,6 +76,7 @@ class Trainer:
     settings: LoopSettings
     phases: StepPhases = field(default_factory=StepPhases)  # where each step goes (hpcdl.training.phases)
     trace: TraceWindow | None = None  # --profile-steps
+    scoring: Scoring = field(default_factory=Scoring)  # accuracy and evaluation: built-in, or a task's
 
     @property
     def device(self) -> torch.device:
@@ -236,7 +237,7 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
             scaled = loss / k
             with phases.phase("backward"):
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
-            sums.add(loss.detach() * len(y), (logits.argmax(1) == y).sum(), len(y))
+            sums.add(loss.detach() * len(y), trainer.scoring.correct(logits.detach(), y), len(y))
         watchdog.beat(phase="collective")
         health.record(apply_gradients(trainer))
         phases.end_step()
@@ -270,19 +271,18 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
 
 
 def evaluate(trainer: Trainer) -> dict[str, float]:
-    """Loss and accuracy over the whole test set: sums from every rank's disjoint shard, allreduced."""
+    """Loss and accuracy (or a task's metrics) over the whole test set: sums from every rank's disjoint shard,
+    allreduced."""
     model = trainer.state.model  # uncompiled: evaluation's last, smaller batch would make a compiled model recompile
     model.eval()
     trainer.watchdog.beat(phase="evaluate")
-    sums = DeviceSums(trainer.device)
+
+    def forward(inputs: torch.Tensor) -> torch.Tensor:
+        with trainer.autocast():
+            return model(inputs)
+
     with torch.no_grad():
-        for images, labels in trainer.data.test_batches():
-            with trainer.autocast():
-                logits = model(images)
-            sums.add(F.cross_entropy(logits.float(), labels, reduction="sum"), (logits.argmax(1) == labels).sum(),
-                     len(labels))
-            trainer.watchdog.beat()
-    trainer.watchdog.beat(phase="collective")
-    loss, accuracy = averages(sums.reduced(trainer.comm))
+        test = trainer.scoring.evaluate(trainer.data.test_batches(), forward, trainer.device, trainer.comm,
+                                        trainer.watchdog.beat)
     model.train()
-    return {"test_loss": loss, "test_accuracy": accuracy}
+    return test

@@ -164,7 +164,10 @@ class RepeatChannels(nn.Module):
 
 
 def build_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
-    """A freshly initialised model by name, with ``num_classes`` outputs."""
+    """A freshly initialised model by name, with ``num_classes`` outputs; ``package.module:function`` calls
+    ``function(num_classes, in_channels)`` for your own model (--model)."""
+    if ":" in name:
+        return custom_model(name, num_classes, in_channels)
     if name == "digits_cnn":
         return DigitsCNN(in_channels, num_classes)
     if name == "mnist_cnn":
@@ -182,3 +185,13 @@ def build_model(name: str, num_classes: int, in_channels: int) -> nn.Module:
         )
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     return nn.Sequential(RepeatChannels(), model) if in_channels == 1 else model
+
+
+def custom_model(spec: str, num_classes: int, in_channels: int) -> nn.Module:
+    """``--model package.module:function``: the user's model for a built-in dataset, or one line saying why not."""
+    from hpcdl.training.task import call_user, import_function
+
+    model = call_user(import_function(spec, "--model"), f"--model {spec}", num_classes, in_channels)
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"--model {spec} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model

@@ -40,15 +40,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcdl.run import checkpoint_files
 from hpcdl.run.checkpointer import Checkpointer, Stateful, load_parts, set_rng_state
 from hpcdl.runtime.console import print0
-from hpcdl.runtime.errors import UsageError, agree
+from hpcdl.runtime.errors import StorageError, UsageError, agree, rank0_then_all
 from hpcdl.training.config import TrainConfig, current_names, option_name
 
 FORMAT = "hpcdl.train checkpoint"
 FORMAT_VERSION = 2
-MUST_MATCH = ("dataset", "model", "optimizer", "synthetic_shape", "synthetic_classes")
-FINAL_REASONS = ("epochs", "max_steps", "target_accuracy")
+MUST_MATCH = ("task", "dataset", "model", "optimizer", "synthetic_shape", "synthetic_classes")
+FINAL_REASONS = ("epochs", "max_steps", "target_accuracy", "target_metric")
 # Flags that are also optimizer hyperparameters: a resume writes their new values into the restored param groups.
 OPTIMIZER_FIELDS = ("weight_decay", "momentum", "nesterov")
 
@@ -75,6 +76,8 @@ class Progress:
     # The training in stretches of one world size and global batch (a resume elsewhere starts the next): each
     # {world_size, global_batch, first_step, last_step, images, train_seconds}, so that no speed blends two.
     segments: list[dict[str, Any]] = field(default_factory=list)
+    # The best evaluation by the run's deciding metric (test_accuracy, or a task's): {metric, goal, value, step}.
+    best: dict[str, Any] = field(default_factory=dict)
 
     def begin_segment(self, world_size: int, global_batch: int) -> None:
         """This session trains on ``world_size`` ranks: continue the last segment if it had the same, else start one."""
@@ -122,6 +125,22 @@ def save(state: TrainState, checkpointer: Checkpointer, config: TrainConfig) -> 
     checkpointer.save(state.parts(), header, state.progress.global_step)
 
 
+def keep_best(progress: Progress, checkpointer: Checkpointer) -> None:
+    """When the checkpoint just written is of the best evaluation so far (by the run's deciding metric: test
+    accuracy, or a task's ``best``), make it the run's ``best.pt`` too (rank 0; a failure is one line on all)."""
+    if progress.best.get("step") != progress.global_step:
+        return
+    directory, comm = checkpointer.directory, checkpointer.comm
+
+    def link() -> None:
+        try:
+            checkpoint_files.keep_as_best(directory, progress.global_step)
+        except OSError as exc:
+            raise StorageError(f"could not keep the best checkpoint ({exc}); the checkpoints are intact") from exc
+
+    rank0_then_all(link, comm)
+
+
 def read_latest(checkpointer: Checkpointer) -> dict[str, Any] | None:
     """The newest readable checkpoint of this run, format checked, on every rank (None: there is none); its
     configuration under today's flag names (a run saved under renamed flags resumes)."""
@@ -161,6 +180,8 @@ def finished(config: TrainConfig, progress: Progress) -> str | None:
     """
     if config.target_accuracy is not None and progress.best_accuracy >= config.target_accuracy:
         return "target_accuracy"
+    if config.target_metric is not None and target_reached(progress.best, config.target_metric):
+        return "target_metric"
     if config.max_steps is not None and progress.global_step >= config.max_steps:
         return "max_steps"
     if progress.epochs_completed >= config.epochs:
@@ -168,8 +189,23 @@ def finished(config: TrainConfig, progress: Progress) -> str | None:
     return None
 
 
+def target_met(config: TrainConfig, progress: Progress) -> bool:
+    """Whether the run's --target-accuracy or --target-metric (whichever it has) is reached."""
+    if config.target_accuracy is not None and progress.best_accuracy >= config.target_accuracy:
+        return True
+    return config.target_metric is not None and target_reached(progress.best, config.target_metric)
+
+
+def target_reached(best: dict[str, Any], target: float) -> bool:
+    """Whether the best evaluation so far reached ``target`` in its metric's direction."""
+    value = best.get("value")
+    return value is not None and (value >= target if best.get("goal") == "max" else value <= target)
+
+
 def describe_limit(reason: str, config: TrainConfig, progress: Progress) -> str:
     """The flag behind a :func:`finished` reason, for the line that says a run trains no further."""
+    if reason == "target_metric":
+        return f"--target-metric {config.target_metric:g} already reached (best {progress.best.get('value')})"
     if reason == "target_accuracy":
         return f"--target-accuracy {config.target_accuracy:g} already reached (best {progress.best_accuracy:.4f})"
     return f"--max-steps {config.max_steps} already reached" if reason == "max_steps" else \

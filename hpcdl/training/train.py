@@ -31,6 +31,7 @@ from hpcdl.training.config import TrainConfig, parse_config
 from hpcdl.training.job import Job, opened
 from hpcdl.training.loop import EpochResult, evaluate, train_one_epoch
 from hpcdl.training.phases import breakdown
+from hpcdl.training.task import TaskSource
 
 
 @dataclass
@@ -40,10 +41,11 @@ class TrainResult:
     exit_code: int = 0
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Run (or continue) one training job on every rank of the world."""
+def train(config: TrainConfig, task: TaskSource | None = None) -> TrainResult:
+    """Run (or continue) one training job on every rank of the world; ``task``: a Task or its function given
+    in Python instead of ``--task``'s path (:func:`hpcdl.training.api.run`)."""
     try:
-        with opened(config) as job:
+        with opened(config, task) as job:
             return train_job(job)
     except HorovodInternalError as exc:  # a rank died or raised: Horovod shut down under this one
         raise LostRankError(f"another rank of the job is gone ({str(exc).splitlines()[0]})") from exc
@@ -68,7 +70,7 @@ def train_job(job: Job) -> TrainResult:
                    f"{runstate.describe_limit(reached, config, progress)}; no further training")
             return TrainResult(state.model, {"stop_reason": progress.stop_reason, "already_finished": True})
         progress.stop_reason = None
-        if config.target_accuracy is None or progress.best_accuracy < config.target_accuracy:
+        if not runstate.target_met(config, progress):
             progress.time_to_target = None  # the target of these flags is not reached yet
     progress.begin_segment(job.world.size, job.global_batch)
 
@@ -134,8 +136,7 @@ def add_sums(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 def check_finite_metrics(epoch: int, train_sums: dict[str, float], test: dict[str, float]) -> None:
     """Stop (one line, every rank: the sums were allreduced) when the epoch's loss or metrics are not finite."""
-    values = {"train loss": averages(train_sums)[0], "test loss": test["test_loss"],
-              "test accuracy": test["test_accuracy"]}
+    values = {"train loss": averages(train_sums)[0], **{name.replace("_", " "): value for name, value in test.items()}}
     bad = [f"{name} {value}" for name, value in values.items() if not math.isfinite(value)]
     if bad:
         raise DivergenceError(f"epoch {epoch + 1} ended with non-finite metrics ({', '.join(bad)}); lower "
@@ -174,9 +175,13 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
     # row covers all of it.
     progress.epoch_sums = {} if result.complete else train_sums
     progress.last_test = test
-    progress.best_accuracy = max(progress.best_accuracy, test["test_accuracy"])
-    if (config.target_accuracy is not None and progress.time_to_target is None
-            and test["test_accuracy"] >= config.target_accuracy):
+    scoring = job.trainer.scoring
+    if "test_accuracy" in test:
+        progress.best_accuracy = max(progress.best_accuracy, test["test_accuracy"])
+    if scoring.improved(test[scoring.best_key], progress.best.get("value")):
+        progress.best = dict(metric=scoring.best_key, goal=scoring.goal, value=test[scoring.best_key],
+                             step=progress.global_step)
+    if progress.time_to_target is None and runstate.target_met(config, progress):
         progress.time_to_target = progress.train_seconds
     train_loss, train_accuracy = averages(train_sums)
     row = {
@@ -187,12 +192,13 @@ def record_epoch(job: Job, result: EpochResult, train_sums: dict[str, float], te
         "images_seen": progress.images_seen, "skipped_steps": progress.skipped_steps, "world_size": job.world.size,
         "step_phases": breakdown(job.trainer.phases.take(), job.comm).to_json(),  # since the last row, every rank
     }
+    if not scoring.train_accuracy:  # a task without an accuracy metric
+        del row["train_accuracy"]
     write_results(lambda: job.record.log_epoch(row), job.comm, job.output_dir)
     where = (f"epoch {label:3d}/{config.epochs}" if isinstance(label, int)
              else f"step {progress.global_step} (epoch {label:.2f}/{config.epochs})")
     print0(
-        f"{where} | train loss {train_loss:.4f} acc {train_accuracy:.4f}"
-        f" | test loss {test['test_loss']:.4f} acc {test['test_accuracy']:.4f} | lr {row['lr']:.4g}"
+        f"{where} | {scoring.line(train_loss, train_accuracy, test)} | lr {row['lr']:.4g}"
         f" | {row['images_per_second']:.0f} img/s | {result.seconds:.1f} s")
 
 
@@ -226,7 +232,7 @@ def summarise(job: Job) -> dict[str, Any]:
     last = progress.last_test
     segments = [{**s, "images_per_second": s["images"] / max(s["train_seconds"], 1e-9)} for s in progress.segments]
     return {
-        "best_accuracy": progress.best_accuracy,
+        "best_accuracy": progress.best_accuracy if job.trainer.scoring.train_accuracy else None,
         "final_accuracy": last.get("test_accuracy"),
         "final_test_loss": last.get("test_loss"),
         "epochs": progress.epochs_completed,  # whole epochs; a run stopped inside one also shows epochs_trained
@@ -241,6 +247,9 @@ def summarise(job: Job) -> dict[str, Any]:
         "segments": segments,
         "train_seconds": progress.train_seconds,
         "target_accuracy": job.config.target_accuracy,
+        "test_metrics": last,  # the last evaluation: test_loss and test_accuracy, or a task's test_<metric>s
+        "best": progress.best,  # the best evaluation by the deciding metric: {metric, goal, value, step}
+        "target_metric": job.config.target_metric,
         "time_to_target_seconds": progress.time_to_target,
         "stop_reason": progress.stop_reason,
         "stopped_by_signal": progress.stop_reason if progress.stop_reason not in runstate.FINAL_REASONS else None,

@@ -40,6 +40,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "benchmarks/kfac_traffic.py": (["predict"], "kfac_traffic_predict"),
     "benchmarks/kfac_phases.py": ([], "kfac_phases"),
     "benchmarks/phase_overhead.py": ([], "phase_overhead"),
+    "benchmarks/transformer_lm.py": ([], "transformer_lm"),
     "hpcdl/bench/allreduce.py": ([], "allreduce_np1"),
 }
 # A second way into a program that writes elsewhere than its main path does.

@@ -23,7 +23,7 @@ from hpcdl.training.config import parse_config
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted((REPO / "benchmarks" / "results").glob("*.md"))]
-TOP = ("hpcdl", "kfac", "benchmarks", "launch", "scripts", "tests", "docs", "containers", ".ci")
+TOP = ("hpcdl", "kfac", "benchmarks", "launch", "scripts", "tests", "docs", "containers", ".ci", "examples")
 # A repository path in prose or code: starts at a top-level folder, not inside another path or a URL.
 _TOPS = "|".join(re.escape(t) for t in TOP)
 PATH = re.compile(rf"(?<![\w/.$~-])((?:{_TOPS})/[\w./-]*[\w/])")

@@ -318,3 +318,16 @@ def test_read_only_file_system(tmp_path: Path) -> None:
         assert os.listdir(mount) == []
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_best_is_the_checkpoint_of_its_step_and_outlives_its_pruning(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        checkpoint_files.save(directory, {"model": {"w": torch.full((2,), float(step))}, "global_step": step}, keep=2)
+        if step == 2:
+            best = checkpoint_files.keep_as_best(directory, 2)
+    assert best == tmp_path / "best.pt" and names(directory) == ["ckpt-000000002.pt", "ckpt-000000003.pt"]
+    checkpoint_files.save(directory, {"model": {"w": torch.zeros(2)}, "global_step": 4}, keep=2)  # prunes step 2
+    assert torch.load(best, weights_only=True)["global_step"] == 2
+    assert checkpoint_files.keep_as_best(directory, 9) == best  # step 9 was never saved: the best stays
+    assert torch.load(best, weights_only=True)["global_step"] == 2

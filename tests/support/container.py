@@ -45,6 +45,18 @@ def build_image(timeout: float = BUILD_TIMEOUT) -> tuple[Path | None, str]:
     return Path(lines[-1]), ""
 
 
+def existing_image() -> tuple[Path | None, str]:
+    """(an image already built, "") or (None, why not), building nothing: HPCDL_TEST_IMAGE, or the one `make image`
+    linked at images/hpcdl-cpu. Where the image is required (CI), it is built as for :func:`hpcdl_image`."""
+    if required():
+        return build_image()
+    given = os.environ.get("HPCDL_TEST_IMAGE")
+    image = Path(given) if given else REPO / "images" / "hpcdl-cpu"
+    if image.is_dir():
+        return image, ""
+    return None, f"no image at {image} (make image builds it; HPCDL_TEST_IMAGE=<dir> names another)"
+
+
 @pytest.fixture(scope="session")
 def hpcdl_image() -> Iterator[Path]:
     image, reason = build_image()

@@ -215,3 +215,15 @@ def test_phases_of_a_run_without_a_summary_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "run" / "summary.json").write_text("{}")
     with pytest.raises(UsageError, match="has no step_phases"):
         main(["--phases", str(tmp_path / "run")])
+
+
+def test_a_task_run_plots_its_first_metric_or_its_loss(tmp_path: Path) -> None:
+    """--task runs have no accuracy unless the task says so: the second panel shows their first metric."""
+    from hpcdl.tools.plot import plot_runs, read_metrics, score_key
+
+    base = {"epoch": 1, "train_loss": 1.0, "test_loss": 0.9, "elapsed_seconds": 2.0}
+    segmentation = make_run(tmp_path / "seg", [json.dumps({**base, "test_iou": 0.7, "test_pixel_accuracy": 0.9})])
+    language = make_run(tmp_path / "lm", [json.dumps(base)])
+    assert score_key(read_metrics(segmentation)[0]) == "test_iou"
+    assert score_key(read_metrics(language)[0]) == "test_loss"
+    assert plot_runs([segmentation, language], tmp_path / "curves.png").stat().st_size > 0

@@ -19,12 +19,13 @@ CHANGED = dict(
     log_every=7, kfac=False, kfac_inv_update_freq=4, kfac_factor_update_freq=3, kfac_damping=0.003, kfac_kl_clip=0.002,
     kfac_factor_decay=0.9, kfac_factor_examples=256, kfac_skip_layers=["classifier.1", "Conv2d"],
     kfac_preset="none", kfac_impl="studies.other:kfac", kfac_grad_worker_fraction=0.5, output_dir="/tmp/run", resume=True, seed=7, max_steps=11, target_accuracy=0.9, eval_every=9,
-    keep_checkpoints=2, stall_timeout=60.0, max_nonfinite_steps=2, progress=False,
+    keep_checkpoints=2, stall_timeout=60.0, max_nonfinite_steps=2, progress=False, task=None, target_metric=None,
     kfac_comm_precision="bf16", kfac_bucket_mb=4.0, profile_steps="2:3",
 )
 # Fields whose changed value above equals the default (so the test says why it does not change them).
 # kfac and kfac_preset: --compile excludes K-FAC, and the preset needs it (its round trip is its own case below).
-UNCHANGED_ON_PURPOSE = {"optimizer", "use_adasum", "kfac", "kfac_preset"}  # they exclude other changed flags
+# task and target_metric: --task excludes --dataset, --model and others (its round trip is its own case below).
+UNCHANGED_ON_PURPOSE = {"optimizer", "use_adasum", "kfac", "kfac_preset", "task", "target_metric"}
 
 
 def test_the_changed_values_cover_every_field() -> None:
@@ -36,8 +37,10 @@ def test_the_changed_values_cover_every_field() -> None:
 
 
 @pytest.mark.parametrize("config", [TrainConfig(), TrainConfig(**CHANGED),
-                                    parse_config(["--kfac-preset", "large-batch"])],
-                         ids=["defaults", "every-flag-changed", "kfac-preset"])
+                                    parse_config(["--kfac-preset", "large-batch"]),
+                                    parse_config(["--task", "examples.segmentation:task", "--target-metric", "0.8",
+                                                  "--epochs", "3"])],
+                         ids=["defaults", "every-flag-changed", "kfac-preset", "task"])
 def test_every_flag_round_trips(config: TrainConfig) -> None:
     assert parse_config(to_argv(config)) == config
 

@@ -1,0 +1,96 @@
+"""Your own model with hpcdl: the transformer language model of examples/transformer_lm.py, K-FAC against AdamW.
+
+    .venv/bin/python benchmarks/transformer_lm.py                        # 2 ranks, to validation loss 2.45
+    .venv/bin/python benchmarks/transformer_lm.py --ranks 2 --target 2.45 --refresh-results
+
+Each method is one ``mpirun -np N python -m hpcdl.train --task examples.transformer_lm:task`` run of the same
+epochs, seed and global batch, stopped by ``--target-metric`` at the stated validation loss (nats per
+character) or at the last epoch. The results file holds, per method, the training time to the target (the
+run's ``time_to_target_seconds``: training only, evaluations excluded), the epochs and steps to it, and the
+best validation loss, beside the machine's load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hpcdl.run import outputs  # noqa: E402
+from hpcdl.runtime.console import RankZeroParser  # noqa: E402
+from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
+from hpcdl.runtime.numbers import integer  # noqa: E402
+
+TASK = "examples.transformer_lm:task"
+# The two methods' flags (the same global batch, epochs and seed; each one's rate tuned by hand on this task).
+METHODS = {
+    "kfac": ["--kfac", "--optimizer", "sgd", "--base-lr", "0.05"],
+    "adamw": ["--optimizer", "adamw", "--base-lr", "0.002"],
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = RankZeroParser(prog="benchmarks/transformer_lm.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=integer(1, 64), default=2, help="world size (default 2)")
+    parser.add_argument("--target", type=float, default=2.45, help="validation loss to reach (default 2.45)")
+    parser.add_argument("--epochs", type=integer(1, 1000), default=12, help="epochs at most (default 12)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="results file (default: a new folder under runs/bench/; --refresh-results replaces "
+                             "benchmarks/results/transformer_lm.json)")
+    outputs.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if shutil.which("mpirun") is None:
+        raise UsageError("mpirun not found (bash scripts/setup.sh installs Open MPI)")
+    return args
+
+
+def train(method: str, args: argparse.Namespace, workdir: Path) -> dict:
+    out = workdir / method
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
+    command = ["timeout", "1800", "mpirun", "-np", str(args.ranks), "--bind-to", "none", sys.executable, "-m",
+               "hpcdl.train", "--task", TASK, *METHODS[method], "--epochs", str(args.epochs), "--batch-size", "16",
+               "--seed", "1", "--target-metric", str(args.target), "--no-progress", "--output-dir", str(out)]
+    print(" ".join(command[3:]), flush=True)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stderr[-2000:], file=sys.stderr)
+        raise UsageError(f"the {method} run failed (exit {done.returncode}; its output is above)")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    reached = next((row for row in rows if row["test_loss"] <= args.target), None)
+    return dict(flags=METHODS[method], seconds_to_target=summary["time_to_target_seconds"],
+                epochs_to_target=reached["epoch"] if reached else None,
+                steps_to_target=reached["global_step"] if reached else None,
+                best_test_loss=summary["best"]["value"], train_seconds=summary["train_seconds"],
+                losses=[row["test_loss"] for row in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stem = outputs.results_stem(args.output.with_suffix("") if args.output else None, "transformer_lm",
+                                (".json",), refresh_results=args.refresh_results, force=args.force)
+    with tempfile.TemporaryDirectory(prefix="transformer-lm-") as tmp:
+        runs = {method: train(method, args, Path(tmp)) for method in METHODS}
+    for method, run in runs.items():
+        print(f"{method}: validation loss {args.target} in {run['seconds_to_target']} s "
+              f"({run['epochs_to_target']} epochs); best {run['best_test_loss']:.3f}")
+    load = os.getloadavg()
+    output = outputs.output_file(stem, ".json")
+    output.write_text(json.dumps(dict(task=TASK, ranks=args.ranks, target=args.target, epochs=args.epochs,
+                                      global_batch=16 * args.ranks, load_average=load, cores=os.cpu_count(),
+                                      runs=runs), indent=1) + "\n")
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, program="transformer_lm")

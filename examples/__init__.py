@@ -1,0 +1,1 @@
+"""Tasks that train with ``python -m hpcdl.train --task examples.<module>:<function>`` (docs/training.md)."""

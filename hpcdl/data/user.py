@@ -1,0 +1,69 @@
+"""A user's map-style datasets through hpcdl's one order: :class:`DatasetPipeline`.
+
+The training order is :func:`hpcdl.data.order.rank_order`'s, as for the built-in datasets: one permutation
+per epoch from ``(seed, epoch)``, cut to whole steps and dealt round-robin, so each example is seen once per
+epoch across ranks and batch ``k`` of an epoch is rebuilt without the batches before it (an exact resume,
+also on another world size with the same global batch). DataLoader workers read the items (``--workers``),
+pinned and copied to the device one batch ahead on CUDA. Items are ``(input, target)`` pairs batched by
+torch's ``default_collate``. An item must not depend on global random state: workers and ranks would draw
+differently; draw from a generator seeded with the item's index instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from hpcdl.data.order import check_enough, rank_order, steps_per_epoch, test_order
+from hpcdl.data.pipeline import Batch, InputPipeline, KeySampler, copied_ahead
+from hpcdl.data.spec import DataSpec
+from hpcdl.runtime.errors import UsageError
+
+
+class DatasetPipeline(InputPipeline):
+    """A user's training and evaluation datasets, sharded over ranks exactly as hpcdl's own."""
+
+    def __init__(self, spec: DataSpec, rank: int, size: int, device: torch.device, *,
+                 train: Dataset, test: Dataset) -> None:
+        for name, data in (("training", train), ("evaluation", test)):
+            if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+                raise UsageError(f"the {name} dataset is not map-style (an IterableDataset cannot be sharded "
+                                 "exactly); give a Dataset with __len__ and __getitem__")
+        self.spec, self.rank, self.size, self.device = spec, rank, size, device
+        self.train_samples, self.test_samples = len(train), len(test)  # type: ignore[arg-type]
+        check_enough(self.train_samples, size, spec.batch_size)
+        self.steps_per_epoch = steps_per_epoch(self.train_samples, size, spec.batch_size)
+        self.num_classes = 0  # a task's outputs are its own business
+        first = train[0]
+        self.input_shape = tuple(first[0].shape) if isinstance(first[0], torch.Tensor) else ()  # type: ignore
+        self.train_keys, self.test_keys = KeySampler(), KeySampler()
+        self.train_loader = self.loader(train, self.train_keys, spec.batch_size)
+        self.test_loader = self.loader(test, self.test_keys, spec.test_batch_size)
+
+    def loader(self, data: Dataset, keys: KeySampler, batch_size: int) -> DataLoader:
+        workers = self.spec.workers
+        options: dict[str, Any] = dict(num_workers=workers, persistent_workers=workers > 0, batch_size=batch_size,
+                                       sampler=keys, pin_memory=self.device.type == "cuda")
+        if workers > 0:
+            options["prefetch_factor"] = 4
+        return DataLoader(data, **options)
+
+    def train_epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        batch = self.spec.batch_size
+        order = rank_order(self.train_samples, self.spec.seed, epoch, self.rank, self.size, batch)
+        self.train_keys.keys = order[start_step * batch:].tolist()
+        return copied_ahead(iter(self.train_loader), self.device)
+
+    def test_batches(self) -> Iterator[Batch]:
+        self.test_keys.keys = list(test_order(self.test_samples, self.rank, self.size))
+        return copied_ahead(iter(self.test_loader), self.device)
+
+    def close(self) -> None:
+        for loader in (self.train_loader, self.test_loader):
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+            loader._iterator = None

@@ -1,0 +1,48 @@
+"""The Python API for your own script under mpirun: ``hpcdl.train.run(task, epochs=5, kfac=True, ...)``.
+
+Its stable surface (docs/training.md, "Your own model"): :func:`run`, :func:`main`, and from
+:mod:`hpcdl.training.task` the :class:`~hpcdl.training.task.Task` dataclass and
+:func:`~hpcdl.training.task.accuracy`. Flags are the command line's, as keywords (``base_lr=0.1`` is
+``--base-lr 0.1``, ``kfac=True`` is ``--kfac``, ``kfac=False`` is ``--no-kfac``); they are checked exactly as on
+the command line, conflicting ones too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcdl.runtime.errors import run_main
+from hpcdl.training.config import option_name, parse_config
+from hpcdl.training.task import TaskSource, task_label
+from hpcdl.training.train import TrainResult, train
+
+
+def flags_to_argv(flags: dict[str, Any]) -> list[str]:
+    """Keyword flags -> the command line's words (None leaves a flag out)."""
+    argv: list[str] = []
+    for name, value in flags.items():
+        option = option_name(name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(option if value else "--no-" + option[2:])
+        elif isinstance(value, (list, tuple)):
+            argv += [option, *map(str, value)]
+        else:
+            argv += [option, str(value)]
+    return argv
+
+
+def run(task: TaskSource, /, **flags: Any) -> TrainResult:
+    """Train ``task`` (a Task, a function returning one, or a ``module:function`` path) on every rank of the job.
+
+    Call it on every rank. Raises :class:`hpcdl.runtime.errors.JobError` subclasses (one-line messages) for bad
+    input; :func:`main` turns them into the command line's one line and exit status.
+    """
+    argv = ["--task", task if isinstance(task, str) else task_label(task), *flags_to_argv(flags)]
+    return train(parse_config(argv), None if isinstance(task, str) else task)
+
+
+def main(task: TaskSource, /, **flags: Any) -> None:
+    """:func:`run` as a program: exits 0 when the run finished, else with the command line's status and line."""
+    run_main(lambda: run(task, **flags).exit_code, program="hpcdl.train")

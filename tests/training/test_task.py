@@ -1,0 +1,153 @@
+"""The task interface in one process: what --task loads, what it refuses (one line each), the flags it conflicts
+with, the Python API's flags, and the scoring of a task's loss and metrics against a direct computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from hpcdl.runtime.errors import UsageError
+from hpcdl.training.api import flags_to_argv
+from hpcdl.training.config import parse_config
+from hpcdl.training.models import build_model
+from hpcdl.training.scoring import Scoring, TaskScoring
+from hpcdl.training.task import Task, check_first_batch, load_task, task_label
+from tests.support import tasks
+
+CPU = torch.device("cpu")
+SUPPORT = "tests.support.tasks"
+
+
+def refused(call, *fragments: str) -> str:
+    with pytest.raises(UsageError) as raised:
+        call()
+    message = str(raised.value)
+    assert "\n" not in message and "Traceback" not in message, message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+LOAD_ROWS = {
+    "module does not import": ("no_such_package.tasks:task", ["cannot import no_such_package.tasks",
+                                                              "ModuleNotFoundError"]),
+    "no colon": (f"{SUPPORT}.digits_task", ["--task takes package.module:function"]),
+    "no such function": (f"{SUPPORT}:nothing", ["tests.support.tasks has no 'nothing'"]),
+    "not a function": (f"{SUPPORT}:NOT_A_FUNCTION", ["NOT_A_FUNCTION is a int, not a function"]),
+    "returns the wrong kind": (f"{SUPPORT}:returns_a_model", ["returned a Linear, not an hpcdl.training.task.Task"]),
+    "raises": (f"{SUPPORT}:raises", ["raised ValueError: no data here"]),
+    "iterable dataset": (f"{SUPPORT}:iterable_data", ["Task.train_data is an IterableDataset"]),
+}
+
+
+@pytest.mark.parametrize("row", LOAD_ROWS)
+def test_a_bad_task_path_or_function_is_one_line(row: str) -> None:
+    spec, fragments = LOAD_ROWS[row]
+    message = refused(lambda: load_task(spec), *fragments)
+    assert "second line" not in message
+
+
+FIRST_BATCH_ROWS = {
+    "shapes the model cannot take": ("wrong_shapes", ["the task's model cannot take a first batch of inputs (2, 3) "
+                                                      "float32, targets (2, 1) float32", "RuntimeError"]),
+    "loss not a scalar": ("loss_not_scalar", ["the task's loss returns (2, 1) float32", "outputs (2, 1) float32"]),
+    "metric not a number": ("metric_not_a_number", ["metric 'errors' returns (2, 1) float32", "not a number"]),
+    "items that cannot be batched": ("ragged_data", ["train_data items cannot be batched"]),
+}
+
+
+@pytest.mark.parametrize("row", FIRST_BATCH_ROWS)
+def test_a_first_batch_that_does_not_fit_is_one_line_naming_the_shapes(row: str) -> None:
+    name, fragments = FIRST_BATCH_ROWS[row]
+    task = load_task(f"{SUPPORT}:{name}")
+    refused(lambda: check_first_batch(task, task.model, CPU), *fragments)
+
+
+def test_a_good_task_passes_every_check_and_keeps_its_model_in_training_mode() -> None:
+    task = load_task(f"{SUPPORT}:digits_task")
+    check_first_batch(task, task.model, CPU)
+    assert task.model.training
+
+
+def test_best_must_name_the_loss_or_a_metric_and_goal_a_direction() -> None:
+    task = tasks.tiny_regression()
+    task.best = "r2"
+    refused(lambda: load_task(task), "Task.best 'r2' is neither 'loss' nor one of its metrics")
+    task.best, task.goal = "loss", "lowest"
+    refused(lambda: load_task(task), "Task.goal must be 'min' or 'max'")
+
+
+@pytest.mark.parametrize("flags, clash", [
+    (["--dataset", "mnist"], "--dataset"),
+    (["--model", "resnet20", "--data-dir", "/data"], "--data-dir, --model"),
+    (["--target-accuracy", "0.9"], "--target-accuracy"),
+])
+def test_task_with_a_flag_it_conflicts_with_is_one_line(flags: list[str], clash: str) -> None:
+    refused(lambda: parse_config(["--task", f"{SUPPORT}:digits_task", *flags]),
+            f"--task brings its own model, data and loss: leave out {clash}")
+
+
+def test_target_metric_needs_a_task_and_compile_is_refused_with_one() -> None:
+    refused(lambda: parse_config(["--target-metric", "0.5"]), "--target-metric needs --task")
+    refused(lambda: parse_config(["--task", f"{SUPPORT}:digits_task", "--compile"]), "--compile cannot be combined")
+    config = parse_config(["--task", f"{SUPPORT}:digits_task", "--target-metric", "0.5", "--kfac"])
+    assert config.task == f"{SUPPORT}:digits_task" and config.target_metric == 0.5 and config.kfac
+
+
+def test_python_api_flags_are_the_command_lines() -> None:
+    argv = flags_to_argv(dict(epochs=3, base_lr=0.1, kfac=True, progress=False, lr_decay=[2, 3], max_steps=None))
+    assert argv == ["--epochs", "3", "--base-lr", "0.1", "--kfac", "--no-progress", "--lr-decay", "2", "3"]
+    assert task_label(tasks.digits_task) == "tests.support.tasks:digits_task"
+
+
+def test_custom_model_flag_builds_the_users_model_and_refuses_what_is_not_one() -> None:
+    torch.manual_seed(3)
+    mine = build_model(f"{SUPPORT}:digits_model", 10, 1)
+    torch.manual_seed(3)
+    builtin = build_model("digits_cnn", 10, 1)
+    pairs = zip(mine.state_dict().values(), builtin.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    refused(lambda: build_model(f"{SUPPORT}:raises", 10, 1), "--model tests.support.tasks:raises raised TypeError")
+    refused(lambda: build_model(f"{SUPPORT}:tiny_regression", 10, 1), "returned a Task, not a torch.nn.Module")
+
+
+def one_rank_comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+def test_task_scoring_is_the_example_weighted_mean_of_a_direct_computation() -> None:
+    """Batches of unequal size: each metric's reported value is its mean over all examples, computed directly."""
+    torch.manual_seed(0)
+    outputs, targets = torch.randn(10, 3), torch.randint(0, 3, (10,))
+    batches = [(outputs[:7], targets[:7]), (outputs[7:], targets[7:])]
+    task = Task(model=torch.nn.Identity(), train_data=TensorDataset(outputs), eval_data=TensorDataset(outputs),
+                loss=F.cross_entropy, metrics={"hit": lambda o, t: (o.argmax(1) == t).float().mean(),
+                                               "count": lambda o, t: 1}, best="hit", goal="max")
+    test = TaskScoring(task).evaluate(batches, lambda x: x, CPU, one_rank_comm(), lambda **_: None)
+    assert test["test_loss"] == pytest.approx(F.cross_entropy(outputs, targets).item(), rel=1e-6)
+    assert test["test_hit"] == pytest.approx((outputs.argmax(1) == targets).float().mean().item())
+    assert test["test_count"] == 1.0
+    builtin = Scoring().evaluate(batches, lambda x: x, CPU, one_rank_comm(), lambda **_: None)
+    assert builtin["test_loss"] == pytest.approx(test["test_loss"], rel=1e-6)
+    assert builtin["test_accuracy"] == pytest.approx(test["test_hit"])
+    scoring = TaskScoring(task)
+    assert scoring.best_key == "test_hit" and scoring.improved(0.5, 0.4) and not scoring.improved(0.3, 0.4)
+    task.best, task.goal = "loss", "min"
+    assert TaskScoring(task).improved(0.3, 0.4) and not TaskScoring(task).train_accuracy
+
+
+def test_the_documented_commands_are_the_tests_commands() -> None:
+    """docs/training.md's "Your own model" prints the examples' commands exactly as tests/training/test_task_jobs.py
+    runs them (the test adds --no-progress and its own --output-dir)."""
+    from pathlib import Path
+
+    from tests.training.test_task_jobs import LM, SEGMENTATION
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    section = text[text.index("## Your own model"):text.index("## Figures on a GPU")]
+    for flags in (LM, SEGMENTATION):
+        assert f"mpirun -np 2 .venv/bin/python -m hpcdl.train {' '.join(flags)} --output-dir runs/" in section, flags
