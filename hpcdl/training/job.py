@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import horovod.torch as hvd
 import torch
 from torch import nn
 
@@ -35,6 +34,7 @@ from hpcdl.runtime.errors import UsageError, agree
 from hpcdl.runtime.faults import FaultInjector
 from hpcdl.runtime.signals import GracefulStop
 from hpcdl.runtime.watchdog import StallWatchdog
+from hpcdl.training import backend as backends
 from hpcdl.training import runstate
 from hpcdl.training.config import TrainConfig, check_amp_device
 from hpcdl.training.loop import LoopSettings, Trainer
@@ -106,36 +106,6 @@ def zero_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
         if group.get("momentum"):
             for p in group["params"]:
                 optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-
-
-def keep_layout(base: Any) -> Any:
-    """Horovod's compression ``base`` for gradients of any memory layout.
-
-    Horovod allreduces contiguous tensors only, and a channels_last model has channels_last
-    gradients: they cross as contiguous copies and come back in their parameter's layout (a fused
-    optimizer given a gradient of another layout than its parameter updates the wrong elements).
-    """
-
-    class KeepLayout:
-        @staticmethod
-        def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            nhwc = tensor.dim() == 4 and not tensor.is_contiguous()
-            compressed, context = base.compress(tensor.contiguous())
-            return compressed, (context, nhwc)
-
-        @staticmethod
-        def decompress(tensor: torch.Tensor, context: Any) -> torch.Tensor:
-            inner, nhwc = context
-            out = base.decompress(tensor, inner)
-            return out.contiguous(memory_format=torch.channels_last) if nhwc else out
-
-    return KeepLayout
-
-
-def broadcast_parameters(model: nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank (Horovod broadcasts contiguous tensors: call before
-    the model turns channels_last)."""
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
 
 def match_state_layouts(optimizer: torch.optim.Optimizer) -> None:
@@ -224,7 +194,8 @@ def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, d
 def build_job(config: TrainConfig) -> Job:
     if deterministic(config):
         world.fix_reduction_order()
-    me = world.init()
+    me = world.init(use_horovod=config.backend == "horovod", torch_distributed=config.backend == "torch",
+                    timeout_seconds=backends.collective_timeout(config.stall_timeout))
     if (alone := launcher.started_alone(me.size)) is not None:  # N copies of one run otherwise
         raise UsageError(f"{alone}; {launcher.SAME_MPI_FIX}")
     comm = world.comm()
@@ -291,7 +262,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         synthetic_classes=config.synthetic_classes, synthetic_size=config.synthetic_size)
     data = agree(lambda: build_pipeline(spec, me.rank, me.size, me.device))
     model = agree(lambda: build_model(config.model, data.num_classes, data.input_shape[0])).to(me.device)
-    broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
+    backend = backends.for_config(config, me.size)
+    backend.broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
     channels_last = channels_last_wanted and is_convolutional(model)
     if channels_last:  # before the optimizer exists, so that its state is made in the same layout
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -307,18 +279,12 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         else config.warmup_start_factor
     schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, start_factor), peak_lr,
                           config.warmup_epochs, config.epochs, config.lr_schedule, config.lr_decay)
-    optimizer = hvd.DistributedOptimizer(
-        build_update_rule(config, model, schedule(0.0)),
-        named_parameters=model.named_parameters(),
-        compression=keep_layout(hvd.Compression.fp16 if config.fp16_allreduce else hvd.Compression.none),
-        backward_passes_per_step=config.batches_per_allreduce,
-        op=hvd.Adasum if config.use_adasum else hvd.Average,
-    )
+    optimizer = backend.wrap_optimizer(build_update_rule(config, model, schedule(0.0)), model, config)
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     with warnings.catch_warnings(record=True) as said:  # K-FAC's warnings (layers it skips): one line, rank 0
         preconditioner = agree(lambda: build_preconditioner(config, model, lambda *_: optimizer.param_groups[0]["lr"],
-                                                            scaler))
+                                                            scaler, backend.kfac_communicator()))
     for warning in said:
         print0(f"hpcdl: {warning.category.__name__}: {warning.message}")
 
@@ -327,9 +293,9 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     # A resume drops the records of the steps after its checkpoint: they were trained, then discarded.
     kept_through = (resumed["global_step"] if resumed is not None else 0) if config.resume else None
     record = agree(lambda: RunRecord(run.path, me.is_root, kept_through, run.run_id))
-    trainer = Trainer(model=compiled, state=state, schedule=schedule, criterion=criterion, amp_dtype=amp_dtype,
-                      data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
-                      settings=LoopSettings.of(config))
+    trainer = Trainer(model=backend.wrap_model(compiled, config), state=state, schedule=schedule,
+                      criterion=criterion, amp_dtype=amp_dtype, data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
+                      settings=LoopSettings.of(config), backend=backend)
     job = Job(config=config, world=me, comm=comm, run=run, record=record, trainer=trainer, checkpointer=checkpointer)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
         runstate.restore(state, resumed, config, me.rank, me.size, run.path)
@@ -342,7 +308,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
         f" | lr {config.base_lr} -> {peak_lr:g} | {data.steps_per_epoch} steps/epoch | {me.device}"
         f"{'' if cuda else f' ({me.threads} thread(s)/rank)'} | amp {amp_dtype or 'off'}"
         f"{' | channels_last' if channels_last else ''}{' | compiled' if config.compile else ''}"
-        f" | {'K-FAC' if preconditioner else 'SGD-family'} ({config.optimizer}) | run {run.run_id} in {run.path}")
+        f" | {'K-FAC' if preconditioner else 'SGD-family'} ({config.optimizer}) | {backend.describe()}"
+        f" | run {run.run_id} in {run.path}")
     return job
 
 

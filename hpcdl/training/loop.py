@@ -28,6 +28,7 @@ from hpcdl.runtime.faults import FaultInjector
 from hpcdl.runtime.signals import GracefulStop, StopRequest
 from hpcdl.runtime.watchdog import StallWatchdog
 from hpcdl.runtime.world import World
+from hpcdl.training.backend import Backend
 from hpcdl.training.config import TrainConfig
 from hpcdl.training.runstate import TrainState, pause_after
 from hpcdl.training.schedule import LRSchedule
@@ -73,6 +74,7 @@ class Trainer:
     stop: GracefulStop
     faults: FaultInjector
     settings: LoopSettings
+    backend: Backend  # how gradients are averaged over the ranks (Horovod, torch.distributed)
 
     @property
     def device(self) -> torch.device:
@@ -121,14 +123,14 @@ def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     """Average gradients over ranks, precondition, step; returns device flags (skipped, failed): 1.0 when the
     update was skipped for non-finite gradients, and when that counts as a failure (not fp16 loss scaling at work).
 
-    Horovod's DistributedOptimizer allreduces in backward hooks and ``synchronize`` waits for them;
-    K-FAC and the update then run inside ``skip_synchronize``. One rank has nothing to average (and
-    ``synchronize`` would still copy every gradient through Horovod's queue). The update rule is a
-    fused kernel that reads ``found_inf`` on the device and leaves parameters and state untouched
-    when it is set, which is how a non-finite step is skipped without the host looking.
+    The backend's allreduces run during backward (Horovod's hooks, DDP's buckets) and ``synchronize``
+    waits for them; K-FAC and the update then run inside the backend's ``stepping`` context
+    (hpcdl.training.backend). The update rule is a fused kernel that reads ``found_inf`` on the device
+    and leaves parameters and state untouched when it is set, which is how a non-finite step is
+    skipped without the host looking.
     """
     state = trainer.state
-    optimizer: Any = state.optimizer  # Horovod's DistributedOptimizer (synchronize, skip_synchronize)
+    optimizer: Any = state.optimizer  # Horovod's DistributedOptimizer, or the update rule itself (torch)
     scaler = state.scaler
     params = list(state.model.parameters())
     if trainer.settings.use_adasum and trainer.world.size > 1:
@@ -137,8 +139,7 @@ def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
         optimizer.zero_grad()
         flag = torch.tensor(float(verdict > 0), device=trainer.device)
         return flag, flag
-    if trainer.world.size > 1:
-        optimizer.synchronize()
+    trainer.backend.synchronize(optimizer)
     if scaler is not None:
         scaler.unscale_(optimizer)
         per_device = scaler._found_inf_per_device(optimizer).values()  # the scaler's own verdict, on the device
@@ -150,7 +151,7 @@ def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     if state.preconditioner is not None:
         state.preconditioner.step(found_inf=found_inf)
     optimizer.found_inf = found_inf
-    with optimizer.skip_synchronize():
+    with trainer.backend.stepping(optimizer):
         optimizer.step()
     del optimizer.found_inf
     if scaler is not None:
@@ -215,7 +216,8 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
         lr = trainer.schedule(epoch + progress.step_in_epoch / data.steps_per_epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        for x, y in zip(micro_batches(images_batch, k), micro_batches(labels, k), strict=True):
+        for x, y in trainer.backend.accumulating(trainer.model, zip(micro_batches(images_batch, k),
+                                                                    micro_batches(labels, k), strict=True)):
             with trainer.autocast():
                 logits = trainer.model(x)
                 loss = trainer.criterion(logits.float(), y)
