@@ -109,7 +109,7 @@ def init(use_horovod: bool = True, torch_distributed: bool = False, timeout_seco
         if torch_distributed and not _world.torch_distributed:
             from hpcdl.runtime import rendezvous
 
-            rendezvous.init_process_group(comm(), _world.device, timeout_seconds)
+            rendezvous.init_process_group(_mpi().COMM_WORLD, _world.device, timeout_seconds)
             _world = replace(_world, torch_distributed=True)
         return _world
     MPI = _mpi()
