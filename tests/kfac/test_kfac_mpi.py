@@ -15,7 +15,6 @@ from __future__ import annotations
 # it when it starts), so K-FAC uses Horovod process sets for its rank groups; without it K-FAC falls
 # back to mpi4py sub-communicators, tested below as well.
 import contextlib
-import importlib.util
 from typing import Any
 
 import pytest
@@ -25,11 +24,10 @@ from torch import nn
 
 from kfac import KFACPreconditioner
 from kfac.comm import Communicator, SingleProcess
+from tests.support.backends import BACKENDS, HOROVOD, needs_horovod
 from tests.support.mpi_harness import assert_all_ranks
 
 pytestmark = pytest.mark.mpi(min_size=2)
-HOROVOD = importlib.util.find_spec("horovod") is not None
-needs_horovod = pytest.mark.skipif(not HOROVOD, reason="Horovod is not installed (HPCDL_HOROVOD=0)")
 
 STEPS = 5
 PER_RANK = 4
@@ -102,7 +100,7 @@ class DataParallel:
         return TorchCommunicator()
 
 
-@pytest.fixture(params=[pytest.param("horovod", marks=needs_horovod), "torch"])
+@pytest.fixture(params=BACKENDS)
 def dp(request: pytest.FixtureRequest) -> DataParallel:
     return DataParallel(request.param)
 
@@ -275,11 +273,10 @@ def test_torch_groups_are_process_groups_of_their_own() -> None:
     assert_all_ranks(ok, f"{type(group).__name__} of ranks {group.ranks}")
 
 
+@needs_horovod
 def test_both_backends_end_with_the_same_weights() -> None:
     """Horovod and torch.distributed, same shards and K-FAC settings: the same weights (to rounding: the sums may
     be added in another order), not merely both near the one-rank reference."""
-    if not HOROVOD:
-        pytest.skip("Horovod is not installed (HPCDL_HOROVOD=0)")
     fraction = 1.0 / 2 if DataParallel("torch").size % 2 == 0 else 1.0
     a, _ = _train_distributed(DataParallel("horovod"), fraction)
     b, _ = _train_distributed(DataParallel("torch"), fraction)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.backends import HOROVOD
 from tests.support.mpi_harness import assert_all_ranks
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -16,12 +17,10 @@ pytestmark = pytest.mark.mpi(min_size=2)
 
 @pytest.fixture(scope="module")
 def comm():
-    import importlib.util
-
     from hpcdl.runtime import world
     from kfac.torch_comm import TorchCommunicator
 
-    world.init(use_horovod=importlib.util.find_spec("horovod") is not None, torch_distributed=True)
+    world.init(use_horovod=HOROVOD, torch_distributed=True)
     return TorchCommunicator()
 
 
