@@ -97,16 +97,17 @@ def agreed_endpoint(comm: Any, env: Mapping[str, str] | None = None) -> tuple[st
         if not given[1].isdigit():
             raise UsageError(f"MASTER_PORT must be a port number (got {given[1]!r})")
         return given[0], int(given[1])
-    endpoint = None
+    chosen: tuple[str, int] | str | None = None  # rank 0's endpoint, or its error's message for every rank
     if comm.Get_rank() == 0:
         try:
-            endpoint = (root_address(hosts, hosts[0]), free_port())
+            chosen = (root_address(hosts, hosts[0]), free_port())
         except UsageError as exc:
-            endpoint = exc  # every rank raises it
-    endpoint = comm.bcast(endpoint, root=0)
-    if isinstance(endpoint, UsageError):
-        raise UsageError(str(endpoint))
-    return endpoint
+            chosen = str(exc)
+    chosen = comm.bcast(chosen, root=0)
+    if isinstance(chosen, str):
+        raise UsageError(chosen)
+    assert chosen is not None
+    return chosen
 
 
 def check_torchrun(mpi_rank: int, mpi_size: int, env: Mapping[str, str] | None = None) -> None:

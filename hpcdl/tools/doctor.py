@@ -240,7 +240,8 @@ def torch_stack() -> dict[str, str]:
 
 
 def torch_distributed_backends() -> str:
-    """The collective backends this torch was built with (hpcdl.train --backend torch takes NCCL on GPUs, Gloo on CPUs)."""
+    """The collective backends this torch was built with (hpcdl.train --backend torch takes NCCL on GPUs, Gloo on
+    CPUs)."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -263,8 +264,8 @@ def nccl_network_plugin(env: dict[str, str] | None = None) -> str:
 
 
 def check_torch_distributed(world: Any, comm: Any) -> str:
-    """Start torch.distributed from MPI's ranks as ``hpcdl.train --backend torch`` does and sum one number over every rank;
-    the row's value, or Problem (on every rank: the verdicts are gathered over MPI)."""
+    """Start torch.distributed from MPI's ranks as ``hpcdl.train --backend torch`` does and sum one number over
+    every rank; the row's value, or Problem (on every rank: the verdicts are gathered over MPI)."""
     import torch
     import torch.distributed as dist
 
@@ -406,7 +407,8 @@ def diagnose(expect_gpu: bool) -> int:
                 Row("MPI library", MPI.Get_library_version().splitlines()[0].strip()),
                 Row("libmpi (horovod)", libs["horovod"] or "not linked"),
                 Row("libmpi (mpi4py)", libs["mpi4py"] or "not linked"),
-                Row("same MPI", "yes" if libs["horovod"] == libs["mpi4py"] else "unknown" if build else "n/a (no Horovod)"),
+                Row("same MPI", "yes" if libs["horovod"] == libs["mpi4py"] else
+                    "unknown" if build else "n/a (no Horovod)"),
                 Row("MPI thread level", THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
                 Row("CUDA devices", ", ".join(cuda_devices()) or "none (CPU)"),
                 Row("world size", str(world.size)),

@@ -294,8 +294,8 @@ def _build_rest(config: TrainConfig, me: world.World, comm: Any, run: RunDir, fa
     kept_through = (resumed["global_step"] if resumed is not None else 0) if config.resume else None
     record = agree(lambda: RunRecord(run.path, me.is_root, kept_through, run.run_id))
     trainer = Trainer(model=backend.wrap_model(compiled, config), state=state, schedule=schedule,
-                      criterion=criterion, amp_dtype=amp_dtype, data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
-                      settings=LoopSettings.of(config), backend=backend)
+                      criterion=criterion, amp_dtype=amp_dtype, data=data, world=me, comm=comm, watchdog=watchdog,
+                      stop=GracefulStop(comm), faults=faults, settings=LoopSettings.of(config), backend=backend)
     job = Job(config=config, world=me, comm=comm, run=run, record=record, trainer=trainer, checkpointer=checkpointer)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
         runstate.restore(state, resumed, config, me.rank, me.size, run.path)

@@ -64,5 +64,6 @@ def test_every_flag_in_its_messages_is_its_own_or_names_the_program_that_takes_i
 def test_the_nccl_network_plugin_is_named_from_the_environment(tmp_path) -> None:
     assert doctor.nccl_network_plugin({"NCCL_NET_PLUGIN": "ofi"}) == "NCCL_NET_PLUGIN=ofi"
     (tmp_path / "libnccl-net.so").write_bytes(b"")
-    assert doctor.nccl_network_plugin({"LD_LIBRARY_PATH": f"/nonexistent:{tmp_path}"}) == str(tmp_path / "libnccl-net.so")
+    found = doctor.nccl_network_plugin({"LD_LIBRARY_PATH": f"/nonexistent:{tmp_path}"})
+    assert found == str(tmp_path / "libnccl-net.so")
     assert doctor.nccl_network_plugin({}).startswith("none")
