@@ -179,18 +179,14 @@ class HorovodCommunicator(Communicator):
 
 
 def default_communicator() -> Communicator:
-    """Horovod's when this process is part of an initialised Horovod job of several ranks, else torch.distributed's
-    (kfac.torch_comm) when its process group has several ranks, else a single process.
+    """Horovod's when this process is part of an initialised Horovod job of several ranks, else a single process.
 
     Horovod is only looked at if it has been imported already: a job that uses it has imported it.
     """
     hvd = sys.modules.get("horovod.torch")
-    if hvd is None or not hasattr(hvd, "is_initialized") or not hvd.is_initialized() or hvd.size() == 1:
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            from kfac.torch_comm import TorchCommunicator
-
-            return TorchCommunicator()
+    if hvd is None or not hasattr(hvd, "is_initialized") or not hvd.is_initialized():
+        return SingleProcess()
+    if hvd.size() == 1:
         return SingleProcess()
     return HorovodCommunicator(hvd)
 
