@@ -341,15 +341,15 @@ def validate(c: TrainConfig) -> None:
                          + ("Muon sets every singular value of the step to 1, which undoes K-FAC's curvature scaling "
                             "and its KL clip" if c.optimizer == "muon" else "SOAP already preconditions with "
                             "Kronecker factors of its own (Shampoo's), so K-FAC in front would precondition twice"))
+    if c.use_adasum and c.kfac:
+        raise UsageError("--use-adasum cannot be combined with --kfac: Horovod's Adasum optimizer takes its step "
+                         "inside backward, before K-FAC could precondition the gradient")
     if c.use_adasum and c.backend == "torch":
         raise UsageError("--use-adasum is Horovod's Adasum, which torch.distributed has no equivalent of: use "
                          "--backend horovod, or leave --use-adasum out to average the gradients")
     if c.backend == "horovod" and importlib.util.find_spec("horovod") is None:
         raise UsageError("--backend horovod: Horovod is not installed here (scripts/setup.sh with HPCDL_HOROVOD=1 "
                          "builds it); use --backend torch")
-    if c.use_adasum and c.kfac:
-        raise UsageError("--use-adasum cannot be combined with --kfac: Horovod's Adasum optimizer takes its step "
-                         "inside backward, before K-FAC could precondition the gradient")
     check_kfac_preset(c)
 
 

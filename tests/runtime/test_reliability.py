@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.backends import BACKENDS, backend_param
+from tests.support.backends import BACKENDS, backend_param, needs_horovod
 from tests.support.mpi_harness import PYTHON, REPO, kill_tree, mpi_env
 from tests.support.reliability_runs import (
     BASE_FLAGS,
@@ -105,6 +105,7 @@ def test_frozen_rank_is_named_and_the_job_ends_within_60_seconds(tmp_path: Path)
                      r"\(no heartbeat for \d+ s", job.err), job.tail()
 
 
+@needs_horovod
 def test_frozen_rank_ends_the_job_with_horovod_dynamic_process_sets(tmp_path: Path) -> None:
     """With HOROVOD_DYNAMIC_PROCESS_SETS=1 a frozen peer leaves every live rank's main thread
     blocked in Horovod *holding the GIL*, so no Python watchdog can run (found with gdb after this

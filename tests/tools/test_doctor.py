@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpcdl.tools import doctor
+from tests.support.backends import needs_horovod
 from tests.support.mpi_harness import PYTHON, REPO, mpi_env, run_mpi
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
@@ -23,6 +24,7 @@ def run_doctor(extra_path: Path | None = None) -> subprocess.CompletedProcess[st
     return subprocess.run([PYTHON, "-m", "hpcdl.doctor"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
 
 
+@needs_horovod
 def test_healthy_environment_passes_and_reports_builds() -> None:
     result = run_doctor()
     assert result.returncode == 0, result.stderr
@@ -56,6 +58,7 @@ def test_an_environment_without_horovod_passes_for_the_torch_backend() -> None:
     assert "gloo: allreduce over 2 rank(s) ok" in result.stdout
 
 
+@needs_horovod
 def test_hidden_horovod_extension_is_diagnosed(tmp_path: Path) -> None:
     """A copy of the horovod package without its compiled libraries: the silent 'MPI libs are missing' case."""
     import horovod

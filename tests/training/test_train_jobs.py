@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.backends import BACKENDS
+from tests.support.backends import BACKENDS, needs_horovod
 from tests.support.mpi_harness import run_train
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
@@ -107,6 +107,7 @@ def test_kfac_training_with_accumulation_checkpoints_its_factors(tmp_path: Path)
     assert torch.load(newest, weights_only=True)["kfac"] is not None
 
 
+@needs_horovod
 def test_adasum_trains_on_two_ranks(tmp_path: Path) -> None:
     """--use-adasum: Horovod's Adasum optimizer steps inside backward, so the loop must not wrap it in
     skip_synchronize (which it refuses); replicas stay identical and the model learns."""
