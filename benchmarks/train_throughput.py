@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/train_throughput.py --device cuda         # GPU: resnet50, batch 128, 224x224
     .venv/bin/python benchmarks/train_throughput.py --modes fp32 amp --rounds 4 --skip-scaling
     .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch   # the backends' scaling only
+    .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch --kfac   # and K-FAC's step
 
 For each mode (fp32; amp: bf16 autocast; amp+cl: bf16 + channels_last; compile: torch.compile, fp32
 on CPU and amp+cl on CUDA) this one process alternates, pair by pair (AB BA AB ...), between
@@ -121,15 +122,16 @@ def bare_step_seconds(mode: str, args: argparse.Namespace) -> float:
     return steps(args.steps)
 
 
-def images_per_second(backend: str, ranks: int, args: argparse.Namespace) -> float:
-    """hpcdl.train's images/s in its second epoch on ``ranks`` ranks, one thread each, under ``backend``."""
+def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: bool = False) -> float:
+    """hpcdl.train's images/s in its second epoch on ``ranks`` ranks, one thread each, under ``backend`` (with
+    ``--kfac``: K-FAC's step, its collectives over the backend's communicator)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     batch = SHAPES["cpu"]["batch"]
     with tempfile.TemporaryDirectory() as out:
         cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train",
                "--dataset", "synthetic", "--model", "resnet32", "--batch-size", str(batch),
                "--synthetic-size", str(args.steps * batch * ranks), "--epochs", "2", "--output-dir", f"{out}/r",
-               "--no-progress", "--keep-checkpoints", "1", "--backend", backend]
+               "--no-progress", "--keep-checkpoints", "1", "--backend", backend, *(["--kfac"] if kfac else [])]
         subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800, capture_output=True)
         rows = [json.loads(line) for line in (Path(out) / "r" / "metrics.jsonl").read_text().splitlines()]
     return float(rows[-1]["images_per_second"])
@@ -138,21 +140,25 @@ def images_per_second(backend: str, ranks: int, args: argparse.Namespace) -> flo
 def scaling(args: argparse.Namespace) -> dict:
     """images/s of hpcdl.train on 1 and 2 ranks under each backend (same per-rank batch), the median of
     ``--rounds`` runs taken in alternating backend order; the first backend's figures also at the top level."""
-    runs: dict[str, dict[int, list[float]]] = {backend: {1: [], 2: []} for backend in args.backends}
+    variants = [*args.backends, *(f"{backend}+kfac" for backend in args.backends if args.kfac)]
+    runs: dict[str, dict[int, list[float]]] = {variant: {1: [], 2: []} for variant in variants}
     for round_ in range(args.rounds):
-        order = args.backends if round_ % 2 == 0 else list(reversed(args.backends))
+        order = variants if round_ % 2 == 0 else list(reversed(variants))
         for ranks in (1, 2):
-            for backend in order:
-                runs[backend][ranks].append(images_per_second(backend, ranks, args))
+            for variant in order:
+                backend, _, kfac = variant.partition("+")
+                runs[variant][ranks].append(images_per_second(backend, ranks, args, kfac=bool(kfac)))
     result: dict = {"backends": {}}
     for backend, by_ranks in runs.items():
         one, two = statistics.median(by_ranks[1]), statistics.median(by_ranks[2])
         result["backends"][backend] = {"images_per_second_1_rank": one, "images_per_second_2_rank": two,
                                        "scaling_efficiency_2_ranks": two / (2 * one), "runs": by_ranks}
     result.update({k: v for k, v in result["backends"][args.backends[0]].items() if k != "runs"})
-    if {"horovod", "torch"} <= set(runs):
-        result["torch_over_horovod_2_ranks"] = (result["backends"]["torch"]["images_per_second_2_rank"]
-                                                / result["backends"]["horovod"]["images_per_second_2_rank"])
+    for suffix in ("", "+kfac"):
+        if {f"horovod{suffix}", f"torch{suffix}"} <= set(runs):
+            torch_, horovod = (result["backends"][f"{b}{suffix}"]["images_per_second_2_rank"]
+                               for b in ("torch", "horovod"))
+            result[f"torch_over_horovod_2_ranks{suffix.replace('+', '_')}"] = torch_ / horovod
     return result
 
 
@@ -205,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=[default_backend()],
                         help="--backend values whose 1- and 2-rank scaling is measured side by side (default: "
                              "hpcdl.train's default backend)")
+    parser.add_argument("--kfac", action="store_true", help="also measure each backend's scaling with --kfac")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
     from hpcdl.run import outputs
@@ -258,8 +265,10 @@ def measure(args: argparse.Namespace) -> None:
             print(f"{backend:8s} 1 rank {figures['images_per_second_1_rank']:.0f} img/s, 2 ranks "
                   f"{figures['images_per_second_2_rank']:.0f} img/s -> scaling efficiency "
                   f"{100 * figures['scaling_efficiency_2_ranks']:.0f}% (1 thread per rank)")
-        if "torch_over_horovod_2_ranks" in report:
-            print(f"torch/horovod images/s at 2 ranks: {report['torch_over_horovod_2_ranks']:.3f}")
+        for key in ("torch_over_horovod_2_ranks", "torch_over_horovod_2_ranks_kfac"):
+            if key in report:
+                print(f"torch/horovod images/s at 2 ranks{' with K-FAC' if key.endswith('kfac') else ''}: "
+                      f"{report[key]:.3f}")
     write_text_atomically(output, json.dumps(report, indent=2) + "\n")
     plot(report, outputs.output_file(stem, ".png"))
     print(f"wrote {output} and {outputs.output_file(stem, '.png')}")
