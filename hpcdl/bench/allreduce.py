@@ -103,9 +103,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def build_contenders(args: argparse.Namespace, comm: MPI.Comm) -> list[contenders.Contender]:
     chosen = [contenders.mpi_allreduce(comm)]
-    if not args.no_horovod and importlib.util.find_spec("horovod") is None:
-        print0("note: Horovod is not installed here; its row is left out")
-    elif not args.no_horovod:
+    if not args.no_horovod:
         chosen.append(contenders.horovod_allreduce(comm))
     if not args.no_gloo:
         gloo = contenders.gloo_allreduce(comm)
@@ -280,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         flag="--output-dir/--name",
         comm=world.comm(),
     )
+    if not args.no_horovod and importlib.util.find_spec("horovod") is None:
+        print0("note: Horovod is not installed here; its row is left out (as with --no-horovod)")
+        args.no_horovod = True
     if not args.no_horovod:
         if args.horovod_cycle_time_ms is not None:  # read by hvd.init, which the Horovod contender calls
             os.environ["HOROVOD_CYCLE_TIME"] = f"{args.horovod_cycle_time_ms:g}"
