@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/train_throughput.py                       # CPU: resnet32, batch 64, 32x32
     .venv/bin/python benchmarks/train_throughput.py --device cuda         # GPU: resnet50, batch 128, 224x224
     .venv/bin/python benchmarks/train_throughput.py --modes fp32 amp --rounds 4 --skip-scaling
+    .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch   # the backends' scaling only
+    .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch --kfac   # and K-FAC's step
 
 For each mode (fp32; amp: bf16 autocast; amp+cl: bf16 + channels_last; compile: torch.compile, fp32
 on CPU and amp+cl on CUDA) this one process alternates, pair by pair (AB BA AB ...), between
@@ -13,8 +15,10 @@ on CPU and amp+cl on CUDA) this one process alternates, pair by pair (AB BA AB .
   forward, backward, SGD step and nothing else, timed over the same number of steps after a warm-up.
 
 The median over pairs of B's step time / A's step time is hpcdl's speed relative to the bare loop
-(1.0 = as fast). Part 2 (CPU only) launches ``mpirun -np 1`` and ``-np 2`` and reports the scaling
-efficiency. Results: JSON and a bar chart, under benchmarks/results/ (``--output`` to write elsewhere).
+(1.0 = as fast). Part 2 (CPU only) launches ``mpirun -np 1`` and ``-np 2`` under each ``--backends``
+(Horovod, torch.distributed: the same flags, run after run in alternating order) and reports each one's
+images/s and scaling efficiency, and torch's images/s over Horovod's at 2 ranks. Results: JSON and a bar
+chart, under benchmarks/results/ (``--output`` to write elsewhere).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
+from hpcdl.training.config import BACKENDS, default_backend  # noqa: E402
 
 MODES = ("fp32", "amp", "amp+cl", "compile")
 SHAPES = {"cpu": dict(model="resnet32", batch=64, size=32), "cuda": dict(model="resnet50", batch=128, size=224)}
@@ -119,20 +124,43 @@ def bare_step_seconds(mode: str, args: argparse.Namespace) -> float:
     return steps(args.steps)
 
 
-def scaling(args: argparse.Namespace) -> dict[str, float]:
-    """images/s of hpcdl.train on 1 and 2 ranks, one thread each (same per-rank batch)."""
+def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: bool = False) -> float:
+    """hpcdl.train's images/s in its second epoch on ``ranks`` ranks, one thread each, under ``backend`` (with
+    ``--kfac``: K-FAC's step, its collectives over the backend's communicator)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    batch, result = SHAPES["cpu"]["batch"], {}
-    for ranks in (1, 2):
-        with tempfile.TemporaryDirectory() as out:
-            cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train",
-                   "--dataset", "synthetic", "--model", "resnet32", "--batch-size", str(batch),
-                   "--synthetic-size", str(args.steps * batch * ranks), "--epochs", "2", "--output-dir", f"{out}/r",
-                   "--no-progress", "--keep-checkpoints", "1"]
-            subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800, capture_output=True)
-            rows = [json.loads(line) for line in (Path(out) / "r" / "metrics.jsonl").read_text().splitlines()]
-            result[f"images_per_second_{ranks}_rank"] = rows[-1]["images_per_second"]
-    result["scaling_efficiency_2_ranks"] = result["images_per_second_2_rank"] / (2 * result["images_per_second_1_rank"])
+    batch = SHAPES["cpu"]["batch"]
+    with tempfile.TemporaryDirectory() as out:
+        cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train",
+               "--dataset", "synthetic", "--model", "resnet32", "--batch-size", str(batch),
+               "--synthetic-size", str(args.steps * batch * ranks), "--epochs", "2", "--output-dir", f"{out}/r",
+               "--no-progress", "--keep-checkpoints", "1", "--backend", backend, *(["--kfac"] if kfac else [])]
+        subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800, capture_output=True)
+        rows = [json.loads(line) for line in (Path(out) / "r" / "metrics.jsonl").read_text().splitlines()]
+    return float(rows[-1]["images_per_second"])
+
+
+def scaling(args: argparse.Namespace) -> dict:
+    """images/s of hpcdl.train on 1 and 2 ranks under each backend (same per-rank batch), the median of
+    ``--rounds`` runs taken in alternating backend order; the first backend's figures also at the top level."""
+    variants = [*args.backends, *(f"{backend}+kfac" for backend in args.backends if args.kfac)]
+    runs: dict[str, dict[int, list[float]]] = {variant: {1: [], 2: []} for variant in variants}
+    for round_ in range(args.rounds):
+        order = variants if round_ % 2 == 0 else list(reversed(variants))
+        for ranks in (1, 2):
+            for variant in order:
+                backend, _, kfac = variant.partition("+")
+                runs[variant][ranks].append(images_per_second(backend, ranks, args, kfac=bool(kfac)))
+    result: dict = {"backends": {}}
+    for backend, by_ranks in runs.items():
+        one, two = statistics.median(by_ranks[1]), statistics.median(by_ranks[2])
+        result["backends"][backend] = {"images_per_second_1_rank": one, "images_per_second_2_rank": two,
+                                       "scaling_efficiency_2_ranks": two / (2 * one), "runs": by_ranks}
+    result.update({k: v for k, v in result["backends"][args.backends[0]].items() if k != "runs"})
+    for suffix in ("", "+kfac"):
+        if {f"horovod{suffix}", f"torch{suffix}"} <= set(runs):
+            torch_, horovod = (result["backends"][f"{b}{suffix}"]["images_per_second_2_rank"]
+                               for b in ("torch", "horovod"))
+            result[f"torch_over_horovod_2_ranks{suffix.replace('+', '_')}"] = torch_ / horovod
     return result
 
 
@@ -146,6 +174,19 @@ def plot(report: dict, path: Path) -> None:
     shape = SHAPES[report["device"]]
     ips = lambda seconds: shape["batch"] / seconds  # noqa: E731
     fig, ax = plt.subplots(figsize=(7, 4))
+    if not modes:  # the scaling part alone: each backend's images/s on 1 and 2 ranks
+        backends = list(report.get("backends", {}))
+        for offset, ranks in ((-0.2, 1), (0.2, 2)):
+            ax.bar([i + offset for i in range(len(backends))],
+                   [report["backends"][b][f"images_per_second_{ranks}_rank"] for b in backends], 0.4,
+                   label=f"{ranks} rank(s)")
+        ax.set_xticks(list(range(len(backends))), [f"--backend {b}" for b in backends])
+        ax.set_ylabel("images/s")
+        ax.set_title(f"{shape['model']}, batch {shape['batch']} per rank, 1 thread per rank")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     x = range(len(modes))
     ax.bar([i - 0.2 for i in x], [ips(statistics.median(report["modes"][m]["bare_step_seconds"])) for m in modes],
            0.4, label="bare loop (batch on device)")
@@ -164,10 +205,15 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = RankZeroParser(prog="benchmarks/train_throughput.py", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES),
+                        help="speed modes against the bare loop (none: only the scaling part)")
     parser.add_argument("--steps", type=integer(1), default=12, help="measured steps per round")
     parser.add_argument("--rounds", type=integer(1), default=4, help="pairs per mode, in alternating order")
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=[default_backend()],
+                        help="--backend values whose 1- and 2-rank scaling is measured side by side (default: "
+                             "hpcdl.train's default backend)")
+    parser.add_argument("--kfac", action="store_true", help="also measure each backend's scaling with --kfac")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
     from hpcdl.run import outputs
@@ -189,7 +235,7 @@ def measure(args: argparse.Namespace) -> None:
     stem = outputs.results_stem(outputs.given_stem(args.output, SUFFIXES),
                                 f"train_throughput_{args.device}", SUFFIXES,
                                 refresh_results=args.refresh_results, force=args.force)
-    me = world.init()
+    me = world.init(use_horovod=default_backend() == "horovod", torch_distributed=default_backend() == "torch")
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
     report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
                     **SHAPES[args.device], "modes": {}}
@@ -217,8 +263,14 @@ def measure(args: argparse.Namespace) -> None:
             write_text_atomically(output, json.dumps(report, indent=2) + "\n")  # a run cut short keeps its modes
     if args.device == "cpu" and not args.skip_scaling:
         report.update(scaling(args))
-        print(f"1 rank {report['images_per_second_1_rank']:.0f} img/s, 2 ranks {report['images_per_second_2_rank']:.0f}"
-              f" img/s -> scaling efficiency {100 * report['scaling_efficiency_2_ranks']:.0f}% (1 thread per rank)")
+        for backend, figures in report["backends"].items():
+            print(f"{backend:8s} 1 rank {figures['images_per_second_1_rank']:.0f} img/s, 2 ranks "
+                  f"{figures['images_per_second_2_rank']:.0f} img/s -> scaling efficiency "
+                  f"{100 * figures['scaling_efficiency_2_ranks']:.0f}% (1 thread per rank)")
+        for key in ("torch_over_horovod_2_ranks", "torch_over_horovod_2_ranks_kfac"):
+            if key in report:
+                print(f"torch/horovod images/s at 2 ranks{' with K-FAC' if key.endswith('kfac') else ''}: "
+                      f"{report[key]:.3f}")
     write_text_atomically(output, json.dumps(report, indent=2) + "\n")
     plot(report, outputs.output_file(stem, ".png"))
     print(f"wrote {output} and {outputs.output_file(stem, '.png')}")

@@ -6,6 +6,9 @@
 #   HPCDL_WHEELHOUSE=DIR bash scripts/setup.sh   # no network: everything from DIR (make wheelhouse DIR=...)
 #   HPCDL_TORCH=existing bash scripts/setup.sh   # build against the torch $PYTHON already has (site module,
 #                                                # conda env, NGC container) instead of installing a second one
+#   HPCDL_HOROVOD=0 bash scripts/setup.sh        # no Horovod: hpcdl.train then defaults to --backend torch
+#                                                # (1: Horovod must build; auto, the default: it is left out,
+#                                                # said in one line, when its build fails, e.g. on aarch64)
 #
 # Steps: MPI -> virtual environment -> torch/torchvision -> Horovod (cached wheel) -> mpi4py ->
 # hpcdl itself with test tools -> a final import check. A second run only checks, in seconds.
@@ -19,6 +22,7 @@ CACHE="${HPCDL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpcdl}"
 GPU_BUILD="${HPCDL_GPU:-0}"
 WHEELHOUSE="${HPCDL_WHEELHOUSE:-}"
 TORCH_MODE="${HPCDL_TORCH:-auto}" # auto | pip | existing
+HOROVOD_MODE="${HPCDL_HOROVOD:-auto}" # auto | 1 | 0
 # Versions live in one place: scripts/versions.env (pyproject and environment.yml are tested against it).
 # shellcheck source=scripts/versions.env
 source "$ROOT/scripts/versions.env"
@@ -39,6 +43,7 @@ pip_q() {
 }
 
 case "$TORCH_MODE" in auto | pip | existing) ;; *) fail "HPCDL_TORCH must be auto, pip or existing (got '$TORCH_MODE')" ;; esac
+case "$HOROVOD_MODE" in auto | 1 | 0) ;; *) fail "HPCDL_HOROVOD must be auto, 1 or 0 (got '$HOROVOD_MODE')" ;; esac
 # What was asked for is checked before anything is built or linked: PYTHON must be a Python, and
 # HPCDL_TORCH=existing needs a torch in it (whatever this venv already holds).
 PY_WHO="${PYTHON:+PYTHON=}$PY_BOOT"
@@ -174,14 +179,13 @@ if sys.argv[2] == "1":
     assert hvd.nccl_built()
 PY
 }
-if hvd_ok; then
-  ok "already installed with its extension"
-else
+# Builds and installs Horovod; returns non-zero (after saying why on stderr) when it cannot.
+install_horovod() {
   # shellcheck disable=SC2086 # a list of requirements, split on purpose
-  pip_q install $HOROVOD_BUILD_REQUIREMENTS || fail "could not install Horovod's build tools ($HOROVOD_BUILD_REQUIREMENTS)"
+  pip_q install $HOROVOD_BUILD_REQUIREMENTS || { echo "could not install Horovod's build tools ($HOROVOD_BUILD_REQUIREMENTS)" >&2; return 1; }
   # Build settings, NCCL discovery, CUDA architectures and the cache key: scripts/horovod_build.py.
   BUILD_ENV="$("$VENV/bin/python" "$ROOT/scripts/horovod_build.py" env --gpu "$GPU_BUILD" --cache "$CACHE" \
-    --mpi "$(mpirun --version 2>&1)")" || fail "see the line above"
+    --mpi "$(mpirun --version 2>&1)")" || return 1
   KEY="$(printf '%s\n' "$BUILD_ENV" | sed -n 's/^HOROVOD_CACHE_KEY=//p' | tr -d "'")"
   WHEEL_DIR="$CACHE/wheels/$KEY"
   WHEEL="$(find "$WHEEL_DIR" -maxdepth 1 -name 'horovod-*.whl' 2>/dev/null | head -n 1 || true)"
@@ -191,29 +195,39 @@ else
     ok "building from the sdist (about 5 minutes on 2 cores, 2 on 16); cache: $WHEEL_DIR"
     BUILD="$(mktemp -d)"
     if [ -n "$WHEELHOUSE" ]; then
-      cp "$WHEELHOUSE/horovod-$HOROVOD_VERSION.tar.gz" "$BUILD/" || fail "$WHEELHOUSE has no horovod-$HOROVOD_VERSION.tar.gz (rebuild it with make wheelhouse)"
+      cp "$WHEELHOUSE/horovod-$HOROVOD_VERSION.tar.gz" "$BUILD/" || { echo "$WHEELHOUSE has no horovod-$HOROVOD_VERSION.tar.gz (rebuild it with make wheelhouse)" >&2; return 1; }
     else
-      pip_q download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD" || fail "could not download the Horovod sdist"
+      pip_q download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD" || { echo "could not download the Horovod sdist" >&2; return 1; }
     fi
     # --no-same-owner: as root in a container's user namespace the sdist's owners (uid 1001) do not exist.
     tar --no-same-owner -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
     SRC="$BUILD/horovod-$HOROVOD_VERSION"
     # PyTorch >= 2.1 headers need C++17; 0.28.1 pins C++14 (every Horovod build fix: horovod_build.py).
-    "$VENV/bin/python" "$ROOT/scripts/horovod_build.py" patch-sdist "$SRC" || fail "see the line above"
+    "$VENV/bin/python" "$ROOT/scripts/horovod_build.py" patch-sdist "$SRC" || return 1
     mkdir -p "$WHEEL_DIR"
     # The venv's bin first: Horovod's setup.py looks for `cmake` on PATH (the pip-installed one above),
     # and without one it tries to download CMake (no network inside an image build).
     (eval "$BUILD_ENV" && export PATH="$VENV/bin:$PATH" && cd "$SRC" && "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps . -w "$BUILD/dist") >"$BUILD/build.log" 2>&1 ||
-      { tail -n 30 "$BUILD/build.log" >&2; fail "Horovod did not build; full log: $BUILD/build.log"; }
+      { tail -n 30 "$BUILD/build.log" >&2; echo "Horovod did not build; full log: $BUILD/build.log" >&2; return 1; }
     cp "$BUILD"/dist/horovod-*.whl "$WHEEL_DIR/"
     WHEEL="$(find "$WHEEL_DIR" -maxdepth 1 -name 'horovod-*.whl' | head -n 1)"
     rm -rf "$BUILD"
     ok "built and cached $WHEEL"
   fi
-  pip_q install --force-reinstall --no-deps "$WHEEL" || fail "could not install $WHEEL"
+  pip_q install --force-reinstall --no-deps "$WHEEL" || { echo "could not install $WHEEL" >&2; return 1; }
   pip_q install cloudpickle psutil pyyaml packaging
-  hvd_ok || fail "Horovod installed but its extension does not load (run: $VENV/bin/horovodrun --check-build)"
+  hvd_ok || { echo "Horovod installed but its extension does not load (run: $VENV/bin/horovodrun --check-build)" >&2; return 1; }
+}
+if [ "$HOROVOD_MODE" = 0 ]; then
+  ok "left out (HPCDL_HOROVOD=0): hpcdl.train defaults to --backend torch"
+elif hvd_ok; then
+  ok "already installed with its extension"
+elif install_horovod; then
   ok "installed"
+elif [ "$HOROVOD_MODE" = 1 ]; then
+  fail "Horovod did not install (see the lines above); HPCDL_HOROVOD=1 asks for it, HPCDL_HOROVOD=0 leaves it out"
+else
+  ok "Horovod could not be built here (see the lines above): continuing without it; hpcdl.train defaults to --backend torch (HPCDL_HOROVOD=1 makes this an error)"
 fi
 
 # ---------------------------------------------------------------- mpi4py
@@ -273,5 +287,11 @@ else
   touch "$STAMP"
   ok "installed"
 fi
-"$VENV/bin/python" -c 'import hpcdl, kfac, horovod.torch, mpi4py.MPI, pytest_mpi' || fail "final import check failed"
+"$VENV/bin/python" -c 'import hpcdl, kfac, mpi4py.MPI, pytest_mpi, torch.distributed as d; assert d.is_gloo_available()' ||
+  fail "final import check failed"
+if hvd_ok; then
+  ok "backends: horovod (the default) and torch"
+else
+  ok "backends: torch only (no Horovod); hpcdl.train defaults to --backend torch"
+fi
 printf '[setup] ready: %s (activate with: source %s/bin/activate)\n' "$VENV" "$VENV"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import platform
 import sys
@@ -277,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         flag="--output-dir/--name",
         comm=world.comm(),
     )
+    if not args.no_horovod and importlib.util.find_spec("horovod") is None:
+        print0("note: Horovod is not installed here; its row is left out (as with --no-horovod)")
+        args.no_horovod = True
     if not args.no_horovod:
         if args.horovod_cycle_time_ms is not None:  # read by hvd.init, which the Horovod contender calls
             os.environ["HOROVOD_CYCLE_TIME"] = f"{args.horovod_cycle_time_ms:g}"

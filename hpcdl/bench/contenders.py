@@ -8,8 +8,6 @@ correctness check treat MPI, Horovod, torch.distributed and our own algorithms a
 from __future__ import annotations
 
 import contextlib
-import datetime
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -84,29 +82,22 @@ def horovod_allreduce(comm: MPI.Comm) -> Contender:
 
 
 def gloo_allreduce(comm: MPI.Comm) -> Contender | None:
-    """torch.distributed.all_reduce with the gloo backend, or None if it cannot start here.
+    """torch.distributed.all_reduce with the gloo backend (what ``hpcdl.train --backend torch`` uses on CPUs), or None
+    if it cannot start here.
 
-    Rendezvous: rank 0 picks a free TCP port and tells the others through MPI, so no
-    MASTER_ADDR/MASTER_PORT needs to be set by hand.
+    Started as the training starts it (hpcdl.runtime.rendezvous): rank 0's address and a free TCP port agreed
+    through MPI, so no MASTER_ADDR/MASTER_PORT needs to be set by hand.
     """
     import torch.distributed as dist
+
+    from hpcdl.runtime import rendezvous
 
     if not dist.is_available() or not dist.is_gloo_available():
         return None
     if not dist.is_initialized():
-        hosts = comm.allgather(socket.gethostname())
-        address = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
-        port = _free_port() if comm.Get_rank() == 0 else None
-        port = comm.bcast(port, root=0)
         error = None
         try:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://{address}:{port}",
-                rank=comm.Get_rank(),
-                world_size=comm.Get_size(),
-                timeout=datetime.timedelta(seconds=60),
-            )
+            rendezvous.init_process_group(comm, torch.device("cpu"), timeout_seconds=60)
         except Exception as exc:  # noqa: BLE001 - any failure means: leave gloo out of the table
             error = f"{type(exc).__name__}: {exc}"
         if any(comm.allgather(error is not None)):
@@ -123,9 +114,3 @@ def gloo_allreduce(comm: MPI.Comm) -> Contender | None:
         return call
 
     return Contender("torch.distributed (gloo)", prepare)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]

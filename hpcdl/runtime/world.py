@@ -2,8 +2,9 @@
 
 Every other module asks here for its rank, the world size, its local rank, the device it
 owns and the MPI communicator. Initialisation happens once: mpi4py initialises MPI (thread
-level MULTIPLE, which Horovod needs), then Horovod is started on that same MPI_COMM_WORLD,
-so explicit mpi4py collectives and Horovod's allreduce share one set of ranks.
+level MULTIPLE, which Horovod needs), then Horovod or torch.distributed (``--backend torch``,
+hpcdl.runtime.rendezvous) is started on that same MPI_COMM_WORLD, so explicit mpi4py collectives
+and the gradients' allreduce share one set of ranks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +36,7 @@ class World:
     device: torch.device
     threads: int
     horovod: bool
+    torch_distributed: bool = False  # torch.distributed's process group is up on these ranks
 
     @property
     def is_root(self) -> bool:
@@ -95,13 +97,20 @@ def fix_reduction_order() -> None:
     os.environ["HOROVOD_AUTOTUNE"] = "0"  # the autotuner would turn fusion back on
 
 
-def init(use_horovod: bool = True) -> World:
-    """Initialise MPI (and Horovod) once, pin the device and thread count, and return the World.
+def init(use_horovod: bool = True, torch_distributed: bool = False, timeout_seconds: float | None = None) -> World:
+    """Initialise MPI (and Horovod, or torch.distributed's process group) once, pin the device and thread count,
+    and return the World. ``timeout_seconds``: how long a torch.distributed collective waits for a peer.
 
-    Safe to call many times; later calls return the first result.
+    Safe to call many times; later calls return the first result (a torch.distributed group asked for later is
+    started then).
     """
     global _world
     if _world is not None:
+        if torch_distributed and not _world.torch_distributed:
+            from hpcdl.runtime import rendezvous
+
+            rendezvous.init_process_group(_mpi().COMM_WORLD, _world.device, timeout_seconds)
+            _world = replace(_world, torch_distributed=True)
         return _world
     MPI = _mpi()
     comm = MPI.COMM_WORLD
@@ -132,6 +141,12 @@ def init(use_horovod: bool = True) -> World:
     threads = threads_per_rank(local_size)
     torch.set_num_threads(threads)
     allocator.keep_freed_memory()
+    # Every rank decides alike (a collective follows): no group where a rank lacks its GPU.
+    start_group = torch_distributed and not comm.allreduce(int(placement_broken(device, local_rank, cuda)))
+    if start_group:
+        from hpcdl.runtime import rendezvous
+
+        rendezvous.init_process_group(comm, device, timeout_seconds)
 
     _world = World(
         rank=comm.Get_rank(),
@@ -142,8 +157,15 @@ def init(use_horovod: bool = True) -> World:
         device=device,
         threads=threads,
         horovod=horovod_up,
+        torch_distributed=start_group,
     )
     return _world
+
+
+def placement_broken(device: torch.device, local_rank: int, cuda_devices: int) -> bool:
+    """True for a rank left without the GPU it should have (placement.verify says so on every rank, in one line):
+    a process group is not started on it, so that the error comes first."""
+    return device.type == "cpu" and 0 < cuda_devices <= local_rank
 
 
 def get() -> World:

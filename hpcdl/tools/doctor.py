@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import importlib.util
 import os
 import platform
 import re
@@ -54,16 +55,23 @@ def version_of(module: str) -> str:
         return "missing"
 
 
-def horovod_build() -> dict[str, list[str]]:
-    """What Horovod was built with, as `horovodrun --check-build` reports it.
+def horovod_installed() -> bool:
+    """Whether Horovod is installed at all (a setup with HPCDL_HOROVOD=0 has only the torch backend)."""
+    return importlib.util.find_spec("horovod") is not None
+
+
+def horovod_build() -> dict[str, list[str]] | None:
+    """What Horovod was built with, as `horovodrun --check-build` reports it; None where it is not installed.
 
     Raises Problem in the silent failure case: `import horovod.torch` works but its compiled
     extension is absent (it only prints "MPI libs are missing"), so hvd.init does not exist.
     """
+    if not horovod_installed():
+        return None
     try:
         import horovod.torch as hvd
     except ImportError as exc:
-        raise Problem(f"Horovod is not installed ({exc})", SETUP_HINT) from exc
+        raise Problem(f"Horovod does not import ({exc})", SETUP_HINT) from exc
     if not hasattr(hvd, "init"):
         raise Problem(
             "Horovod's compiled extension is missing (import prints 'MPI libs are missing')",
@@ -109,12 +117,14 @@ def _linked_mpi(shared_object: str) -> str | None:
 
 
 def mpi_libraries() -> dict[str, str | None]:
-    """The libmpi that Horovod's extension and mpi4py each link against."""
-    import horovod.torch
+    """The libmpi that Horovod's extension (where installed) and mpi4py each link against."""
     import mpi4py.MPI
 
-    hvd_dir = Path(horovod.torch.__file__).parent
-    hvd_ext = sorted(hvd_dir.glob("mpi_lib_v2*.so"))
+    hvd_ext: list[Path] = []
+    if horovod_installed():
+        import horovod.torch
+
+        hvd_ext = sorted(Path(horovod.torch.__file__).parent.glob("mpi_lib_v2*.so"))
     return {
         "horovod": _linked_mpi(str(hvd_ext[0])) if hvd_ext else None,
         "mpi4py": _linked_mpi(mpi4py.MPI.__file__),
@@ -272,8 +282,60 @@ def torch_stack() -> dict[str, str]:
     return facts
 
 
+def torch_distributed_backends() -> str:
+    """The collective backends this torch was built with (hpcdl.train --backend torch takes NCCL on GPUs, Gloo on
+    CPUs)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "none (torch built without distributed)"
+    return ", ".join(name for name, built in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
+                                               ("mpi", dist.is_mpi_available())) if built) or "none"
+
+
+def nccl_network_plugin(env: dict[str, str] | None = None) -> str:
+    """The NCCL network plugin NCCL would load (NCCL_NET_PLUGIN, else a libnccl-net.so on the library path):
+    the fabric's own (aws-ofi-nccl on Slingshot/EFA, ...) or, without one, NCCL's built-in IB and sockets."""
+    env = dict(os.environ) if env is None else env
+    if env.get("NCCL_NET_PLUGIN"):
+        return f"NCCL_NET_PLUGIN={env['NCCL_NET_PLUGIN']}"
+    for folder in filter(None, env.get("LD_LIBRARY_PATH", "").split(os.pathsep)):
+        found = sorted(Path(folder).glob("libnccl-net*.so*")) if Path(folder).is_dir() else []
+        if found:
+            return str(found[0])
+    return "none (NCCL's built-in IB and sockets)"
+
+
+def check_torch_distributed(world: Any, comm: Any) -> str:
+    """Start torch.distributed from MPI's ranks as ``hpcdl.train --backend torch`` does and sum one number over
+    every rank; the row's value, or Problem (on every rank: the verdicts are gathered over MPI)."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcdl.runtime import rendezvous
+
+    error = None
+    try:
+        backend = rendezvous.init_process_group(comm, world.device, timeout_seconds=60)
+        ones = torch.ones(1, device=world.device)
+        dist.all_reduce(ones)
+        if int(ones.item()) != world.size:
+            error = f"an allreduce of ones over {world.size} ranks gave {ones.item():g}"
+    except Exception as exc:  # noqa: BLE001 - any failure is the diagnosis
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    failures = [(rank, e) for rank, e in enumerate(comm.allgather(error)) if e]
+    if failures:
+        rank, what = failures[0]
+        raise Problem(f"torch.distributed does not reach every rank (rank {rank}: {what})",
+                      "check that every node reaches rank 0's on the job's interface (GLOO_SOCKET_IFNAME / "
+                      "NCCL_SOCKET_IFNAME), or train with hpcdl.train --backend horovod")
+    return f"{backend}: allreduce over {world.size} rank(s) ok"
+
+
 def horovod_nccl() -> str:
     """The NCCL version Horovod was compiled against (hvd.nccl_built() returns NCCL_VERSION_CODE)."""
+    if not horovod_installed():
+        return "not installed"
     import horovod.torch as hvd
 
     return nccl_code_version(int(hvd.nccl_built()))
@@ -344,7 +406,7 @@ def diagnose(expect_gpu: bool) -> int:
 
     from hpcdl.runtime import world as world_module
 
-    world = world_module.init()
+    world = world_module.init(use_horovod=build is not None)
     try:
         check_launcher_agrees(world.size)
     except Problem as problem:
@@ -354,6 +416,12 @@ def diagnose(expect_gpu: bool) -> int:
         return 1
     comm = world_module.comm()
     rows = placement.gather_rows(world, comm)  # collective; a broken GPU becomes a row's `problem`
+    try:
+        reached = check_torch_distributed(world, comm)
+    except Problem as problem:
+        if world.rank == 0:
+            print(f"doctor: {problem}", file=sys.stderr)
+        return 1
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
     extras = comm.gather({"threads": world.threads, "cuda_visible": visible}, root=0)
     if world.rank != 0:
@@ -370,15 +438,20 @@ def diagnose(expect_gpu: bool) -> int:
                 Row("torch CUDA", stack["torch CUDA"]),
                 Row("NCCL (torch)", stack["NCCL (torch)"]),
                 Row("NCCL (horovod)", horovod_nccl()),
+                Row("NCCL network plugin", nccl_network_plugin()),
+                Row("torch.distributed", torch_distributed_backends()),
+                Row("torch.distributed reached", reached),
                 Row("torchvision", version_of("torchvision")),
-                Row("horovod", version_of("horovod")),
+                Row("horovod", version_of("horovod") if build is not None else
+                    "not installed (hpcdl.train --backend torch only; scripts/setup.sh builds it)"),
                 Row("mpi4py", version_of("mpi4py")),
-                Row("horovod controllers", ", ".join(build["controllers"]) or "none"),
-                Row("horovod tensor ops", ", ".join(build["operations"]) or "none"),
+                *([Row("horovod controllers", ", ".join(build["controllers"]) or "none"),
+                   Row("horovod tensor ops", ", ".join(build["operations"]) or "none")] if build else []),
                 Row("MPI library", MPI.Get_library_version().splitlines()[0].strip()),
                 Row("libmpi (horovod)", libs["horovod"] or "not linked"),
                 Row("libmpi (mpi4py)", libs["mpi4py"] or "not linked"),
-                Row("same MPI", "yes" if libs["horovod"] == libs["mpi4py"] else "unknown"),
+                Row("same MPI", "yes" if libs["horovod"] == libs["mpi4py"] else
+                    "unknown" if build else "n/a (no Horovod)"),
                 Row("MPI thread level", THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
                 Row("CUDA devices", ", ".join(cuda_devices()) or "none (CPU)"),
                 Row("world size", str(world.size)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,14 @@ RENAMED = {"kfac_cov_update_freq": "kfac_factor_update_freq", "damping": "kfac_d
 # ``--kfac-update-freq N`` was both the switch (N > 0) and the decomposition frequency.
 OLD_SWITCH = "kfac_update_freq"
 NOTED: set[str] = set()  # renamed flags already noted in this process
+
+
+BACKENDS = ("horovod", "torch")
+
+
+def default_backend() -> str:
+    """horovod where it is installed (hpcdl's default), else torch: an install without Horovod still trains."""
+    return "horovod" if importlib.util.find_spec("horovod") is not None else "torch"
 
 
 # Seeds are mixed as signed 64-bit integers (hpcdl.data.order.mix_seed): the largest one they can hold.
@@ -156,6 +165,10 @@ class TrainConfig:
     batches_per_allreduce: int = flag(1, "local gradient accumulation steps", parse=int, valid=AT_LEAST_1, group=MODEL)
     fp16_allreduce: bool = flag(False, "compress gradients to fp16 for the allreduce", group=MODEL)
     use_adasum: bool = flag(False, "Horovod's Adasum instead of averaging", group=MODEL)
+    backend: str = flag(default_backend(), "what averages the gradients: horovod (DistributedOptimizer) or torch "
+                                           "(torch.distributed DDP: NCCL on GPUs, Gloo on CPUs); MPI starts and "
+                                           "coordinates the ranks under both (docs/cluster.md: which to choose)",
+                        choices=BACKENDS, group=MODEL)
     # speed
     device: str = flag("auto", "auto takes this rank's GPU when CUDA sees one; cuda makes a missing GPU an error",
                        choices=("auto", "cuda", "cpu"), group=SPEED)
@@ -393,6 +406,12 @@ def validate(c: TrainConfig) -> None:
     if c.use_adasum and c.kfac:
         raise UsageError("--use-adasum cannot be combined with --kfac: Horovod's Adasum optimizer takes its step "
                          "inside backward, before K-FAC could precondition the gradient")
+    if c.use_adasum and c.backend == "torch":
+        raise UsageError("--use-adasum is Horovod's Adasum, which torch.distributed has no equivalent of: use "
+                         "--backend horovod, or leave --use-adasum out to average the gradients")
+    if c.backend == "horovod" and importlib.util.find_spec("horovod") is None:
+        raise UsageError("--backend horovod: Horovod is not installed here (scripts/setup.sh with HPCDL_HOROVOD=1 "
+                         "builds it); use --backend torch")
     check_kfac_preset(c)
 
 

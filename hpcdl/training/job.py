@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import horovod.torch as hvd
 import torch
 from torch import nn
 
@@ -36,6 +35,7 @@ from hpcdl.runtime.errors import UsageError, agree
 from hpcdl.runtime.faults import FaultInjector
 from hpcdl.runtime.signals import GracefulStop
 from hpcdl.runtime.watchdog import StallWatchdog
+from hpcdl.training import backend as backends
 from hpcdl.training import runstate
 from hpcdl.training.config import TrainConfig, check_amp_device
 from hpcdl.training.loop import LoopSettings, Trainer
@@ -113,36 +113,6 @@ def zero_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
                 optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
 
 
-def keep_layout(base: Any) -> Any:
-    """Horovod's compression ``base`` for gradients of any memory layout.
-
-    Horovod allreduces contiguous tensors only, and a channels_last model has channels_last
-    gradients: they cross as contiguous copies and come back in their parameter's layout (a fused
-    optimizer given a gradient of another layout than its parameter updates the wrong elements).
-    """
-
-    class KeepLayout:
-        @staticmethod
-        def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            nhwc = tensor.dim() == 4 and not tensor.is_contiguous()
-            compressed, context = base.compress(tensor.contiguous())
-            return compressed, (context, nhwc)
-
-        @staticmethod
-        def decompress(tensor: torch.Tensor, context: Any) -> torch.Tensor:
-            inner, nhwc = context
-            out = base.decompress(tensor, inner)
-            return out.contiguous(memory_format=torch.channels_last) if nhwc else out
-
-    return KeepLayout
-
-
-def broadcast_parameters(model: nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank (Horovod broadcasts contiguous tensors: call before
-    the model turns channels_last)."""
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-
-
 def match_state_layouts(optimizer: torch.optim.Optimizer) -> None:
     """Give each optimizer state tensor its parameter's memory layout (a checkpoint may come from a run with
     another layout, and a fused update silently mixes up elements of tensors whose layouts differ)."""
@@ -182,6 +152,16 @@ def check_grad_workers(config: TrainConfig, world_size: int) -> None:
         raise UsageError(f"--kfac-grad-worker-fraction {fraction:g} gives {fraction * world_size:g} gradient workers "
                          f"per layer on {world_size} ranks, which do not divide them into groups; on {world_size} "
                          f"ranks use one of {fits}") from None
+
+
+def horovod_timeline(config: TrainConfig, world_size: int) -> Any:
+    """Horovod, when its timeline can follow a --profile-steps window: a Horovod job of several ranks that was told
+    HOROVOD_TIMELINE=DYNAMIC before it started (a path there records the whole run instead); else None."""
+    if config.backend != "horovod" or world_size < 2 or os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC":
+        return None
+    import horovod.torch as hvd
+
+    return hvd
 
 
 def refuse_earlier_checkpoints(path: Path, is_root: bool) -> None:
@@ -234,9 +214,10 @@ def build_job(config: TrainConfig, task: TaskSource | None = None) -> Job:
     instead of ``--task``'s path."""
     if deterministic(config):
         world.fix_reduction_order()
-    if config.profile_steps:  # Horovod can start its timeline mid-run only when told before it starts
-        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
-    me = world.init()
+    if config.profile_steps and config.backend == "horovod":  # Horovod starts its timeline mid-run only when
+        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")  # told before it starts
+    me = world.init(use_horovod=config.backend == "horovod", torch_distributed=config.backend == "torch",
+                    timeout_seconds=backends.collective_timeout(config.stall_timeout))
     if (alone := launcher.started_alone(me.size)) is not None:  # N copies of one run otherwise
         raise UsageError(f"{alone}; {launcher.SAME_MPI_FIX}")
     comm = world.comm()
@@ -311,7 +292,8 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
     else:
         data = agree(lambda: task_data(task, spec, me.rank, me.size, me.device))
         model = task.model.to(me.device)
-    broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
+    backend = backends.for_config(config, me.size)
+    backend.broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
     channels_last = channels_last_wanted and is_convolutional(model)
     if channels_last:  # before the optimizer exists, so that its state is made in the same layout
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -328,20 +310,15 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         else config.warmup_start_factor
     schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, start_factor), peak_lr,
                           config.warmup_epochs, config.epochs, config.lr_schedule, config.lr_decay)
-    optimizer = hvd.DistributedOptimizer(
-        build_update_rule(config, model, schedule(0.0)),
-        named_parameters=model.named_parameters(),
-        compression=keep_layout(hvd.Compression.fp16 if config.fp16_allreduce else hvd.Compression.none),
-        backward_passes_per_step=config.batches_per_allreduce,
-        op=hvd.Adasum if config.use_adasum else hvd.Average,
-    )
+    optimizer = backend.wrap_optimizer(build_update_rule(config, model, schedule(0.0)), model, config)
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     kfac_config = config if task is None else dataclasses.replace(
         config, kfac_skip_layers=[*config.kfac_skip_layers, *task.kfac_skip])
     with warnings.catch_warnings(record=True) as said:  # K-FAC's warnings (layers it skips): one line, rank 0
         preconditioner = agree(lambda: build_preconditioner(kfac_config, model,
-                                                            lambda *_: optimizer.param_groups[0]["lr"], scaler))
+                                                            lambda *_: optimizer.param_groups[0]["lr"], scaler,
+                                                            backend.kfac_communicator()))
     for warning in said:
         print0(f"hpcdl: {warning.category.__name__}: {warning.message}")
 
@@ -350,13 +327,15 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
     # A resume drops the records of the steps after its checkpoint: they were trained, then discarded.
     kept_through = (resumed["global_step"] if resumed is not None else 0) if config.resume else None
     record = agree(lambda: RunRecord(run_dir.path, me.is_root, kept_through, run_dir.run_id))
-    trainer = Trainer(model=compiled, state=state, schedule=schedule, criterion=criterion, amp_dtype=amp_dtype,
-                      data=data, world=me, comm=comm, watchdog=watchdog, stop=GracefulStop(comm), faults=faults,
-                      settings=LoopSettings.of(config), scoring=scoring_of(task),
-                      phases=(phases := StepPhases(preconditioner, me.device)),
-                      trace=TraceWindow(parse_profile_steps(config.profile_steps), run_dir.path / "traces", me.rank,
-                                        phases, hvd if me.size > 1 and os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC"
-                                        else None) if config.profile_steps else None)
+    phases = StepPhases(preconditioner, me.device)
+    trace = None
+    if config.profile_steps:
+        trace = TraceWindow(parse_profile_steps(config.profile_steps), run_dir.path / "traces", me.rank, phases,
+                            horovod_timeline(config, me.size))
+    trainer = Trainer(model=backend.wrap_model(compiled, config), state=state, schedule=schedule,
+                      criterion=criterion, amp_dtype=amp_dtype, data=data, world=me, comm=comm, watchdog=watchdog,
+                      stop=GracefulStop(comm), faults=faults, settings=LoopSettings.of(config), backend=backend,
+                      scoring=scoring_of(task), phases=phases, trace=trace)
     job = Job(config=config, world=me, comm=comm, run_dir=run_dir, record=record, trainer=trainer,
               checkpointer=checkpointer)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
@@ -371,7 +350,7 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         f" | lr {config.base_lr} -> {peak_lr:g} | {data.steps_per_epoch} steps/epoch | {me.device}"
         f"{'' if cuda else f' ({me.threads} thread(s)/rank)'} | amp {amp_dtype or 'off'}"
         f"{' | channels_last' if channels_last else ''}{' | compiled' if config.compile else ''}"
-        f" | {'K-FAC' if preconditioner else 'SGD-family'} ({config.optimizer})"
+        f" | {'K-FAC' if preconditioner else 'SGD-family'} ({config.optimizer}) | {backend.describe()}"
         f" | run {run_dir.run_id} in {run_dir.path}")
     return job
 

@@ -27,6 +27,7 @@ from hpcdl.runtime.faults import FaultInjector
 from hpcdl.runtime.signals import GracefulStop, StopRequest
 from hpcdl.runtime.watchdog import StallWatchdog
 from hpcdl.runtime.world import World
+from hpcdl.training.backend import Backend
 from hpcdl.training.config import TrainConfig
 from hpcdl.training.phases import StepPhases, TraceWindow
 from hpcdl.training.runstate import TrainState, pause_after
@@ -74,6 +75,7 @@ class Trainer:
     stop: GracefulStop
     faults: FaultInjector
     settings: LoopSettings
+    backend: Backend  # how gradients are averaged over the ranks (Horovod, torch.distributed)
     phases: StepPhases = field(default_factory=StepPhases)  # where each step goes (hpcdl.training.phases)
     trace: TraceWindow | None = None  # --profile-steps
     scoring: Scoring = field(default_factory=Scoring)  # accuracy and evaluation: built-in, or a task's
@@ -125,14 +127,14 @@ def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     """Average gradients over ranks, precondition, step; returns device flags (skipped, failed): 1.0 when the
     update was skipped for non-finite gradients, and when that counts as a failure (not fp16 loss scaling at work).
 
-    Horovod's DistributedOptimizer allreduces in backward hooks and ``synchronize`` waits for them;
-    K-FAC and the update then run inside ``skip_synchronize``. One rank has nothing to average (and
-    ``synchronize`` would still copy every gradient through Horovod's queue). The update rule is a
-    fused kernel that reads ``found_inf`` on the device and leaves parameters and state untouched
-    when it is set, which is how a non-finite step is skipped without the host looking.
+    The backend's allreduces run during backward (Horovod's hooks, DDP's buckets) and ``synchronize``
+    waits for them; K-FAC and the update then run inside the backend's ``stepping`` context
+    (hpcdl.training.backend). The update rule is a fused kernel that reads ``found_inf`` on the device
+    and leaves parameters and state untouched when it is set, which is how a non-finite step is
+    skipped without the host looking.
     """
     state = trainer.state
-    optimizer: Any = state.optimizer  # Horovod's DistributedOptimizer (synchronize, skip_synchronize)
+    optimizer: Any = state.optimizer  # Horovod's DistributedOptimizer, or the update rule itself (torch)
     scaler = state.scaler
     params = list(state.model.parameters())
     if trainer.settings.use_adasum and trainer.world.size > 1:
@@ -142,9 +144,8 @@ def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
         flag = torch.tensor(float(verdict > 0), device=trainer.device)
         return flag, flag
     phases = trainer.phases
-    if trainer.world.size > 1:
-        with phases.phase("allreduce"):
-            optimizer.synchronize()
+    with phases.phase("allreduce"):
+        trainer.backend.synchronize(optimizer)
     if scaler is not None:
         scaler.unscale_(optimizer)
         per_device = scaler._found_inf_per_device(optimizer).values()  # the scaler's own verdict, on the device
@@ -158,7 +159,7 @@ def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
             state.preconditioner.step(found_inf=found_inf)
     with phases.phase("optimizer"):
         optimizer.found_inf = found_inf
-        with optimizer.skip_synchronize():
+        with trainer.backend.stepping(optimizer):
             optimizer.step()
         del optimizer.found_inf
         if scaler is not None:
@@ -228,7 +229,8 @@ def train_one_epoch(trainer: Trainer) -> EpochResult:
         lr = trainer.schedule(epoch + progress.step_in_epoch / data.steps_per_epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        for x, y in zip(micro_batches(images_batch, k), micro_batches(labels, k), strict=True):
+        for x, y in trainer.backend.accumulating(trainer.model, zip(micro_batches(images_batch, k),
+                                                                    micro_batches(labels, k), strict=True)):
             with phases.phase("forward"), trainer.autocast():
                 logits = trainer.model(x)
                 loss = trainer.criterion(logits.float(), y)

@@ -1,4 +1,4 @@
-"""Data-parallel training with Horovod: ``mpirun -np N python -m hpcdl.train [flags]``.
+"""Data-parallel training with Horovod or torch.distributed: ``mpirun -np N python -m hpcdl.train [flags]``.
 
 Read top to bottom: build the job (world, data, model, optimizer, K-FAC, run state;
 hpcdl.training.job), then per epoch train (hpcdl.training.loop), evaluate on sharded test data,
@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from horovod.common.exceptions import HorovodInternalError
 from torch import nn
 
 from hpcdl.run.atomic import WriteError
@@ -27,6 +26,7 @@ from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import DivergenceError, LostRankError, StorageError, rank0_then_all, run_main
 from hpcdl.runtime.watchdog import stop_all as stop_all_watchdogs
 from hpcdl.training import runstate
+from hpcdl.training.backend import is_lost_rank
 from hpcdl.training.config import TrainConfig, parse_config
 from hpcdl.training.job import Job, opened
 from hpcdl.training.loop import EpochResult, evaluate, train_one_epoch
@@ -47,8 +47,10 @@ def train(config: TrainConfig, task: TaskSource | None = None) -> TrainResult:
     try:
         with opened(config, task) as job:
             return train_job(job)
-    except HorovodInternalError as exc:  # a rank died or raised: Horovod shut down under this one
-        raise LostRankError(f"another rank of the job is gone ({str(exc).splitlines()[0]})") from exc
+    except Exception as exc:  # a rank died or froze: Horovod shut down, or a torch.distributed collective failed
+        if not is_lost_rank(exc):
+            raise
+        raise LostRankError(f"another rank of the job is gone ({str(exc).strip().splitlines()[0]})") from exc
     finally:
         stop_all_watchdogs()  # after an exception too: nothing may end this process later
 

@@ -1,4 +1,5 @@
-"""Launching on several (virtual) nodes: hpcdl.doctor's per-node facts and its reachability check.
+"""Launching on several (virtual) nodes: hpcdl.doctor's per-node facts and its reachability check, and training
+with --backend torch across nodes (torch.distributed started from MPI's ranks on hosts whose names do not resolve).
 
 Training across nodes through launch/mpirun.sh is exercised by tests/cluster/test_node_loss.py
 (4 ranks on 2 nodes until a node is lost, then 2 ranks on 1 node resuming).
@@ -6,6 +7,7 @@ Training across nodes through launch/mpirun.sh is exercised by tests/cluster/tes
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -29,6 +31,20 @@ def test_doctor_reports_every_node_through_a_hostfile(make_vcluster, tmp_path: P
             text[-3000:]
     # local rank/size per node: one rank per node here
     assert len(re.findall(r"^  node\d +\d +0 +1 +cpu", text, re.M)) == 3, text[-3000:]
+    assert "gloo: allreduce over 3 rank(s) ok" in text, text[-3000:]  # torch.distributed across the nodes
+
+
+def test_torch_backend_trains_across_two_nodes(make_vcluster, tmp_path: Path) -> None:
+    """2 nodes x 2 ranks under --backend torch: rank 0's address is one of its interfaces (its hostname resolves
+    nowhere), each rank's Gloo binds the interface towards it, and the replicas end identical."""
+    cluster = make_vcluster(2)
+    out = tmp_path / "run"
+    rc, text = run_launch(["--vcluster", cluster.name, "-np", "4", "--output-dir", str(out), "--epochs", "1",
+                           "--backend", "torch", "--no-progress"], tmp_path / "train.log", timeout=300)
+    assert rc == 0, text[-3000:]
+    assert "4 rank(s) x batch 32" in text and "torch (gloo)" in text, text[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["replicas_identical"] is True and summary["world_size"] == 4
 
 
 def test_doctor_names_a_node_that_cannot_reach_another(make_vcluster, tmp_path: Path) -> None:

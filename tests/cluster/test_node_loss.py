@@ -22,10 +22,12 @@ STALL = 20
 TRAIN = ["--epochs", "30", "--stall-timeout", str(STALL), "--no-progress"]
 
 
-def start_and_lose_node2(make_vcluster, tmp_path: Path, how: str) -> tuple[object, Path, float, int, str]:
+def start_and_lose_node2(make_vcluster, tmp_path: Path, how: str,
+                         backend: str | None = None) -> tuple[object, Path, float, int, str]:
     cluster = make_vcluster(2)
     out = tmp_path / "run"
-    job = Launch(["--vcluster", cluster.name, "-np", "4", "--output-dir", str(out), *TRAIN],
+    chosen = ["--backend", backend] if backend else []
+    job = Launch(["--vcluster", cluster.name, "-np", "4", "--output-dir", str(out), *TRAIN, *chosen],
                  tmp_path / "job.log", timeout=400)
     try:
         job.wait_for_checkpoint(out)
@@ -71,8 +73,11 @@ def check_loss_and_resume(cluster, out: Path, ended_after: float, rc: int, text:
     assert epochs and epochs[-1] == target and epochs[0] >= 1, text2[-3000:]
 
 
-def test_node_cut_off_the_network(make_vcluster, tmp_path: Path) -> None:
-    cluster, out, ended_after, rc, text = start_and_lose_node2(make_vcluster, tmp_path, "cut")
+@pytest.mark.parametrize("backend", [None, "torch"], ids=["default", "torch"])
+def test_node_cut_off_the_network(make_vcluster, tmp_path: Path, backend: str | None) -> None:
+    """A cut node sends nothing and closes nothing: Gloo's peers wait like Horovod's, and the watchdog (over MPI)
+    names the node under either backend."""
+    cluster, out, ended_after, rc, text = start_and_lose_node2(make_vcluster, tmp_path, "cut", backend)
     check_loss_and_resume(cluster, out, ended_after, rc, text, tmp_path)
 
 

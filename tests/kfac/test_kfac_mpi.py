@@ -1,9 +1,10 @@
-"""K-FAC on several ranks equals K-FAC on one rank with the whole batch.
+"""K-FAC on several ranks equals K-FAC on one rank with the whole batch, under Horovod and under torch.distributed.
 
 Run with
 ``timeout 900 mpiexec --oversubscribe -n 4 .venv/bin/python -m pytest --with-mpi -m mpi tests/kfac/test_kfac_mpi.py``.
-Each rank trains a Horovod data-parallel model on its shard of every global batch (Horovod's
-DistributedOptimizer: synchronize, precondition, step inside skip_synchronize). The reference is
+Each rank trains a data-parallel model on its shard of every global batch: averaged gradients
+(Horovod's DistributedOptimizer, or a sum-allreduce over torch.distributed's Gloo divided by the
+ranks), then K-FAC (Horovod's communicator, or kfac.torch_comm's), then the step. The reference is
 computed on every rank without any communication: the same model, K-FAC with a single-process
 communicator, on the whole global batch. Verdicts are collective, so a failure never hangs.
 """
@@ -13,13 +14,17 @@ from __future__ import annotations
 # tests/conftest.py sets HOROVOD_DYNAMIC_PROCESS_SETS=1 for the --with-mpi session (Horovod reads
 # it when it starts), so K-FAC uses Horovod process sets for its rank groups; without it K-FAC falls
 # back to mpi4py sub-communicators, tested below as well.
+import contextlib
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kfac import KFACPreconditioner
-from kfac.comm import HorovodCommunicator, SingleProcess
+from kfac.comm import Communicator, SingleProcess
+from tests.support.backends import BACKENDS, HOROVOD, needs_horovod
 from tests.support.mpi_harness import assert_all_ranks
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -37,6 +42,67 @@ def _horovod():
     import horovod.torch as hvd
 
     return hvd
+
+
+class TorchAveraging:
+    """Horovod's DistributedOptimizer's part in these tests, over torch.distributed: ``synchronize`` replaces each
+    gradient by its sum over the ranks divided by their number (Horovod's Average)."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        self.base = base
+
+    def zero_grad(self) -> None:
+        self.base.zero_grad()
+
+    def synchronize(self) -> None:
+        import torch.distributed as dist
+
+        for group in self.base.param_groups:
+            for p in group["params"]:
+                if p.grad is None:  # a layer this rank's pass did not reach adds zeros, as under Horovod
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad.div_(dist.get_world_size())
+
+    def skip_synchronize(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def step(self) -> None:
+        self.base.step()
+
+
+class DataParallel:
+    """One backend's ranks, gradient averaging and K-FAC communicator."""
+
+    def __init__(self, backend: str) -> None:
+        from hpcdl.runtime import world
+
+        self.backend = backend
+        if backend == "horovod":
+            self.hvd = _horovod()
+        else:  # Horovod too where installed: the session's other tests share the world
+            world.init(use_horovod=HOROVOD, torch_distributed=True)
+        me = world.get()
+        self.rank, self.size = me.rank, me.size
+
+    def optimizer(self, base: torch.optim.Optimizer, model: nn.Module, passes: int = 1) -> Any:
+        if self.backend == "horovod":
+            return self.hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                                 backward_passes_per_step=passes)
+        return TorchAveraging(base)
+
+    def communicator(self) -> Communicator | None:
+        """None: K-FAC's default, Horovod's in a Horovod job."""
+        if self.backend == "horovod":
+            return None
+        from kfac.torch_comm import TorchCommunicator
+
+        return TorchCommunicator()
+
+
+@pytest.fixture(params=BACKENDS)
+def dp(request: pytest.FixtureRequest) -> DataParallel:
+    return DataParallel(request.param)
 
 
 class Net(nn.Module):
@@ -81,21 +147,21 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _train_distributed(hvd, fraction: float, passes: int = 1, **extra) -> tuple[torch.Tensor, KFACPreconditioner]:
+def _train_distributed(dp: DataParallel, fraction: float, passes: int = 1,
+                       **extra) -> tuple[torch.Tensor, KFACPreconditioner]:
     model = _model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(
-        base, named_parameters=model.named_parameters(), backward_passes_per_step=passes
-    )
+    optimizer = dp.optimizer(base, model, passes)
     pre = KFACPreconditioner(
         model,
         grad_worker_fraction=fraction,
         skip_layers=["extra"],
         backward_passes_per_step=passes,
+        communicator=dp.communicator(),
         **SETTINGS,
         **extra,
     )
-    rank, size = hvd.rank(), hvd.size()
+    rank, size = dp.rank, dp.size
     for step in range(STEPS):
         x, y = _batch(step, PER_RANK * size)
         shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -129,51 +195,48 @@ def _fractions(size: int) -> list[float]:
     return fractions
 
 
-def _same_on_all_ranks(hvd, tensor: torch.Tensor, name: str) -> bool:
-    gathered = hvd.allgather(tensor[None], name=name)  # named: ranks issue different numbers of K-FAC ops
-    return bool((gathered == gathered[0]).all())
+def _same_on_all_ranks(tensor: torch.Tensor) -> bool:
+    """Bit for bit, through MPI (the same check under either backend)."""
+    from mpi4py import MPI
+
+    return len(set(MPI.COMM_WORLD.allgather(tensor.detach().cpu().numpy().tobytes()))) == 1
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def test_every_grad_worker_fraction_equals_one_rank_on_the_global_batch() -> None:
-    hvd = _horovod()
-    reference = _train_single_process(hvd.size())
+def test_every_grad_worker_fraction_equals_one_rank_on_the_global_batch(dp: DataParallel) -> None:
+    reference = _train_single_process(dp.size)
     results, problems = {}, []
-    for fraction in _fractions(hvd.size()):
-        params, pre = _train_distributed(hvd, fraction)
+    for fraction in _fractions(dp.size):
+        params, pre = _train_distributed(dp, fraction)
         results[fraction] = params
-        if not _same_on_all_ranks(hvd, params, f"test.kfac.params.{fraction}"):
+        if not _same_on_all_ranks(params):
             problems.append(f"fraction {fraction}: parameters differ between ranks")
         err = _rel(params, reference)
         if not err < 1e-5:
             problems.append(f"fraction {fraction}: relative error {err:.2e} against the 1-rank run")
-        if not any(pre.assignment.is_grad_worker(i, hvd.rank()) for i in range(len(pre.layers))) and fraction == 1.0:
+        if not any(pre.assignment.is_grad_worker(i, dp.rank) for i in range(len(pre.layers))) and fraction == 1.0:
             problems.append("with fraction 1 every rank must precondition every layer")
         if fraction == 1.0 and not pre._batches:
             problems.append("with fraction 1, conv3 and conv4 should be preconditioned in one batched product")
-    first = results[_fractions(hvd.size())[0]]
+    first = results[_fractions(dp.size)[0]]
     for fraction, params in results.items():
         if not _rel(params, first) < 1e-5:
-            problems.append(f"fraction {fraction} disagrees with fraction {_fractions(hvd.size())[0]}")
+            problems.append(f"fraction {fraction} disagrees with fraction {_fractions(dp.size)[0]}")
     assert_all_ranks(not problems, "; ".join(problems))
 
 
-def test_gradient_accumulation_on_every_rank_equals_one_rank() -> None:
-    hvd = _horovod()
-    params, _ = _train_distributed(hvd, 1.0 / hvd.size(), passes=2)
-    err = _rel(params, _train_single_process(hvd.size()))
-    assert_all_ranks(
-        err < 1e-5 and _same_on_all_ranks(hvd, params, "test.kfac.accumulation"), f"relative error {err:.2e}"
-    )
+def test_gradient_accumulation_on_every_rank_equals_one_rank(dp: DataParallel) -> None:
+    params, _ = _train_distributed(dp, 1.0 / dp.size, passes=2)
+    err = _rel(params, _train_single_process(dp.size))
+    assert_all_ranks(err < 1e-5 and _same_on_all_ranks(params), f"relative error {err:.2e}")
 
 
-def test_memory_optimal_ranks_keep_only_their_layers_decompositions() -> None:
-    hvd = _horovod()
-    _, pre = _train_distributed(hvd, 1.0 / hvd.size())
-    rank = hvd.rank()
+def test_memory_optimal_ranks_keep_only_their_layers_decompositions(dp: DataParallel) -> None:
+    _, pre = _train_distributed(dp, 1.0 / dp.size)
+    rank = dp.rank
     problems = []
     for i, layer in enumerate(pre.layers):
         mine = pre.assignment.is_grad_worker(i, rank)
@@ -184,20 +247,43 @@ def test_memory_optimal_ranks_keep_only_their_layers_decompositions() -> None:
     assert_all_ranks(not problems, "; ".join(problems))
 
 
+@needs_horovod
 def test_mpi4py_groups_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without Horovod process sets, K-FAC's groups are mpi4py sub-communicators: same numbers."""
-    hvd = _horovod()
-    if hvd.size() % 2 or hvd.size() < 4:
+    from kfac.comm import HorovodCommunicator
+
+    dp = DataParallel("horovod")
+    if dp.size % 2 or dp.size < 4:
         pytest.skip("needs an even number of ranks, at least 4, for a group that is neither one rank nor all")
     monkeypatch.setattr(HorovodCommunicator, "_process_sets", lambda self, partition: None)
-    params, pre = _train_distributed(hvd, 0.5)
-    reference = _train_single_process(hvd.size())
+    params, pre = _train_distributed(dp, 0.5)
+    reference = _train_single_process(dp.size)
     ok = type(pre._worker_group).__name__ == "_MpiGroup" and _rel(params, reference) < 1e-5
-    assert_all_ranks(
-        ok and _same_on_all_ranks(hvd, params, "test.kfac.mpi4py"), f"mpi4py groups: {type(pre._worker_group).__name__}"
-    )
+    assert_all_ranks(ok and _same_on_all_ranks(params), f"mpi4py groups: {type(pre._worker_group).__name__}")
 
 
+def test_torch_groups_are_process_groups_of_their_own() -> None:
+    """Under torch.distributed a group that is neither one rank nor all is a new_group of its ranks."""
+    dp = DataParallel("torch")
+    if dp.size % 2 or dp.size < 4:
+        pytest.skip("needs an even number of ranks, at least 4")
+    pre = KFACPreconditioner(_model(), grad_worker_fraction=0.5, communicator=dp.communicator(), **SETTINGS)
+    group = pre._worker_group
+    ok = type(group).__name__ == "_TorchGroup" and group._group is not None and len(group.ranks) == dp.size // 2
+    assert_all_ranks(ok, f"{type(group).__name__} of ranks {group.ranks}")
+
+
+@needs_horovod
+def test_both_backends_end_with_the_same_weights() -> None:
+    """Horovod and torch.distributed, same shards and K-FAC settings: the same weights (to rounding: the sums may
+    be added in another order), not merely both near the one-rank reference."""
+    fraction = 1.0 / 2 if DataParallel("torch").size % 2 == 0 else 1.0
+    a, _ = _train_distributed(DataParallel("horovod"), fraction)
+    b, _ = _train_distributed(DataParallel("torch"), fraction)
+    assert_all_ranks(_rel(a, b) < 1e-12, f"relative difference {_rel(a, b):.2e}")
+
+
+@needs_horovod
 def test_process_sets_are_used_when_horovod_allows_them() -> None:
     hvd = _horovod()
     if hvd.size() % 2 or hvd.size() < 4:
@@ -210,15 +296,12 @@ def test_process_sets_are_used_when_horovod_allows_them() -> None:
     assert_all_ranks(type(pre._worker_group).__name__ == "_HorovodGroup", type(pre._worker_group).__name__)
 
 
-def test_a_branch_used_on_one_rank_only_does_not_break_step() -> None:
+def test_a_branch_used_on_one_rank_only_does_not_break_step(dp: DataParallel) -> None:
     """Rank 0 runs the extra layer, the others do not: factors come from rank 0's rows alone."""
-    hvd = _horovod()
-    rank, size = hvd.rank(), hvd.size()
+    rank, size = dp.rank, dp.size
     model = _model()
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
-    )
-    pre = KFACPreconditioner(model, grad_worker_fraction=1.0 / size, **SETTINGS)
+    optimizer = dp.optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    pre = KFACPreconditioner(model, grad_worker_fraction=1.0 / size, communicator=dp.communicator(), **SETTINGS)
     extra = next(i for i, layer in enumerate(pre.layers) if layer.name == "extra")
     x, y = _batch(0, PER_RANK * size)
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -238,18 +321,19 @@ def test_a_branch_used_on_one_rank_only_does_not_break_step() -> None:
         want_a = rows.T @ rows / PER_RANK
     got_a = pre.a_factors[extra]
     ok = got_a is not None and _rel(got_a, want_a) < 1e-10
-    assert_all_ranks(ok and _same_on_all_ranks(hvd, _flat(model), "test.kfac.branch"), "extra layer's A factor")
+    assert_all_ranks(ok and _same_on_all_ranks(_flat(model)), "extra layer's A factor")
 
 
-def _train_with_skips(hvd, steps: list[int], skipped: set[int]) -> KFACPreconditioner:
+def _train_with_skips(dp: DataParallel, steps: list[int], skipped: set[int]) -> KFACPreconditioner:
     """Distributed training where the steps in ``skipped`` overflow (inf in a gradient, found_inf=1)."""
     model = _model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    pre = KFACPreconditioner(model, grad_worker_fraction=1.0 / hvd.size(), skip_layers=["extra"], **SETTINGS)
-    rank = hvd.rank()
+    optimizer = dp.optimizer(base, model)
+    pre = KFACPreconditioner(model, grad_worker_fraction=1.0 / dp.size, skip_layers=["extra"],
+                             communicator=dp.communicator(), **SETTINGS)
+    rank = dp.rank
     for step in steps:
-        x, y = _batch(step, PER_RANK * hvd.size())
+        x, y = _batch(step, PER_RANK * dp.size)
         shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
         optimizer.zero_grad()
         F.cross_entropy(model(x[shard]), y[shard]).backward()
@@ -263,10 +347,9 @@ def _train_with_skips(hvd, steps: list[int], skipped: set[int]) -> KFACPrecondit
     return pre
 
 
-def test_a_skipped_step_leaves_no_trace_in_the_factors_on_any_rank() -> None:
-    hvd = _horovod()
-    with_skip = _train_with_skips(hvd, [0, 1, 2, 3], {2})
-    without = _train_with_skips(hvd, [0, 1, 3], set())
+def test_a_skipped_step_leaves_no_trace_in_the_factors_on_any_rank(dp: DataParallel) -> None:
+    with_skip = _train_with_skips(dp, [0, 1, 2, 3], {2})
+    without = _train_with_skips(dp, [0, 1, 3], set())
     pairs = zip(with_skip.a_factors + with_skip.g_factors, without.a_factors + without.g_factors, strict=True)
     ok = all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in pairs)
     assert_all_ranks(ok, "factors of a run with a skipped step differ from a run without it")

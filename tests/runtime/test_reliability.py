@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.backends import BACKENDS, backend_param, needs_horovod
 from tests.support.mpi_harness import PYTHON, REPO, kill_tree, mpi_env
 from tests.support.reliability_runs import (
     BASE_FLAGS,
@@ -51,16 +52,21 @@ def report(job) -> float:
 
 # ------------------------------------------------------------------ a rank dies
 
-def test_killed_rank_ends_the_job_within_60_seconds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killed_rank_ends_the_job_within_60_seconds(backend: str, tmp_path: Path) -> None:
     """Rank 1 of 4 SIGKILLed at step 5 (a crashed node, the kernel's OOM killer)."""
     # mpirun's notice is the only message naming a killed rank: a run where mpirun failed to print
     # it is run again.
     job = run_job_once_more_if(lambda j: SHOW_HELP_FAILED in j.err, 4, tmp_path / "run", "--epochs", "1",
-                               fault="1:5:kill", timeout=180)
+                               "--backend", backend, fault="1:5:kill", timeout=180)
     assert job.rc != 0, job.tail()
     assert report(job) < PROMPT, job.tail()
     assert re.search(r"process rank 1 with PID \d+ on node \S+ exited on signal 9 \(Killed\)", job.err), job.tail()
     assert checkpoint_steps(job.output_dir) == []  # 11 steps per epoch on 4 ranks: none was due
+    # A rank whose torch.distributed peer vanished before mpirun ended it says so in one line, no traceback.
+    lost = [line for line in job.err.splitlines() if "another rank of the job is gone" in line]
+    assert all(re.fullmatch(r"hpcdl\.train: rank \d stops: another rank of the job is gone \(.*\); aborting the "
+                            r"whole job", line) for line in lost), lost
 
 
 def test_exception_on_one_rank_aborts_the_whole_job(tmp_path: Path) -> None:
@@ -99,6 +105,7 @@ def test_frozen_rank_is_named_and_the_job_ends_within_60_seconds(tmp_path: Path)
                      r"\(no heartbeat for \d+ s", job.err), job.tail()
 
 
+@needs_horovod
 def test_frozen_rank_ends_the_job_with_horovod_dynamic_process_sets(tmp_path: Path) -> None:
     """With HOROVOD_DYNAMIC_PROCESS_SETS=1 a frozen peer leaves every live rank's main thread
     blocked in Horovod *holding the GIL*, so no Python watchdog can run (found with gdb after this
@@ -112,13 +119,15 @@ def test_frozen_rank_ends_the_job_with_horovod_dynamic_process_sets(tmp_path: Pa
     assert "went silent" in job.err or f"Timeout (0:00:{backstop})!" in job.err, job.tail()
 
 
-def test_frozen_rank_0_is_named_by_the_others(tmp_path: Path) -> None:
-    """The rank that would diagnose is itself the frozen one: the other ranks end the job."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_rank_0_is_named_by_the_others(backend: str, tmp_path: Path) -> None:
+    """The rank that would diagnose is itself the frozen one: the other ranks end the job (under torch.distributed
+    too: the watchdog runs over MPI whichever backend averages the gradients)."""
     # Runs that hit the harness timeout here were first blamed on a starved watchdog thread; the
     # cause was Horovod holding the GIL (docs/reliability.md). The one retry on a harness timeout
     # stays as a guard for a truly overloaded machine; a broken watchdog fails both attempts.
     job = run_job_once_more_if(lambda j: j.rc == HARNESS_TIMEOUT, 2, tmp_path / "run", "--epochs", "1",
-                               "--stall-timeout", "4", fault="0:5:stop", timeout=90)
+                               "--stall-timeout", "4", "--backend", backend, fault="0:5:stop", timeout=90)
     assert job.rc != 0, job.tail()
     assert report(job) < PROMPT, job.tail()
     assert re.search(r"stall: rank 1 completed no step for \d+ s and rank 0 went silent", job.err), job.tail()
@@ -134,21 +143,30 @@ def test_hung_rank_that_stays_alive_is_named_with_where_it_hangs(tmp_path: Path)
 
 # ------------------------------------------------------------------ stop signals and exact resume
 
-def test_sigterm_checkpoints_and_resume_ends_with_the_uninterrupted_weights(tmp_path_factory, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stopped_under, resumed_under", [
+    backend_param("horovod", "horovod", id="horovod"),
+    backend_param("torch", "horovod", id="torch-then-horovod"),
+    backend_param("horovod", "torch", id="horovod-then-torch"),
+])
+def test_sigterm_checkpoints_and_resume_ends_with_the_uninterrupted_weights(
+        stopped_under: str, resumed_under: str, tmp_path_factory, tmp_path: Path) -> None:
     """SIGTERM to rank 1 alone at step 30 (mid-epoch 2): every rank stops at the same step, rank 0
-    checkpoints, all exit 0; --resume then ends bit-identical to the run that was never stopped."""
+    checkpoints, all exit 0; --resume then ends bit-identical to the run that was never stopped (a Horovod run),
+    also when the stopped run and its resume average gradients with different backends (on 2 ranks both add the
+    same two numbers, so the weights agree to the bit)."""
     reference = baseline_run(tmp_path_factory)
     run_dir = tmp_path / "run"
     # --log-every 1: the stop flag is exchanged after every step (by default, every 50 steps and at an epoch's end)
     stopped = run_job(BASE_RANKS, run_dir, *BASE_FLAGS, "--keep-checkpoints", "2", "--log-every", "1",
-                      fault="1:30:term")
+                      "--backend", stopped_under, fault="1:30:term")
     assert stopped.rc == 0, stopped.tail()
     assert (f"hpcdl: SIGTERM received by rank 1: checkpoint written at step 30; continue with --resume --output-dir "
             f"{run_dir}") in stopped.out
     assert checkpoint_steps(run_dir) == [22, 30] and not (run_dir / "summary.json").exists()
 
     # The watchdog runs with a short timeout here too: heartbeats must not disturb training.
-    resumed = run_job(BASE_RANKS, run_dir, "--resume", *BASE_FLAGS, "--keep-checkpoints", "2", "--stall-timeout", "15")
+    resumed = run_job(BASE_RANKS, run_dir, "--resume", *BASE_FLAGS, "--keep-checkpoints", "2", "--stall-timeout", "15",
+                      "--backend", resumed_under)
     assert resumed.rc == 0, resumed.tail()
     assert f"resuming from {run_dir / 'checkpoints' / 'ckpt-000000030.pt'}" in resumed.out
     assert checkpoint_steps(run_dir) == [30, 44]  # keep-K: 22 was pruned when 44 was written
@@ -166,11 +184,12 @@ def test_sigterm_checkpoints_and_resume_ends_with_the_uninterrupted_weights(tmp_
     assert json.loads((run_dir / "summary.json").read_text())["epochs"] == 2
 
 
-def test_sigusr1_to_mpirun_reaches_every_rank_and_checkpoints(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigusr1_to_mpirun_reaches_every_rank_and_checkpoints(backend: str, tmp_path: Path) -> None:
     """What a user does by hand (kill -USR1 <mpirun>) and Slurm's --signal does: Open MPI forwards it."""
     run_dir = tmp_path / "run"
     cmd = ["mpirun", "-np", "2", "--bind-to", "none", PYTHON, "-m", "hpcdl.train", "--output-dir", str(run_dir),
-           "--no-progress", "--epochs", "15"]
+           "--no-progress", "--epochs", "15", "--backend", backend]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env=mpi_env({"HPCDL_FAULT": ""}), start_new_session=True)
     try:

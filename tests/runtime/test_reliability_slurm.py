@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.backends import backend_param
 from tests.support.reliability_runs import FAULT_LINE
 from tests.support.slurm_cluster import (
     SlurmCluster,
@@ -56,13 +57,16 @@ def test_failed_tasks_reads_both_forms_of_srun_report(line: str, expected: set[i
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["exception", "kill"])
-def test_failing_rank_under_srun_ends_the_job_within_60_seconds(slurm: SlurmCluster, tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("kind, backend", [backend_param("exception", "horovod", id="exception"),
+                                           backend_param("kill", "horovod", id="kill"),
+                                           backend_param("kill", "torch", id="kill-torch")])
+def test_failing_rank_under_srun_ends_the_job_within_60_seconds(slurm: SlurmCluster, tmp_path: Path, kind: str,
+                                                                backend: str) -> None:
     env = {key: "" for key in os.environ if key.startswith("HPCDL_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HPCDL_FAULT=f"1:5:{kind}")
     result = slurm.run(
         ["srun", "-n", "2", "--mpi=pmix", "--kill-on-bad-exit=1", str(PYTHON), "-m", "hpcdl.train",
-         "--output-dir", str(tmp_path / "run"), "--no-progress", "--epochs", "1"],
+         "--output-dir", str(tmp_path / "run"), "--no-progress", "--epochs", "1", "--backend", backend],
         check=False, timeout=200, env=env, cwd=REPO,
     )
     ended = time.time()

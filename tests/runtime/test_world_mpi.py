@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.backends import HOROVOD, needs_horovod
 from tests.support.mpi_harness import assert_all_ranks
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -18,9 +19,10 @@ pytestmark = pytest.mark.mpi(min_size=2)
 def me():
     from hpcdl.runtime import world
 
-    return world.init()
+    return world.init(use_horovod=HOROVOD)
 
 
+@needs_horovod
 def test_rank_size_and_local_rank_agree_with_mpi(me) -> None:
     import horovod.torch as hvd
     from mpi4py import MPI
@@ -40,6 +42,7 @@ def test_rank_size_and_local_rank_agree_with_mpi(me) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.float64])
+@needs_horovod
 def test_horovod_allreduce_sums_equal_mpi_allreduce(me, dtype) -> None:
     import horovod.torch as hvd
     from mpi4py import MPI
@@ -59,6 +62,7 @@ def test_horovod_allreduce_sums_equal_mpi_allreduce(me, dtype) -> None:
     assert_all_ranks(ok, f"{dtype}: max difference {np.abs(ours - reference).max()}")
 
 
+@needs_horovod
 def test_broadcast_parameters_makes_models_identical(me) -> None:
     import horovod.torch as hvd
     from mpi4py import MPI

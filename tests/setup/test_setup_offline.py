@@ -116,6 +116,13 @@ def test_setup_rejects_an_unknown_torch_mode(tmp_path: Path) -> None:
     assert not (tmp_path / "v").exists()
 
 
+def test_setup_rejects_an_unknown_horovod_choice(tmp_path: Path) -> None:
+    env = dict(os.environ, HPCDL_HOROVOD="maybe", HPCDL_VENV=str(tmp_path / "v"))
+    result = subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "HPCDL_HOROVOD must be auto, 1 or 0 (got 'maybe')" in result.stderr
+    assert not (tmp_path / "v").exists()
+
+
 def test_a_missing_wheelhouse_is_one_line(tmp_path: Path) -> None:
     env = dict(os.environ, HPCDL_WHEELHOUSE=str(tmp_path / "nowhere"), HPCDL_VENV=str(tmp_path / "v"))
     result = subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpcdl.tools import doctor
+from tests.support.backends import needs_horovod
 from tests.support.mpi_harness import PYTHON, REPO, mpi_env, run_mpi
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
@@ -23,6 +24,7 @@ def run_doctor(extra_path: Path | None = None) -> subprocess.CompletedProcess[st
     return subprocess.run([PYTHON, "-m", "hpcdl.doctor"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
 
 
+@needs_horovod
 def test_healthy_environment_passes_and_reports_builds() -> None:
     result = run_doctor()
     assert result.returncode == 0, result.stderr
@@ -39,8 +41,24 @@ def test_under_mpirun_rank_0_prints_one_row_per_rank() -> None:
     assert sorted(int(r[1]) for r in rank_rows) == [0, 1, 2]
     assert {int(r[3]) for r in rank_rows} == {3}  # local size
     assert result.stdout.count("hpcdl environment") == 1  # rank 0 only
+    assert "gloo: allreduce over 3 rank(s) ok" in result.stdout  # --backend torch's process group, from MPI's ranks
 
 
+WITHOUT_HOROVOD = ("import importlib.util as u, sys; real = u.find_spec; "
+                   "u.find_spec = lambda name, *a: None if name.split('.')[0] == 'horovod' else real(name, *a); "
+                   "from hpcdl.tools.doctor import main; sys.exit(main())")
+
+
+def test_an_environment_without_horovod_passes_for_the_torch_backend() -> None:
+    """A setup with HPCDL_HOROVOD=0: Horovod's rows say so, the torch backend is checked, and the doctor passes."""
+    result = run_mpi(2, ["-c", WITHOUT_HOROVOD], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "not installed (hpcdl.train --backend torch only" in result.stdout
+    assert "horovod tensor ops" not in result.stdout
+    assert "gloo: allreduce over 2 rank(s) ok" in result.stdout
+
+
+@needs_horovod
 def test_hidden_horovod_extension_is_diagnosed(tmp_path: Path) -> None:
     """A copy of the horovod package without its compiled libraries: the silent 'MPI libs are missing' case."""
     import horovod

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 # Flags of other programs that the doctor's fixes may name, each with the program that takes it.
 OTHERS = {"--iface": "launch/mpirun.sh", "--mpi": "srun", "--bind-to": "mpirun", "--map-by": "mpirun",
           "--cpus-per-task": "srun", "--gres": "scheduler", "--gpus-per-task": "scheduler",
-          "--ntasks-per-node": "scheduler", "--check-build": "horovodrun"}
+          "--ntasks-per-node": "scheduler", "--check-build": "horovodrun", "--backend": "hpcdl.train"}
 
 
 def doctor_flags() -> set[str]:
@@ -59,3 +59,11 @@ def test_every_flag_in_its_messages_is_its_own_or_names_the_program_that_takes_i
             if program != "scheduler":
                 assert program in text[: match.start()], f"{flag} in {text!r} without {program} before it"
     assert doctor.main.__name__ == "main"
+
+
+def test_the_nccl_network_plugin_is_named_from_the_environment(tmp_path) -> None:
+    assert doctor.nccl_network_plugin({"NCCL_NET_PLUGIN": "ofi"}) == "NCCL_NET_PLUGIN=ofi"
+    (tmp_path / "libnccl-net.so").write_bytes(b"")
+    found = doctor.nccl_network_plugin({"LD_LIBRARY_PATH": f"/nonexistent:{tmp_path}"})
+    assert found == str(tmp_path / "libnccl-net.so")
+    assert doctor.nccl_network_plugin({}).startswith("none")

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hpcdl.training.schedule import LRSchedule
+from tests.support.backends import needs_horovod
 from tests.support.data_files import write_cifar10, write_imagenet
 from tests.support.mpi_harness import run_mpi
 from tests.support.reliability_runs import (
@@ -181,6 +182,7 @@ def test_more_ranks_than_samples(tmp_path: Path) -> None:
     assert_usage_error(job, "48 training samples cannot give 2 ranks a batch of 32 each")
 
 
+@needs_horovod
 def test_adasum_on_a_world_size_that_is_not_a_power_of_two(tmp_path: Path) -> None:
     job = run_job(3, tmp_path / "run", "--use-adasum", *SHORT, timeout=120)
     assert_usage_error(job, "--use-adasum needs a power-of-two number of ranks (Horovod's Adasum), got 3")

@@ -7,7 +7,16 @@ import dataclasses
 import pytest
 
 from hpcdl.runtime.errors import UsageError
-from hpcdl.training.config import FIELDS, PRESETS, TrainConfig, build_parser, option_name, parse_config, to_argv
+from hpcdl.training.config import (
+    FIELDS,
+    PRESETS,
+    TrainConfig,
+    build_parser,
+    default_backend,
+    option_name,
+    parse_config,
+    to_argv,
+)
 
 # A valid value different from the default for every field: the round-trip test covers each flag.
 CHANGED = dict(
@@ -20,12 +29,14 @@ CHANGED = dict(
     kfac_factor_decay=0.9, kfac_factor_examples=256, kfac_skip_layers=["classifier.1", "Conv2d"],
     kfac_preset="none", kfac_impl="studies.other:kfac", kfac_grad_worker_fraction=0.5, output_dir="/tmp/run", resume=True, seed=7, max_steps=11, target_accuracy=0.9, eval_every=9,
     keep_checkpoints=2, stall_timeout=60.0, max_nonfinite_steps=2, progress=False, task=None, target_metric=None,
-    kfac_comm_precision="bf16", kfac_bucket_mb=4.0, profile_steps="2:3",
+    kfac_comm_precision="bf16", kfac_bucket_mb=4.0, profile_steps="2:3", backend="torch",
 )
 # Fields whose changed value above equals the default (so the test says why it does not change them).
 # kfac and kfac_preset: --compile excludes K-FAC, and the preset needs it (its round trip is its own case below).
 # task and target_metric: --task excludes --dataset, --model and others (its round trip is its own case below).
 UNCHANGED_ON_PURPOSE = {"optimizer", "use_adasum", "kfac", "kfac_preset", "task", "target_metric"}
+if default_backend() == "torch":  # no Horovod here: torch is the default and the only backend that validates
+    UNCHANGED_ON_PURPOSE.add("backend")
 
 
 def test_the_changed_values_cover_every_field() -> None:
@@ -106,3 +117,18 @@ def test_every_numeric_flag_rejects_nan() -> None:
         if f.metadata["parse"] is float:
             with pytest.raises(UsageError, match=option_name(name)):
                 parse_config([option_name(name), "nan"])
+
+
+def test_adasum_is_refused_under_torch_in_one_line() -> None:
+    with pytest.raises(UsageError, match="--use-adasum is Horovod's Adasum.*--backend horovod"):
+        parse_config(["--backend", "torch", "--use-adasum"])
+
+
+def test_without_horovod_the_default_is_torch_and_horovod_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "horovod" else real(name, *a))
+    assert default_backend() == "torch"
+    with pytest.raises(UsageError, match="Horovod is not installed here.*use --backend torch"):
+        parse_config(["--backend", "horovod"])

@@ -29,6 +29,7 @@ from hpcdl.training.optimizers import (
     build_update_rule,
 )
 from hpcdl.training.schedule import LRSchedule, warmup_start
+from tests.support.backends import backend_param
 from tests.support.mpi_harness import run_mpi
 from tests.support.reliability_runs import assert_usage_error, checkpoint_steps, load_checkpoint, run_job, same_weights
 
@@ -293,9 +294,11 @@ def test_micro_batch_j_is_rank_js_batch(k: int) -> None:
 
 
 @processes
-@pytest.mark.parametrize("name", ["lars", "lamb", "muon", "soap", "adamw"])
-def test_two_rank_jobs_resume_bit_identically_and_equal_one_rank(name: str, tmp_path: Path) -> None:
-    flags = (*FLAGS, "--optimizer", name, "--base-lr", LRS[name])
+@pytest.mark.parametrize("name, backend", [*(backend_param(name, "horovod", id=name)
+                                             for name in ("lars", "lamb", "muon", "soap", "adamw")),
+                                           backend_param("adamw", "torch", id="adamw-torch")])
+def test_two_rank_jobs_resume_bit_identically_and_equal_one_rank(name: str, backend: str, tmp_path: Path) -> None:
+    flags = (*FLAGS, "--optimizer", name, "--base-lr", LRS[name], "--backend", backend)
     whole = run_job(2, tmp_path / "whole", *flags)
     assert whole.rc == 0, whole.tail()
     cut = run_job(2, tmp_path / "cut", *flags, "--max-steps", "15")  # mid-epoch 1 (22 steps per epoch)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.backends import BACKENDS, needs_horovod
 from tests.support.mpi_harness import run_train
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
@@ -63,9 +64,10 @@ def test_plot_draws_curves_of_several_runs(default_run: Path, tmp_path: Path) ->
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and output.stat().st_size > 20_000
 
 
-def test_one_rank_and_two_ranks_take_the_same_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_rank_and_two_ranks_take_the_same_steps(backend: str, tmp_path: Path) -> None:
     """Data parallelism is exact: 2 ranks x 32 equals 1 rank x 64 (same seed, same global batch)."""
-    common = ["--max-steps", "6", "--warmup-epochs", "0", "--epochs", "1", "--seed", "3"]
+    common = ["--max-steps", "6", "--warmup-epochs", "0", "--epochs", "1", "--seed", "3", "--backend", backend]
     one = run_train(1, tmp_path / "one", "--batch-size", "64", "--base-lr", "0.04", *common)
     two = run_train(2, tmp_path / "two", "--batch-size", "32", "--base-lr", "0.02", *common)
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
@@ -105,6 +107,7 @@ def test_kfac_training_with_accumulation_checkpoints_its_factors(tmp_path: Path)
     assert torch.load(newest, weights_only=True)["kfac"] is not None
 
 
+@needs_horovod
 def test_adasum_trains_on_two_ranks(tmp_path: Path) -> None:
     """--use-adasum: Horovod's Adasum optimizer steps inside backward, so the loop must not wrap it in
     skip_synchronize (which it refuses); replicas stay identical and the model learns."""
