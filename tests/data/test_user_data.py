@@ -66,6 +66,7 @@ def test_one_rank_with_twice_the_batch_holds_two_ranks_batches_as_micro_batches(
             assert batch[j::2] == two[j][step]
 
 
+@pytest.mark.processes  # DataLoader workers are processes
 def test_workers_give_what_the_main_process_gives() -> None:
     assert epoch_targets(0, 2, 8, epoch=0, workers=2) == epoch_targets(0, 2, 8, epoch=0)
 

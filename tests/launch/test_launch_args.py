@@ -237,6 +237,7 @@ def test_bad_values_are_one_line(argv: list[str], env: dict[str, str], message: 
     assert message in refused(argv, bin_dir, env)
 
 
+@pytest.mark.processes  # the runtime is found by running it
 @pytest.mark.parametrize(("runtime", "program"), [("apptainer", "apptainer"), ("singularity", "singularity"),
                                                   ("charliecloud", "ch-run")])
 def test_a_runtime_is_accepted_only_where_its_program_is(runtime: str, program: str, bin_dir: Path,
@@ -253,6 +254,7 @@ def test_a_runtime_is_accepted_only_where_its_program_is(runtime: str, program: 
     assert message.startswith(f"no container runtime found ({runtime}") and program in message
 
 
+@pytest.mark.processes  # the runtime is found by running it
 def test_without_a_runtime_apptainer_comes_first(bin_dir: Path, tmp_path: Path) -> None:
     image = tmp_path / "image.sif"
     image.write_text("")

@@ -60,6 +60,7 @@ def test_apply_puts_only_an_asked_for_checkout_first_and_records_the_choice(code
     assert host == []
 
 
+@pytest.mark.processes  # runs python / build.sh
 def test_a_bad_choice_ends_python_in_one_line_before_any_hpcdl_runs(tmp_path: Path) -> None:
     """What the image's .pth does at start-up, imitated on the host with the same module."""
     env = dict(os.environ, HPCDL_IN_CONTAINER="1", HPCDL_CODE=str(tmp_path / "nowhere"),
@@ -70,6 +71,7 @@ def test_a_bad_choice_ends_python_in_one_line_before_any_hpcdl_runs(tmp_path: Pa
     assert done.stderr.strip().startswith("hpcdl: error: HPCDL_CODE=") and done.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.processes  # runs python / build.sh
 def test_the_source_key_is_build_sh_s(tmp_path: Path) -> None:
     """Against containers/build.sh's own pipeline (find | sort | sha256sum), on a copy of the repository's source."""
     for name in doctor.SOURCE_FOLDERS:
