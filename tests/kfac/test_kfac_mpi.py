@@ -377,29 +377,12 @@ def _broadcast_from_each(pre: KFACPreconditioner, group, name: str, payloads: di
     return received
 
 
-def test_one_allgather_per_group_equals_a_broadcast_from_each_member_bit_for_bit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decompositions (every fraction) and preconditioned gradients (fraction < 1) shared by one allgather per
-    group give exactly the parameters that one MPI broadcast per group member gives."""
-    hvd = _horovod()
-    problems = []
-    for fraction in _fractions(hvd.size()):
-        gathered, _ = _train_distributed(hvd, fraction)
-        with monkeypatch.context() as patch:
-            patch.setattr(KFACPreconditioner, "_gather_from_each", _broadcast_from_each)
-            broadcast, _ = _train_distributed(hvd, fraction)
-        if not torch.equal(gathered, broadcast):
-            problems.append(f"fraction {fraction}: allgather and broadcasts differ by {_rel(gathered, broadcast):.1e}")
-    assert_all_ranks(not problems, "; ".join(problems))
-
-
-def test_collectives_per_step_one_per_group_and_phase_and_one_per_bucket() -> None:
-    hvd = _horovod()
-    size = hvd.size()
+def test_collectives_per_step_one_per_group_and_phase_and_one_per_bucket(dp: DataParallel) -> None:
+    size = dp.size
     problems = []
     for fraction in _fractions(size):
         for cap_mb, buckets in ((25.0, 1), (1e-9, 6)):  # one bucket for all six layers; one per layer
-            _, pre = _train_distributed(hvd, fraction, bucket_cap_mb=cap_mb)
+            _, pre = _train_distributed(dp, fraction, bucket_cap_mb=cap_mb)
             inverse_updates = len(range(0, STEPS, SETTINGS["inv_update_freq"]))
             want = {"kfac.factors": STEPS * buckets,
                     "kfac.decompositions": inverse_updates if fraction > 1 / size else 0,
@@ -410,22 +393,22 @@ def test_collectives_per_step_one_per_group_and_phase_and_one_per_bucket() -> No
     assert_all_ranks(not problems, "; ".join(problems))
 
 
-def test_bf16_payload_stays_close_to_fp32_and_identical_on_every_rank() -> None:
+def test_bf16_payload_stays_close_to_fp32_and_identical_on_every_rank(dp: DataParallel) -> None:
     """Decompositions and directions in bfloat16 on the wire: every rank applies the same rounded
     values (replicas stay identical) and training stays near the fp32 run (bf16 keeps 8 bits)."""
-    hvd = _horovod()
     problems = []
-    for fraction in _fractions(hvd.size()):
-        full, _ = _train_distributed(hvd, fraction)
-        half, pre = _train_distributed(hvd, fraction, comm_dtype=torch.bfloat16)
+    for fraction in _fractions(dp.size):
+        full, _ = _train_distributed(dp, fraction)
+        half, pre = _train_distributed(dp, fraction, comm_dtype=torch.bfloat16)
         err = _rel(half, full)
         if not 0 < err < 2e-2:
             problems.append(f"fraction {fraction}: bf16 payload moved the parameters by {err:.1e} (0 < e < 2e-2)")
-        if not _same_on_all_ranks(hvd, half, f"test.kfac.bf16.{fraction}"):
+        if not _same_on_all_ranks(half):
             problems.append(f"fraction {fraction}: bf16 replicas differ")
     assert_all_ranks(not problems, "; ".join(problems))
 
 
+@needs_horovod
 def test_groups_gather_what_mpi_allgatherv_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both group kinds (Horovod process sets, mpi4py sub-communicators) against MPI's own Allgatherv, with a
     member that sends nothing and a bfloat16 payload."""
@@ -456,12 +439,11 @@ def test_groups_gather_what_mpi_allgatherv_gathers(monkeypatch: pytest.MonkeyPat
     assert_all_ranks(not problems, "; ".join(problems))
 
 
-def test_factor_examples_on_n_ranks_equal_one_rank_accumulating_n_passes() -> None:
+def test_factor_examples_on_n_ranks_equal_one_rank_accumulating_n_passes(dp: DataParallel) -> None:
     """factor_examples is the step's budget over ranks and passes: N ranks taking their shares equal one process
     whose N accumulated passes are the N ranks' shards (the shares of 6 on 4 ranks: 2, 2, 1, 1)."""
-    hvd = _horovod()
-    size, budget = hvd.size(), 6
-    distributed, _ = _train_distributed(hvd, 1.0, factor_examples=budget)
+    size, budget = dp.size, 6
+    distributed, _ = _train_distributed(dp, 1.0, factor_examples=budget)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     pre = KFACPreconditioner(model, communicator=SingleProcess(), skip_layers=["extra"], factor_examples=budget,
@@ -473,26 +455,27 @@ def test_factor_examples_on_n_ranks_equal_one_rank_accumulating_n_passes() -> No
             (F.cross_entropy(model(x[shard]), y[shard]) / size).backward()
         pre.step()
         optimizer.step()
-    all_examples, _ = _train_distributed(hvd, 1.0)
+    all_examples, _ = _train_distributed(dp, 1.0)
     err, differs = _rel(distributed, _flat(model)), _rel(distributed, all_examples)
     assert_all_ranks(err < 1e-5 and differs > 1e-6,
                      f"against one process with {size} passes: {err:.1e}; against all examples: {differs:.1e}")
 
 
 @pytest.mark.parametrize("rule", ["allgather", "sum"])
-def test_both_sharing_collectives_equal_the_broadcasts_bit_for_bit(rule: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The zero-padded sum (for unbalanced parts) and the allgather each equal one broadcast per member, in fp64
-    and with a bf16 payload."""
-    hvd = _horovod()
+def test_both_sharing_collectives_equal_the_broadcasts_bit_for_bit(rule: str, dp: DataParallel,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decompositions (every fraction) and preconditioned gradients (fraction < 1), shared by one collective per
+    group, the zero-padded sum (for unbalanced parts) or the allgather, give exactly the parameters that one MPI
+    broadcast per group member gives (fp64)."""
     problems = []
-    for fraction in _fractions(hvd.size()):
+    for fraction in _fractions(dp.size):
         with monkeypatch.context() as patch:
             patch.setattr(KFACPreconditioner, "share_rule", rule, raising=False)
             patch.setattr(KFACPreconditioner, "__init__", _with_rule(KFACPreconditioner.__init__, rule))
-            forced, _ = _train_distributed(hvd, fraction)
+            forced, _ = _train_distributed(dp, fraction)
         with monkeypatch.context() as patch:
             patch.setattr(KFACPreconditioner, "_gather_from_each", _broadcast_from_each)
-            broadcast, _ = _train_distributed(hvd, fraction)
+            broadcast, _ = _train_distributed(dp, fraction)
         if not torch.equal(forced, broadcast):
             problems.append(f"fraction {fraction}: {rule} and broadcasts differ by {_rel(forced, broadcast):.1e}")
     assert_all_ranks(not problems, "; ".join(problems))
