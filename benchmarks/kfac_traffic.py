@@ -462,9 +462,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             if abs(fraction * args.ranks - round(fraction * args.ranks)) > 1e-9 or args.ranks % round(
                     fraction * args.ranks):
                 raise UsageError(f"--fractions: {fraction:g} x {args.ranks} ranks is not a whole divisor of the ranks")
+        check_launch(args.ranks, args.vcluster)  # a virtual cluster that is not there: one line, before any run
         if not (args.data_dir / "train-images-idx3-ubyte").exists():
             raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
-        check_launch(args.ranks, args.vcluster)  # a virtual cluster that is not there: one line, before any run
     if args.phase == "predict" and args.measured:
         check_measured(args.measured)
     return args

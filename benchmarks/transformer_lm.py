@@ -76,7 +76,7 @@ def train(method: str, args: argparse.Namespace, workdir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    stem = outputs.results_stem(args.output.with_suffix("") if args.output else None, "transformer_lm",
+    stem = outputs.results_stem(outputs.given_stem(args.output, (".json",)), "transformer_lm",
                                 (".json",), refresh_results=args.refresh_results, force=args.force)
     with tempfile.TemporaryDirectory(prefix="transformer-lm-") as tmp:
         runs = {method: train(method, args, Path(tmp)) for method in METHODS}
