@@ -10,6 +10,8 @@ anything is written), is here; docs/training.md ("Your own model") is the user's
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +65,7 @@ def import_function(spec: str, flag: str) -> Callable[..., Any]:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise UsageError(f"{flag} takes package.module:function (got {spec!r})")
+    look_in_the_working_folder_last()
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module may raise anything while it is imported
@@ -74,6 +77,15 @@ def import_function(spec: str, flag: str) -> Callable[..., Any]:
     if not callable(function):
         raise UsageError(f"{flag} {spec}: {attribute} is a {type(function).__name__}, not a function")
     return function
+
+
+def look_in_the_working_folder_last() -> None:
+    """A user's module usually sits in the folder the job starts in, which Python leaves off its path where it
+    must not shadow what is installed (the image sets PYTHONSAFEPATH so that its own hpcdl runs). Look there
+    too, last: the folder's modules are found, but cannot replace hpcdl or an installed package."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
 
 
 def one_line(exc: BaseException) -> str:
