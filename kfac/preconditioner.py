@@ -348,7 +348,7 @@ class KFACPreconditioner:
 
     def _stats_bytes(self, layer: KFACLayer) -> int:
         numel = upper_size(layer.a_dim) + upper_size(layer.g_dim) + 2
-        return numel * torch.empty(0, dtype=layer.dtype).element_size()
+        return numel * layer.dtype.itemsize
 
     def _launch(self, bucket: int) -> None:
         """One sum-allreduce per bucket per step on every rank, whatever the rank saw (buckets in a fixed order

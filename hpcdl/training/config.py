@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
@@ -101,7 +102,7 @@ def fraction_or_auto(text: str) -> float | str:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1] or auto (got {text})") from None
+        value = math.nan  # refused below, with the same words
     if not FRACTION.contains(value):
         raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1] or auto (got {text})")
     return value
