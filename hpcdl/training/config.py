@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import importlib.util
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
