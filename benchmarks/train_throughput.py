@@ -15,10 +15,11 @@ on CPU and amp+cl on CUDA) this one process alternates, pair by pair (AB BA AB .
   forward, backward, SGD step and nothing else, timed over the same number of steps after a warm-up.
 
 The median over pairs of B's step time / A's step time is hpcdl's speed relative to the bare loop
-(1.0 = as fast). Part 2 (CPU only) launches ``mpirun -np 1`` and ``-np 2`` under each ``--backends``
-(Horovod, torch.distributed: the same flags, run after run in alternating order) and reports each one's
-images/s and scaling efficiency, and torch's images/s over Horovod's at 2 ranks. Results: JSON and a bar
-chart, under benchmarks/results/ (``--output`` to write elsewhere).
+(1.0 = as fast). Part 2 launches ``mpirun -np 1`` and ``-np 2`` under each ``--backends`` (Horovod,
+torch.distributed: the same flags, run after run in alternating order) and reports each one's images/s and
+scaling efficiency, and torch's images/s over Horovod's at the most ranks measured. On CUDA each rank needs a
+GPU of its own, so a one-GPU machine measures 1 rank only (NCCL DDP against Horovod's NCCL path). Results:
+JSON and a bar chart, under benchmarks/results/ (``--output`` to write elsewhere).
 """
 
 from __future__ import annotations
@@ -125,42 +126,58 @@ def bare_step_seconds(mode: str, args: argparse.Namespace) -> float:
 
 
 def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: bool = False) -> float:
-    """hpcdl.train's images/s in its second epoch on ``ranks`` ranks, one thread each, under ``backend`` (with
-    ``--kfac``: K-FAC's step, its collectives over the backend's communicator)."""
+    """hpcdl.train's images/s in its second epoch on ``ranks`` ranks (one thread each on the CPU, one GPU each
+    on CUDA) under ``backend`` (with ``--kfac``: K-FAC's step, its collectives over the backend's
+    communicator)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    batch = SHAPES["cpu"]["batch"]
+    shape = SHAPES[args.device]
     with tempfile.TemporaryDirectory() as out:
         cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train",
-               "--dataset", "synthetic", "--model", "resnet32", "--batch-size", str(batch),
-               "--synthetic-size", str(args.steps * batch * ranks), "--epochs", "2", "--output-dir", f"{out}/r",
-               "--no-progress", "--keep-checkpoints", "1", "--backend", backend, *(["--kfac"] if kfac else [])]
+               "--dataset", "synthetic", "--model", shape["model"], "--batch-size", str(shape["batch"]),
+               "--synthetic-shape", "3", str(shape["size"]), str(shape["size"]),
+               "--synthetic-size", str(args.steps * shape["batch"] * ranks), "--epochs", "2",
+               "--output-dir", f"{out}/r", "--no-progress", "--keep-checkpoints", "1", "--device", args.device,
+               "--backend", backend, *(["--kfac"] if kfac else [])]
         subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800, capture_output=True)
         rows = [json.loads(line) for line in (Path(out) / "r" / "metrics.jsonl").read_text().splitlines()]
     return float(rows[-1]["images_per_second"])
+
+
+def rank_counts(device: str) -> tuple[int, ...]:
+    """1 and 2 ranks, except on a machine with one GPU (two ranks may not share one: hpcdl refuses)."""
+    if device == "cuda":
+        import torch
+
+        return (1, 2) if torch.cuda.device_count() >= 2 else (1,)
+    return (1, 2)
 
 
 def scaling(args: argparse.Namespace) -> dict:
     """images/s of hpcdl.train on 1 and 2 ranks under each backend (same per-rank batch), the median of
     ``--rounds`` runs taken in alternating backend order; the first backend's figures also at the top level."""
     variants = [*args.backends, *(f"{backend}+kfac" for backend in args.backends if args.kfac)]
-    runs: dict[str, dict[int, list[float]]] = {variant: {1: [], 2: []} for variant in variants}
+    counts = rank_counts(args.device)
+    runs: dict[str, dict[int, list[float]]] = {variant: {n: [] for n in counts} for variant in variants}
     for round_ in range(args.rounds):
         order = variants if round_ % 2 == 0 else list(reversed(variants))
-        for ranks in (1, 2):
+        for ranks in counts:
             for variant in order:
                 backend, _, kfac = variant.partition("+")
                 runs[variant][ranks].append(images_per_second(backend, ranks, args, kfac=bool(kfac)))
     result: dict = {"backends": {}}
+    most = max(counts)
     for backend, by_ranks in runs.items():
-        one, two = statistics.median(by_ranks[1]), statistics.median(by_ranks[2])
-        result["backends"][backend] = {"images_per_second_1_rank": one, "images_per_second_2_rank": two,
-                                       "scaling_efficiency_2_ranks": two / (2 * one), "runs": by_ranks}
+        figures = {f"images_per_second_{n}_rank": statistics.median(by_ranks[n]) for n in counts}
+        if most == 2:
+            figures["scaling_efficiency_2_ranks"] = figures["images_per_second_2_rank"] / (
+                2 * figures["images_per_second_1_rank"])
+        result["backends"][backend] = {**figures, "runs": by_ranks}
     result.update({k: v for k, v in result["backends"][args.backends[0]].items() if k != "runs"})
     for suffix in ("", "+kfac"):
         if {f"horovod{suffix}", f"torch{suffix}"} <= set(runs):
-            torch_, horovod = (result["backends"][f"{b}{suffix}"]["images_per_second_2_rank"]
+            torch_, horovod = (result["backends"][f"{b}{suffix}"][f"images_per_second_{most}_rank"]
                                for b in ("torch", "horovod"))
-            result[f"torch_over_horovod_2_ranks{suffix.replace('+', '_')}"] = torch_ / horovod
+            result[f"torch_over_horovod_{most}_ranks{suffix.replace('+', '_')}"] = torch_ / horovod
     return result
 
 
@@ -176,13 +193,16 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     if not modes:  # the scaling part alone: each backend's images/s on 1 and 2 ranks
         backends = list(report.get("backends", {}))
-        for offset, ranks in ((-0.2, 1), (0.2, 2)):
-            ax.bar([i + offset for i in range(len(backends))],
-                   [report["backends"][b][f"images_per_second_{ranks}_rank"] for b in backends], 0.4,
+        counts = [n for n in (1, 2) if f"images_per_second_{n}_rank" in report["backends"][backends[0]]]
+        width = 0.8 / len(counts)
+        for k, ranks in enumerate(counts):
+            ax.bar([i + (k - (len(counts) - 1) / 2) * width for i in range(len(backends))],
+                   [report["backends"][b][f"images_per_second_{ranks}_rank"] for b in backends], width,
                    label=f"{ranks} rank(s)")
         ax.set_xticks(list(range(len(backends))), [f"--backend {b}" for b in backends])
         ax.set_ylabel("images/s")
-        ax.set_title(f"{shape['model']}, batch {shape['batch']} per rank, 1 thread per rank")
+        where = "1 thread per rank" if report["device"] == "cpu" else report["device_name"]
+        ax.set_title(f"{shape['model']}, batch {shape['batch']} per rank, {where}")
         ax.legend()
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -261,16 +281,18 @@ def measure(args: argparse.Namespace) -> None:
                   f"{batch / statistics.median(bare_times):8.1f} img/s | hpcdl/bare speed "
                   f"{statistics.median(ratios):.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
             write_text_atomically(output, json.dumps(report, indent=2) + "\n")  # a run cut short keeps its modes
-    if args.device == "cpu" and not args.skip_scaling:
+    if not args.skip_scaling:
         report.update(scaling(args))
         for backend, figures in report["backends"].items():
-            print(f"{backend:8s} 1 rank {figures['images_per_second_1_rank']:.0f} img/s, 2 ranks "
-                  f"{figures['images_per_second_2_rank']:.0f} img/s -> scaling efficiency "
-                  f"{100 * figures['scaling_efficiency_2_ranks']:.0f}% (1 thread per rank)")
-        for key in ("torch_over_horovod_2_ranks", "torch_over_horovod_2_ranks_kfac"):
-            if key in report:
-                print(f"torch/horovod images/s at 2 ranks{' with K-FAC' if key.endswith('kfac') else ''}: "
-                      f"{report[key]:.3f}")
+            per_rank = ", ".join(f"{n} rank(s) {figures[f'images_per_second_{n}_rank']:.0f} img/s"
+                                 for n in rank_counts(args.device))
+            efficiency = figures.get("scaling_efficiency_2_ranks")
+            print(f"{backend:8s} {per_rank}"
+                  + (f" -> scaling efficiency {100 * efficiency:.0f}%" if efficiency is not None else ""))
+        for key in [k for k in report if k.startswith("torch_over_horovod_")]:
+            ranks = key.split("_")[3]
+            print(f"torch/horovod images/s at {ranks} rank{'s' if ranks != '1' else ''}"
+                  f"{' with K-FAC' if key.endswith('kfac') else ''}: {report[key]:.3f}")
     write_text_atomically(output, json.dumps(report, indent=2) + "\n")
     plot(report, outputs.output_file(stem, ".png"))
     print(f"wrote {output} and {outputs.output_file(stem, '.png')}")
