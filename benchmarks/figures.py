@@ -108,6 +108,9 @@ def _scaling() -> str:
             f"{r['images_per_second_2_rank']:.0f} img/s)")
 
 
+FIGURES.update(study("train_throughput").figures(results, table))  # Horovod vs torch.distributed (docs/cluster.md)
+
+
 # ---- bit-identical runs (benchmarks/deterministic_cost.py) ---------------------------------------------
 
 @figure("deterministic.ratio")

@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/train_throughput.py --modes fp32 amp --rounds 4 --skip-scaling
     .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch   # the backends' scaling only
     .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch --kfac   # and K-FAC's step
+    .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch --kfac --vcluster bk \
+        --output runs/bench/backends_2nodes                      # the same on 2 virtual nodes, 1 rank each
 
 For each mode (fp32; amp: bf16 autocast; amp+cl: bf16 + channels_last; compile: torch.compile, fp32
 on CPU and amp+cl on CUDA) this one process alternates, pair by pair (AB BA AB ...), between
@@ -17,9 +19,11 @@ on CPU and amp+cl on CUDA) this one process alternates, pair by pair (AB BA AB .
 The median over pairs of B's step time / A's step time is hpcdl's speed relative to the bare loop
 (1.0 = as fast). Part 2 launches ``mpirun -np 1`` and ``-np 2`` under each ``--backends`` (Horovod,
 torch.distributed: the same flags, run after run in alternating order) and reports each one's images/s and
-scaling efficiency, and torch's images/s over Horovod's at the most ranks measured. On CUDA each rank needs a
-GPU of its own, so a one-GPU machine measures 1 rank only (NCCL DDP against Horovod's NCCL path). Results:
-JSON and a bar chart, under benchmarks/results/ (``--output`` to write elsewhere).
+scaling efficiency, and torch's images/s over Horovod's at the most ranks measured (``--vcluster``: through
+launch/mpirun.sh on a virtual cluster's nodes, one rank per node). On CUDA each rank needs a GPU of its own, so a
+one-GPU machine measures 1 rank only (NCCL DDP against Horovod's NCCL path). Results: JSON and a bar chart, under
+runs/bench/ (``--output`` to write elsewhere, ``--refresh-results`` into benchmarks/results/). :func:`figures`
+gives the backends' figures that docs/cluster.md and README quote.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -41,7 +47,6 @@ sys.path.insert(0, str(REPO))
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
-from hpcdl.training.config import BACKENDS, default_backend  # noqa: E402
 
 MODES = ("fp32", "amp", "amp+cl", "compile")
 SHAPES = {"cpu": dict(model="resnet32", batch=64, size=32), "cuda": dict(model="resnet50", batch=128, size=224)}
@@ -125,6 +130,15 @@ def bare_step_seconds(mode: str, args: argparse.Namespace) -> float:
     return steps(args.steps)
 
 
+def launch(ranks: int, vcluster: str | None) -> list[str]:
+    """The words that start ``ranks`` ranks of hpcdl.train, one thread each: a bare mpirun on this machine, or
+    launch/mpirun.sh on a virtual cluster's nodes (it knows their addresses, interface and agent)."""
+    if vcluster is None:
+        return ["mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train"]
+    return ["bash", str(REPO / "launch" / "mpirun.sh"), "--vcluster", vcluster, "-np", str(ranks), "--threads", "1",
+            "--"]
+
+
 def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: bool = False) -> float:
     """hpcdl.train's images/s in its second epoch on ``ranks`` ranks (one thread each on the CPU, one GPU each
     on CUDA) under ``backend`` (with ``--kfac``: K-FAC's step, its collectives over the backend's
@@ -132,8 +146,8 @@ def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: 
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     shape = SHAPES[args.device]
     with tempfile.TemporaryDirectory() as out:
-        cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train",
-               "--dataset", "synthetic", "--model", shape["model"], "--batch-size", str(shape["batch"]),
+        cmd = [*launch(ranks, args.vcluster), "--dataset", "synthetic", "--model", shape["model"],
+               "--batch-size", str(shape["batch"]),
                "--synthetic-shape", "3", str(shape["size"]), str(shape["size"]),
                "--synthetic-size", str(args.steps * shape["batch"] * ranks), "--epochs", "2",
                "--output-dir", f"{out}/r", "--no-progress", "--keep-checkpoints", "1", "--device", args.device,
@@ -141,6 +155,22 @@ def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: 
         subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800, capture_output=True)
         rows = [json.loads(line) for line in (Path(out) / "r" / "metrics.jsonl").read_text().splitlines()]
     return float(rows[-1]["images_per_second"])
+
+
+def check_vcluster(args: argparse.Namespace) -> None:
+    """UsageError (one line) before any run when ``--vcluster`` cannot give each of the 2 ranks a node."""
+    from hpcdl.runtime.errors import UsageError
+    from hpcdl.tools import vcluster
+
+    if args.device != "cpu":
+        raise UsageError("--vcluster measures CPU ranks (virtual nodes share this machine's devices): drop "
+                         "--device cuda")
+    cluster = vcluster.load(args.vcluster)
+    if cluster is None:
+        raise UsageError(f"no virtual cluster named {args.vcluster!r}; start one with .venv/bin/python -m "
+                         f"hpcdl.tools.vcluster up --nodes 2 --name {args.vcluster}")
+    if len(cluster.nodes) < 2:
+        raise UsageError(f"virtual cluster {args.vcluster!r} has {len(cluster.nodes)} node(s); the 2-rank runs need 2")
 
 
 def rank_counts(device: str) -> tuple[int, ...]:
@@ -158,13 +188,15 @@ def scaling(args: argparse.Namespace) -> dict:
     variants = [*args.backends, *(f"{backend}+kfac" for backend in args.backends if args.kfac)]
     counts = rank_counts(args.device)
     runs: dict[str, dict[int, list[float]]] = {variant: {n: [] for n in counts} for variant in variants}
+    loads: list[float] = []  # the machine's 1-minute load before each run: a shared machine's timings drift
     for round_ in range(args.rounds):
         order = variants if round_ % 2 == 0 else list(reversed(variants))
         for ranks in counts:
             for variant in order:
                 backend, _, kfac = variant.partition("+")
+                loads.append(round(os.getloadavg()[0], 2))
                 runs[variant][ranks].append(images_per_second(backend, ranks, args, kfac=bool(kfac)))
-    result: dict = {"backends": {}}
+    result: dict = {"backends": {}, "load": loads}
     most = max(counts)
     for backend, by_ranks in runs.items():
         figures = {f"images_per_second_{n}_rank": statistics.median(by_ranks[n]) for n in counts}
@@ -222,7 +254,55 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ---- the backends' figures (docs/cluster.md, README): benchmarks/figures.py registers what this returns ----------
+
+BACKEND_RUNS = {"one host, 2 ranks": "train_throughput_backends_cpu",
+                "2 virtual nodes x 1 rank, 1 Gbit/s": "train_throughput_backends_2nodes"}
+ALLREDUCE_2NODES = "allreduce_2nodes_1gbit"  # python -m hpcdl.bench.allreduce on the same 2 virtual nodes
+ALLREDUCE_ROWS = ("MPI.Allreduce", "horovod", "torch.distributed (gloo)")
+
+
+def figures(results: Callable[[str], Any], markdown: Callable[..., str]) -> dict[str, Callable[[], str]]:
+    """Figure name -> function of the results files (``results(name)``: benchmarks/results/<name>.json, parsed;
+    ``markdown(header, rows)``: benchmarks/figures.py's table)."""
+
+    def ratio(name: str, kfac: bool = False) -> float:
+        """torch's images/s over Horovod's at 2 ranks; with K-FAC, inverted: torch's step time over Horovod's."""
+        value = results(name)["torch_over_horovod_2_ranks" + ("_kfac" if kfac else "")]
+        return 1 / value if kfac else value
+
+    def scaling(name: str, backend: str) -> str:
+        b = results(name)["backends"][backend]
+        return (f"{b['images_per_second_1_rank']:.0f} → {b['images_per_second_2_rank']:.0f} img/s "
+                f"({100 * b['scaling_efficiency_2_ranks']:.0f} %)")
+
+    def backends() -> str:
+        rows = []
+        for where, name in BACKEND_RUNS.items():
+            load = results(name)["load"]
+            rows.append((where, scaling(name, "horovod"), scaling(name, "torch"), f"{ratio(name):.2f}×",
+                         f"{ratio(name, kfac=True):.2f}×", f"{min(load):.1f}–{max(load):.1f}"))
+        return markdown(["where", "Horovod, 1 → 2 ranks", "torch (Gloo), 1 → 2 ranks", "torch / Horovod img/s",
+                          "K-FAC's step, torch / Horovod", "load"], rows)
+
+    def allreduce() -> str:
+        rows = {(r["implementation"], r["bytes"]): r["busbw_GBps"] for r in results(ALLREDUCE_2NODES)["rows"]}
+        sizes = sorted({size for (_, size) in rows if size >= 1 << 20})
+        return markdown(["size", *ALLREDUCE_ROWS],
+                         [(f"{size >> 20} MiB", *(f"{rows[who, size]:.3f}" for who in ALLREDUCE_ROWS))
+                          for size in sizes])
+
+    one_host, two_nodes = BACKEND_RUNS.values()
+    return {"backends.table": backends, "backends.allreduce_2nodes": allreduce,
+            "backends.ratio": lambda: f"{ratio(one_host):.2f}×",
+            "backends.kfac": lambda: f"{ratio(one_host, kfac=True):.2f}×",
+            "backends.2nodes.ratio": lambda: f"{ratio(two_nodes):.2f}×",
+            "backends.2nodes.kfac": lambda: f"{ratio(two_nodes, kfac=True):.2f}×"}
+
+
 def main(argv: list[str] | None = None) -> None:
+    from hpcdl.training.config import BACKENDS, default_backend  # torch: not for benchmarks/figures.py's import
+
     parser = RankZeroParser(prog="benchmarks/train_throughput.py", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES),
@@ -234,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="--backend values whose 1- and 2-rank scaling is measured side by side (default: "
                              "hpcdl.train's default backend)")
     parser.add_argument("--kfac", action="store_true", help="also measure each backend's scaling with --kfac")
+    parser.add_argument("--vcluster", help="run the scaling part on this virtual cluster's nodes, one rank per node "
+                        "(python -m hpcdl.tools.vcluster up; CPU only)")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
     from hpcdl.run import outputs
@@ -249,16 +331,19 @@ def measure(args: argparse.Namespace) -> None:
     from hpcdl.run import outputs
     from hpcdl.runtime import world
     from hpcdl.runtime.errors import UsageError
+    from hpcdl.training.config import default_backend
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no GPU")
+    if args.vcluster is not None:
+        check_vcluster(args)
     stem = outputs.results_stem(outputs.given_stem(args.output, SUFFIXES),
                                 f"train_throughput_{args.device}", SUFFIXES,
                                 refresh_results=args.refresh_results, force=args.force)
     me = world.init(use_horovod=default_backend() == "horovod", torch_distributed=default_backend() == "torch")
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
     report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
-                    **SHAPES[args.device], "modes": {}}
+                    "vcluster": args.vcluster, **SHAPES[args.device], "modes": {}}
     from hpcdl.run.atomic import write_text_atomically
 
     output = outputs.output_file(stem, ".json")

@@ -4,7 +4,8 @@ One image for the session (tests/support/container.py: built once, cached), the 
 data, few and short runs:
   - 4 ranks under launch/mpirun.sh on this host: the doctor inside says which image, which MPI inside
     and outside, that they talk, and that the host's venv, PYTHONPATH and PIP_* did not leak in;
-  - 2 ranks in the image end with weights bit-identical to the same run on the host;
+  - 2 ranks in the image, under Horovod and under torch.distributed, end with weights bit-identical to the
+    same run on the host;
   - 2 virtual nodes x 2 ranks: a 64 MiB allreduce between the nodes' containers, and a node lost
     mid-training ends the containerised job naming the node, as a bare job ends;
   - launch/slurm.sbatch --image on the project's Slurm (srun --mpi=pmix): SIGUSR1 near the time
@@ -58,25 +59,32 @@ def test_doctor_in_the_image_under_mpirun_on_four_ranks(hpcdl_image: Path, tmp_p
     assert "world size           4" in out or re.search(r"world size\s+4\b", out), out[-3000:]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_two_ranks_in_the_image_end_bit_identical_to_the_host(hpcdl_image: Path, tmp_path: Path) -> None:
+    """The image under both backends (it carries Horovod and torch.distributed): on 2 ranks both add the same two
+    numbers, so the host's Horovod run, the image's Horovod run and the image's torch run end bit-identical."""
     import torch
 
     runs = {}
-    for where, extra in (("host", []), ("image", ["--image", str(hpcdl_image)])):
+    for where, extra in (("host", ["--backend", "horovod"]), ("image", ["--backend", "horovod"]),
+                         ("image-torch", ["--backend", "torch"])):
+        image = ["--image", str(hpcdl_image)] if where.startswith("image") else []
         out_dir = tmp_path / where
-        rc, text = launch(["-np", "2", *extra, "--", *TRAIN, "--epochs", "2", "--output-dir", str(out_dir)],
+        rc, text = launch(["-np", "2", *image, "--", *TRAIN, *extra, "--epochs", "2", "--output-dir", str(out_dir)],
                           tmp_path / f"{where}.log", timeout=300)
         assert rc == 0, f"{where}:\n{text[-3000:]}"
         checkpoints = sorted((out_dir / "checkpoints").glob("ckpt-*.pt"))
         assert checkpoints, f"{where} wrote no checkpoint\n{text[-2000:]}"
         runs[where] = (checkpoints[-1], text)
     assert "ch-run" in runs["image"][1] and "ch-run" not in runs["host"][1]
-    assert runs["host"][0].name == runs["image"][0].name  # the same number of steps
-    host, image = model_tensors(runs["host"][0]), model_tensors(runs["image"][0])
-    assert list(host) == list(image)
-    differing = [name for name in host if not torch.equal(host[name], image[name])]
-    assert not differing, f"tensors that differ between host and image: {differing}"
+    assert "| torch (gloo) |" in runs["image-torch"][1], runs["image-torch"][1][-2000:]
+    host = model_tensors(runs["host"][0])
+    for where in ("image", "image-torch"):
+        assert runs["host"][0].name == runs[where][0].name  # the same number of steps
+        image = model_tensors(runs[where][0])
+        assert list(host) == list(image)
+        differing = [name for name in host if not torch.equal(host[name], image[name])]
+        assert not differing, f"tensors that differ between the host and {where}: {differing}"
     # A check that can fail: one more step changes the weights.
     assert any(torch.is_floating_point(t) and t.abs().sum() > 0 for t in image.values())
 
