@@ -271,19 +271,25 @@ def figures(results: Callable[[str], Any], markdown: Callable[..., str]) -> dict
         value = results(name)["torch_over_horovod_2_ranks" + ("_kfac" if kfac else "")]
         return 1 / value if kfac else value
 
-    def scaling(name: str, backend: str) -> str:
-        b = results(name)["backends"][backend]
-        return (f"{b['images_per_second_1_rank']:.0f} → {b['images_per_second_2_rank']:.0f} img/s "
-                f"({100 * b['scaling_efficiency_2_ranks']:.0f} %)")
+    def scaling(figures: dict[str, Any]) -> str:
+        return (f"{figures['images_per_second_1_rank']:.0f} → {figures['images_per_second_2_rank']:.0f} "
+                f"({100 * figures['scaling_efficiency_2_ranks']:.0f} %)")
+
+    def spread(figures: dict[str, Any]) -> str:
+        runs = figures["runs"]["2"]
+        return f"{min(runs):.0f}–{max(runs):.0f}"
 
     def backends() -> str:
         rows = []
         for where, name in BACKEND_RUNS.items():
             load = results(name)["load"]
-            rows.append((where, scaling(name, "horovod"), scaling(name, "torch"), f"{ratio(name):.2f}×",
-                         f"{ratio(name, kfac=True):.2f}×", f"{min(load):.1f}–{max(load):.1f}"))
-        return markdown(["where", "Horovod, 1 → 2 ranks", "torch (Gloo), 1 → 2 ranks", "torch / Horovod img/s",
-                          "K-FAC's step, torch / Horovod", "load"], rows)
+            for suffix, what, compared in (("", "SGD", f"images/s {ratio(name):.2f}×"),
+                                           ("+kfac", "K-FAC", f"step {ratio(name, kfac=True):.2f}×")):
+                horovod, torch_ = (results(name)["backends"][b + suffix] for b in ("horovod", "torch"))
+                rows.append((where, what, scaling(horovod), scaling(torch_), compared,
+                             f"{spread(horovod)}; {spread(torch_)}", f"{min(load):.1f}–{max(load):.1f}"))
+        return markdown(["where", "", "Horovod img/s, 1 → 2 ranks", "torch (Gloo) img/s, 1 → 2 ranks",
+                         "torch / Horovod, 2 ranks", "2-rank rounds, Horovod; torch", "load"], rows)
 
     def allreduce() -> str:
         rows = {(r["implementation"], r["bytes"]): r["busbw_GBps"] for r in results(ALLREDUCE_2NODES)["rows"]}

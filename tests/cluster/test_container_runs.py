@@ -8,8 +8,8 @@ data, few and short runs:
     same run on the host;
   - 2 virtual nodes x 2 ranks: a 64 MiB allreduce between the nodes' containers, and a node lost
     mid-training ends the containerised job naming the node, as a bare job ends;
-  - launch/slurm.sbatch --image on the project's Slurm (srun --mpi=pmix): SIGUSR1 near the time
-    limit checkpoints inside the image, requeues the job, and it resumes to the end.
+  - launch/slurm.sbatch --image on the project's Slurm (srun --mpi=pmix), under either backend: SIGUSR1 near
+    the time limit checkpoints inside the image, requeues the job, and it resumes to the end.
 """
 
 # ruff: noqa: F811 - pytest fixtures imported by name and taken as arguments
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.backends import BACKENDS
 from tests.support.container import REPO, clean_env, hpcdl_image, leaky_env  # noqa: F401 (a fixture)
 from tests.support.slurm_cluster import SlurmCluster, slurm  # noqa: F401 (a fixture)
 from tests.support.vcluster import Launch, make_vcluster  # noqa: F401 (a fixture)
@@ -135,13 +136,15 @@ def test_a_lost_node_ends_the_containerised_job_naming_it(make_vcluster, hpcdl_i
 
 
 @pytest.mark.timeout(500)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_slurm_job_in_the_image_checkpoints_on_sigusr1_requeues_and_resumes(
-        slurm: SlurmCluster, hpcdl_image: Path, tmp_path: Path) -> None:
+        slurm: SlurmCluster, hpcdl_image: Path, tmp_path: Path, backend: str) -> None:
     epochs = 30  # long after the first epoch, where the signal is sent: a fast machine ran 4 in 0.5 s
     env = {key: "" for key in os.environ if key.startswith("HPCDL_")}  # no launch settings of the caller's
     env.update(OMP_NUM_THREADS="1")
     job = slurm.sbatch(REPO / "launch" / "slurm.sbatch",
-                       script_args=["--image", str(hpcdl_image), "--", *TRAIN, "--epochs", str(epochs)],
+                       script_args=["--image", str(hpcdl_image), "--", *TRAIN, "--epochs", str(epochs),
+                                    "--backend", backend],
                        sbatch_args=["--ntasks-per-node=2", "--cpus-per-task=1", "--time=10"], env=env, cwd=tmp_path)
     metrics = tmp_path / "runs" / f"hpcdl-{job}" / "metrics.jsonl"
     deadline = time.monotonic() + 300
@@ -156,5 +159,6 @@ def test_slurm_job_in_the_image_checkpoints_on_sigusr1_requeues_and_resumes(
     assert state == "COMPLETED", log[-4000:]
     assert "srun --mpi=pmix" in log and "ch-run --join --join-tag" in log, log[-3000:]
     assert "SIGUSR1 received" in log and "requeueing job" in log and "resuming from" in log, log[-4000:]
+    assert f"| {backend}" in log, log[-3000:]
     logged = [json.loads(line)["epoch"] for line in metrics.read_text().splitlines() if line.strip()]
     assert logged == list(range(1, epochs + 1)), logged
