@@ -138,7 +138,10 @@ def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: 
                "--synthetic-size", str(args.steps * shape["batch"] * ranks), "--epochs", "2",
                "--output-dir", f"{out}/r", "--no-progress", "--keep-checkpoints", "1", "--device", args.device,
                "--backend", backend, *(["--kfac"] if kfac else [])]
-        subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800, capture_output=True)
+        done = subprocess.run(cmd, env=env, cwd=REPO, timeout=1800, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"hpcdl.train --backend {backend} on {ranks} rank(s) failed (exit {done.returncode}): "
+                               + " | ".join(done.stderr.strip().splitlines()[-5:]))
         rows = [json.loads(line) for line in (Path(out) / "r" / "metrics.jsonl").read_text().splitlines()]
     return float(rows[-1]["images_per_second"])
 
