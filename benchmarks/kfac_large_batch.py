@@ -29,8 +29,9 @@ docs/kfac.md (λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one s
 Test accuracy is measured ``--evals-per-epoch`` times an epoch (hpcdl.train's ``--eval-every``, which leaves
 the training unchanged); steps and training seconds (evaluation excluded) to 98.5 % and 99.0 % are those of
 the first evaluation that reaches them. ``--kfac-flags`` adds flags to hpcdl's K-FAC runs, for ablations.
-Results: ``<out>.json`` (every run's curve), ``<out>.csv`` (one row per run), ``<out>.png``, saved after every
-run (a failed run is recorded as failed). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch
+Results: ``<out>.json`` (the summary rows and every run's curve: step, training seconds and test accuracy at
+each evaluation, what the summaries read) and ``<out>.png``, saved after every run (a failed run is recorded as
+failed). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch
 folder with it; ``--keep`` then runs only what is missing, and keeps a recorded run only when its command is
 the one the study would run now (otherwise one line names the setting that differs). Runs of several ranks
 go through launch/mpirun.sh, checked once before the first run.
@@ -39,8 +40,6 @@ go through launch/mpirun.sh, checked once before the first run.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
 import shlex
@@ -421,19 +420,22 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+# What a run's curve keeps of each metrics.jsonl row: all the summaries, the plot and --keep read.
+CURVE = ("epoch", "global_step", "train_seconds", "test_accuracy")
+
+
+def curve(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{key: row[key] for key in CURVE if key in row} for row in rows]
+
+
 def write_results(outcomes: Sequence[Outcome], out: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """<out>.json and <out>.csv, each replaced whole (atomically: a study stopped while saving keeps the last)."""
+    """<out>.json, replaced whole (atomically: a study stopped while saving keeps the last)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = summarise(outcomes)
-    runs = [dict(asdict(o.cell), returncode=o.returncode, epochs=o.epochs, wall_seconds=o.wall_seconds,
+    runs = [dict(asdict(o.cell), returncode=o.returncode, epochs=curve(o.epochs), wall_seconds=o.wall_seconds,
                  error=o.error, command=" ".join(o.command)) for o in outcomes]
     write_text_atomically(outputs.output_file(out, ".json"),
                           json.dumps(dict(meta=meta, summary=rows, runs=runs), indent=1) + "\n")
-    table = io.StringIO(newline="")
-    writer = csv.DictWriter(table, fieldnames=list(rows[0]) if rows else ["method"])
-    writer.writeheader()
-    writer.writerows(rows)
-    write_text_atomically(outputs.output_file(out, ".csv"), table.getvalue())
     return rows
 
 
@@ -675,7 +677,7 @@ def output_stem(args: argparse.Namespace) -> Path:
     suffix = ("" if args.report else "_reduced" if args.reduced else "_target" if args.target_cell
               else "_tune" if args.tune else "")
     return outputs.results_stem(args.out, f"kfac_large_batch{suffix}", (".png",) if args.report else
-                                (".json", ".csv", ".png"), refresh_results=args.refresh_results,
+                                (".json", ".png"), refresh_results=args.refresh_results,
                                 force=args.force or args.keep, flag="--out")
 
 
@@ -892,7 +894,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for batch in sorted({o.cell.batch for o in outcomes}, reverse=True):
         for line in verdict(outcomes, batch):
             print(line)
-    print(f"results: {args.out}.{{json,csv,png}} ({meta['seconds']:.0f} s)")  # each <stem><suffix>
+    print(f"results: {args.out}.{{json,png}} ({meta['seconds']:.0f} s)")  # each <stem><suffix>
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
 
 
