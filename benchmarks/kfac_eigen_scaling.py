@@ -30,6 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from figures import results, table, times  # noqa: E402
+
 from hpcdl.run import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
@@ -213,6 +215,32 @@ def main(argv: list[str] | None = None) -> None:
         f"2 ranks: {speedup:.2f}x faster than 1 in wall time ({'target met' if speedup >= 1.7 else 'target MISSED'}), "
         f"{cpu_speedup:.2f}x less CPU time on the busiest rank; wrote {args.out}.json/.csv/.png"
     )
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+def _speedup() -> str:
+    r = results("kfac_eigen_scaling")
+    one, two = r["runs"]["1 rank x 1 thread"], r["runs"]["2 ranks x 1 thread"]
+    return f"{times(r['speedup_2_ranks'])} ({1000 * one['median_s']:.0f} → {1000 * two['median_s']:.0f} ms)"
+
+
+def _polling() -> str:
+    runs = results("kfac_eigen_scaling")["runs"]
+    spinning, yielding = runs["2 ranks x 1 thread, MPI busy polling"], runs["2 ranks x 1 thread"]
+    slower = times(spinning["median_s"] / yielding["median_s"], 1)
+    return f"{slower} slower ({1000 * spinning['median_s']:.0f} against {1000 * yielding['median_s']:.0f} ms)"
+
+
+def _table() -> str:
+    runs = results("kfac_eigen_scaling")["runs"]
+    one = runs["1 rank x 1 thread"]["median_s"]
+    return table(["run", "median wall ms (slowest rank)", "speedup vs 1 rank", "CPU ms of the busiest rank"],
+                 [(name, f"{1000 * r['median_s']:.1f}", times(one / r["median_s"]), f"{1000 * r['median_cpu_s']:.1f}")
+                  for name, r in runs.items()])
+
+
+FIGURES = {"eigen.speedup": _speedup, "eigen.polling": _polling, "eigen.table": _table}
 
 
 if __name__ == "__main__":

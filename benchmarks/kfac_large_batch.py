@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import statistics
@@ -53,7 +54,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpcdl.bench import studies
+import studies
+
 from hpcdl.run import outputs
 from hpcdl.run.atomic import write_text_atomically
 from hpcdl.runtime.console import RankZeroParser
@@ -399,8 +401,8 @@ def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     for (method, batch, lr, warmup), runs in sorted(groups.items(), key=lambda g: (*g[0][:3], g[0][3] or -1.0)):
         row: dict[str, Any] = dict(method=method, batch=batch, lr=lr, seeds=len(runs),
                                    final_accuracy=[o.final_accuracy for o in runs],
-                                   median_final=_median([o.final_accuracy or 0.0 for o in runs]),
-                                   seconds_per_step=_median([o.seconds_per_step for o in runs]))
+                                   median_final=statistics.median(o.final_accuracy or 0.0 for o in runs),
+                                   seconds_per_step=_median_of_measured([o.seconds_per_step for o in runs]))
         if warmup is not None:
             row["warmup"] = warmup
         for target in TARGETS:
@@ -408,14 +410,16 @@ def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             reached = [h for h in hits if h]
             key = f"{target * 100:.1f}"
             row[f"reached_{key}"] = f"{len(reached)}/{len(runs)}"
-            # a median over seeds only when most seeds got there
-            row[f"steps_{key}"] = _median([h[0] for h in reached]) if len(reached) * 2 > len(runs) else None
-            row[f"seconds_{key}"] = _median([h[1] for h in reached]) if len(reached) * 2 > len(runs) else None
+            for at, what in enumerate(("steps", "seconds")):  # a miss counts as beyond the budget: None past half
+                median = studies.median_or_inf([h and h[at] for h in hits])
+                row[f"{what}_{key}"] = None if math.isinf(median) else median
         rows.append(row)
     return rows
 
 
-def _median(values: Sequence[float | None]) -> float | None:
+def _median_of_measured(values: Sequence[float | None]) -> float | None:
+    """A measurement's median over the runs that measured it (a run that failed before its first evaluation has no
+    time per step)."""
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
 
@@ -705,10 +709,13 @@ def install_kfac_pytorch(source: str, site: Path) -> int:
 
 
 def load_outcomes(path: Path) -> list[Outcome]:
+    return outcomes_of(json.loads(path.read_text()))
+
+
+def outcomes_of(results: dict[str, Any]) -> list[Outcome]:
     """The runs of a results file; hpcdl K-FAC runs at other settings than :func:`kfac_settings`'s are
     named by them (damping, KL clip, decompositions every N steps, a warm-up ramp)."""
     outcomes = []
-    results = json.loads(path.read_text())
     for r in results["runs"]:
         command, method = r.get("command", "").split(), r["method"]
         if method == "kfac" and "hpcdl.train" in command:

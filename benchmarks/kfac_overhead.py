@@ -50,6 +50,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from figures import results, table, times  # noqa: E402
+
 from hpcdl.run import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
@@ -451,6 +453,33 @@ def main(argv: list[str] | None = None) -> None:
             f"{met}{base}{memory}  {r['phase_ms_per_step']}"
         )
     print(f"wrote {outputs.output_file(args.out, '.json')}, .csv, .png")
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+FREQUENCIES = ((1, 10), (10, 10), (10, 100))
+
+
+def _at(factors: int, inverse: int) -> dict[str, Any]:
+    return next(r for r in results("kfac_overhead")["results"]
+                if (r["factor_update_freq"], r["inv_update_freq"]) == (factors, inverse))
+
+
+def _table() -> str:
+    rows = []
+    for f, i in FREQUENCIES:
+        r = _at(f, i)
+        target = f"≤ {r['target']}× (kfac-pytorch: {r['kfac_pytorch_ratio']}×)" if r.get("target") else ""
+        rows.append((f"({f}, {i})", f"{r['sgd_ms']:.1f}", f"{r['kfac_ms']:.1f}",
+                     f"{times(r['ratio'])} ({r['min_ratio']:.2f}–{r['max_ratio']:.2f})",
+                     times(r["baseline_ratio"]), target))
+    return table(["(factor, inverse) freq", "SGD ms", "K-FAC ms",
+                  f"K-FAC / SGD (median of {results('kfac_overhead')['rounds']} rounds; min–max)",
+                  "the previous kfac / SGD", "target"], rows)
+
+
+FIGURES = {"overhead.ratios": lambda: " / ".join(times(_at(f, i)["ratio"]) for f, i in FREQUENCIES),
+           "overhead.10_10": lambda: times(_at(10, 10)["ratio"]), "overhead.table": _table}
 
 
 if __name__ == "__main__":

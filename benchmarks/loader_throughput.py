@@ -37,6 +37,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from figures import results, table, times  # noqa: E402
+
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
@@ -418,6 +420,32 @@ def main(argv: list[str] | None = None) -> None:
     write_text_atomically(output, json.dumps(report, indent=1) + "\n")
     plot(report, figure)
     print(f"wrote {output} and {figure}")
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+PIPELINES = {"pil-folder": "old path: PIL decode + transforms, float32 batches",
+             "folder-cpu": "libjpeg-turbo (torchvision.io) decode, uint8 batches, folder",
+             "shards-cpu": "same, from shards"}
+
+
+def _table() -> str:
+    r = results("loader_throughput_cpu")
+    workers = list(r["pipeline_alone"])
+    rows = [(label, *(f"{statistics.median(r['pipeline_alone'][w][key]):.1f}" for w in workers))
+            for key, label in PIPELINES.items()]
+    rows.append(("**new CPU path / old path** (target ≥ 1)",
+                 *(f"**{times(r['ratios'][w]['folder-cpu/pil-folder'])}**" for w in workers)))
+    return table(["images/s, pipeline alone", *(f"{w} worker{'s' if w != '1' else ''}" for w in workers)], rows)
+
+
+def _ratios(which: str) -> str:
+    ratios = results("loader_throughput_cpu")["ratios"]
+    return " / ".join(times(ratios[w][which]) for w in ratios)
+
+
+FIGURES = {"loader.table": _table, "loader.ratios": lambda: _ratios("folder-cpu/pil-folder"),
+           "loader.shards": lambda: _ratios("shards-cpu/folder-cpu")}
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -42,6 +43,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from figures import results, table  # noqa: E402
 
 from hpcdl.bench import alphabeta  # noqa: E402
 from hpcdl.bench.sizes import format_size, parse_size  # noqa: E402
@@ -456,6 +459,144 @@ def main(argv: Sequence[str] | None = None) -> None:
     for phase in PHASES:
         if phase in args.phases:
             globals()[f"phase_{phase}"](args, out)
+
+
+# ---- the figures the documents quote (benchmarks/figures.py): this study's, and those of the 2-rank runs of
+# ---- hpcdl.bench.allreduce (allreduce.md) that its network runs stand beside
+
+RATES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "100mbit": "100 Mbit/s"}
+MIB16, MIB32 = 16 << 20, 32 << 20
+
+
+def _network_table() -> str:
+    def pair(entry: dict[str, Any], name: str, sizes: Sequence[int] = (MIB16, MIB32)) -> str:
+        ratios = entry["implementations"].get(name, {}).get("of_link", {})
+        return " / ".join(f"{ratios[str(size)]:.2f}x" for size in sizes) if ratios else "-"
+
+    rows = [(RATES[e["rate"]], e["nodes"], pair(e, "MPI.Allreduce", (MIB16,)), pair(e, "MPI.Allreduce", (MIB32,)),
+             pair(e, "horovod"), pair(e, "ring"), pair(e, "MPI, put off")) for e in results("net_summary")["configs"]]
+    return table(["link", "nodes", "MPI 16 MiB", "MPI 32 MiB", "Horovod 16 / 32 MiB", "ring 16 / 32 MiB",
+                  "MPI, TCP put off, 16 / 32 MiB"], rows)
+
+
+def _network_ab() -> str:
+    runs = {"default": "put on (Open MPI's default), 1st", "putoff": "put off, 1st", "default2": "put on, 2nd",
+            "putoff2": "put off, 2nd"}
+    rows = []
+    for suffix, label in runs.items():
+        bandwidth = {(r["implementation"], r["bytes"]): r["busbw_GBps"]
+                     for r in results(f"net_ab_1gbit_n2_{suffix}")["rows"]}
+        rows.append((label, *(f"{bandwidth[name, size] / 0.125:.2f}x" for name in ("MPI.Allreduce", "ring")
+                              for size in (MIB16, MIB32))))
+    return table(["run", "MPI 16 MiB", "MPI 32 MiB", "ring 16 MiB", "ring 32 MiB"], rows)
+
+
+def _network_fp16() -> str:
+    runs = results("net_fp16")["runs"]
+    rows = []
+    for rate in dict.fromkeys(r["rate"] for r in reversed(runs)):
+        speed = {flag: [s for r in runs if r["rate"] == rate and r["fp16_allreduce"] == flag
+                        for s in r["images_per_second"]] for flag in (False, True)}
+        loads = [x for r in runs if r["rate"] == rate for x in r["load"]]
+        cells = [f"{statistics.median(v):.0f} img/s ({min(v):.0f}-{max(v):.0f})" for v in speed.values()]
+        ratio = statistics.median(speed[True]) / statistics.median(speed[False])
+        rows.append((RATES[rate], *cells, f"{ratio:.2f}x", f"{min(loads):.1f}-{max(loads):.1f}"))
+    return table(["link", "fp32 allreduce", "`--fp16-allreduce`", "ratio", "load"], rows)
+
+
+def _network_best() -> str:
+    entry = next(c for c in results("net_summary")["configs"] if (c["rate"], c["nodes"]) == ("1gbit", 2))
+    return f"{entry['implementations']['MPI.Allreduce']['of_link'][str(MIB32)]:.2f}x"
+
+
+ALLREDUCE_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20, 256 << 20)
+ALLREDUCE_IMPLEMENTATIONS = ("MPI.Allreduce", "horovod", "torch.distributed (gloo)", "naive", "ring",
+                             "recursive_doubling", "rabenseifner")
+ALLREDUCE_RUNS = {"np2": "allreduce_np2", "cycle": "allreduce_np2_cycle0.03ms"}
+
+
+def _bandwidth(value: float) -> str:
+    """Two decimals from 0.1 GB/s up, two significant digits below (one under 0.01)."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}" if value >= 0.01 else f"{value:.1g}"
+
+
+def _right_aligned(text: str, columns: int, first: str = "---") -> str:
+    """A table of :func:`figures.table` with its number columns right-aligned (all but the first)."""
+    return text.replace("|" + " --- |" * columns, f"| {first} |" + " ---: |" * (columns - 1))
+
+
+def _allreduce_table(name: str) -> str:
+    rows = {(r["implementation"], r["bytes"]): r for r in results(name)["rows"]}
+    lines = []
+    for size in ALLREDUCE_SIZES:
+        cells = []
+        for implementation in ALLREDUCE_IMPLEMENTATIONS:
+            row = rows.get((implementation, size))
+            cell = "-" if row is None else _bandwidth(row["busbw_GBps"])
+            if row is not None and size == ALLREDUCE_SIZES[0]:
+                cell += f" ({row['latency_us']:.0f})"
+            cells.append(cell)
+        lines.append((format_size(size), *cells))
+    return _right_aligned(table(["size", *ALLREDUCE_IMPLEMENTATIONS], lines), len(ALLREDUCE_IMPLEMENTATIONS) + 1)
+
+
+def _acceptance(name: str, who: str) -> str:
+    entry = results(name)["acceptance"][who]
+    ratios = {int(size): ratio for size, ratio in entry["ratios"].items()}
+    lowest = min(ratios, key=lambda size: ratios[size])
+    if entry["met"]:
+        return f"**{entry['min_ratio']:.2f}** (met)"
+    later = [r for size, r in ratios.items() if size > lowest]
+    return (f"{entry['min_ratio']:.2f} at {format_size(lowest)} (not met); {min(later):.2f}–{max(later):.2f} "
+            f"from {format_size(min(s for s in ratios if s > lowest))} up")
+
+
+def _acceptance_table() -> str:
+    rows = [(f"{label}, lowest ratio", f"≥ {results('allreduce_np2')['acceptance'][who]['target']:.2f}",
+             *(_acceptance(name, who) for name in ALLREDUCE_RUNS.values()))
+            for who, label in (("ring", "our ring"), ("horovod", "Horovod"))]
+    return _right_aligned(table(["", "target", "default run", "`--horovod-cycle-time-ms 0.03`"], rows), 4)
+
+
+def _fit() -> str:
+    first, second = (results(name)["alpha_beta"]["fitted_here"] for name in ALLREDUCE_RUNS.values())
+    return (f"α = {first['alpha_us']:.1f} µs per step, B = {first['bandwidth_GBps']:.1f} GB/s (default run; "
+            f"{second['alpha_us']:.1f} µs and {second['bandwidth_GBps']:.1f} GB/s in the second)")
+
+
+def _predictions() -> str:
+    rows = [(f"{p['ranks']:,}", f"{p['ring_ms']:.1f}", f"{p['ring_bandwidth_term_ms']:.1f}",
+             f"{p['ring_with_alpha_fitted_here_ms']:.1f}", f"{p['naive_ms']:,.0f}")
+            for p in results("allreduce_np2")["alpha_beta"]["predictions"]]
+    return _right_aligned(table(["ranks", "ring, assumed network (ms)", "of which bandwidth (ms)",
+                                 "ring with α fitted here (ms)", "naive (ms)"], rows), 5, first="---:")
+
+
+def _alpha_us() -> float:
+    return float(results("allreduce_np2")["alpha_beta"]["fitted_here"]["alpha_us"])
+
+
+def _naive_4096() -> str:
+    prediction = next(p for p in results("allreduce_np2")["alpha_beta"]["predictions"] if p["ranks"] == 4096)
+    return f"{prediction['naive_ms'] / 1000:.0f} s"
+
+
+def _horovod() -> str:
+    default, short = (results(name)["acceptance"]["horovod"]["min_ratio"] for name in ALLREDUCE_RUNS.values())
+    return f"{default:.2f} with its default 1 ms cycle and {short:.2f} with a 0.03 ms one"
+
+
+FIGURES = {
+    "network.table": _network_table, "network.ab": _network_ab, "network.fp16": _network_fp16,
+    "network.best": _network_best,
+    **{f"allreduce.{key}.table": functools.partial(_allreduce_table, name) for key, name in ALLREDUCE_RUNS.items()},
+    "allreduce.ring": lambda: f"{results('allreduce_np2')['acceptance']['ring']['min_ratio']:.2f}",
+    "allreduce.horovod": _horovod, "allreduce.acceptance": _acceptance_table, "allreduce.fit": _fit,
+    "allreduce.predictions": _predictions, "allreduce.alpha": lambda: f"{_alpha_us():.1f} µs",
+    # the ring's 2(N-1)·α at 4,096 ranks with the α fitted here
+    "allreduce.latency_term_4096": lambda: f"{2 * 4095 * _alpha_us() / 1000:.0f} ms",
+    "allreduce.naive_4096": _naive_4096,
+}
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from figures import results, table  # noqa: E402
+
 from hpcdl.run import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
@@ -90,6 +92,33 @@ def main(argv: list[str] | None = None) -> int:
                                       runs=runs), indent=1) + "\n")
     print(f"wrote {output}")
     return 0
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+def _run(method: str) -> str:
+    data = results("transformer_lm")
+    run = data["runs"][method]
+    if run["seconds_to_target"] is None:
+        return f"not reached in {data['epochs']} epochs (best {run['best_test_loss']:.3f})"
+    return f"{run['seconds_to_target']:.0f} s ({run['epochs_to_target']} epochs)"
+
+
+def _table() -> str:
+    data = results("transformer_lm")
+    rows = [(method, " ".join(run["flags"]), _run(method), f"{run['best_test_loss']:.3f}",
+             ", ".join(f"{loss:.3f}" for loss in run["losses"])) for method, run in data["runs"].items()]
+    return table(["method", "flags", f"to validation loss {data['target']:g}", "best validation loss",
+                  "validation loss after each epoch"], rows)
+
+
+def _load() -> str:
+    data = results("transformer_lm")
+    return f"{data['load_average'][1]:.1f} on {data['cores']} cores"
+
+
+FIGURES = {"lm.target": lambda: f"{results('transformer_lm')['target']:g}", "lm.kfac": lambda: _run("kfac"),
+           "lm.adamw": lambda: _run("adamw"), "lm.table": _table, "lm.load": _load}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ so the figures the report derives (and benchmarks/results/network.md quotes) can
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,12 +14,9 @@ import pytest
 
 from hpcdl.bench import alphabeta, timing
 from hpcdl.bench.report import Row
+from tests.support.scripts import load_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("network_driver", REPO / "benchmarks" / "network.py")
-assert _spec and _spec.loader
-network = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(network)
+network = load_benchmark("network")
 
 SIZES = timing.message_sizes(1 << 20, 32 << 20)
 
