@@ -40,6 +40,7 @@ go through launch/mpirun.sh, checked once before the first run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -164,39 +165,15 @@ class Outcome:
 # ---- kfac-pytorch inside hpcdl.train (imported by the training process through --kfac-impl) ----------
 
 
-class KfacPytorchAdapter:
-    """kfac-pytorch's KFACPreconditioner behind the interface hpcdl.train's loop calls.
-
-    It has no non-finite skip: ``found_inf`` is ignored (these fp32 runs have no non-finite steps; a
-    step that had one would feed its statistics to kfac-pytorch's factors).
-    """
-
-    def __init__(self, preconditioner: Any) -> None:
-        self.preconditioner = preconditioner
-
-    def step(self, found_inf: Any = None) -> None:
-        self.preconditioner.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.preconditioner.state_dict()  # type: ignore[no-any-return]
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.preconditioner.load_state_dict(state)
-
-
-def kfac_pytorch_native_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any) -> Any:
-    """``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--kfac-damping``
-    and ``--kfac-kl-clip`` taken as kfac-pytorch values, in its own convention."""
-    return kfac_pytorch_preconditioner(config, model, current_lr, scaler, carry_over=False)
-
-
 def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any,
                                 carry_over: bool = True) -> Any:
     """``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner``: kfac-pytorch with hpcdl's settings.
 
     Damping and KL clip are hpcdl's divided by N² (N = examples per step on this rank): the
     Linear-layer equivalence of docs/kfac.md. Conv layers have no single equivalent (their factor
-    ratio also depends on the output positions), which is kfac-pytorch's convention at work.
+    ratio also depends on the output positions), which is kfac-pytorch's convention at work. Its
+    ``step`` takes the loop's ``found_inf`` and ignores it: kfac-pytorch has no non-finite skip (these
+    fp32 runs have no non-finite steps; a step that had one would feed its statistics to the factors).
     """
     import torch
 
@@ -210,7 +187,7 @@ def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..
         if isinstance(module, torch.nn.ReLU):
             module.inplace = False
     n = config.batch_size * config.batches_per_allreduce if carry_over else 1
-    return KfacPytorchAdapter(KFACPreconditioner(
+    preconditioner = KFACPreconditioner(
         model,
         factor_update_steps=config.kfac_factor_update_freq,
         inv_update_steps=config.kfac_inv_update_freq,
@@ -220,7 +197,15 @@ def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..
         lr=lambda _step: current_lr(),
         accumulation_steps=config.batches_per_allreduce,
         grad_scaler=scaler,
-    ))
+    )
+    step = preconditioner.step
+    preconditioner.step = lambda found_inf=None: step()
+    return preconditioner
+
+
+# ``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--kfac-damping`` and
+# ``--kfac-kl-clip`` taken as kfac-pytorch values, in its own convention.
+kfac_pytorch_native_preconditioner = functools.partial(kfac_pytorch_preconditioner, carry_over=False)
 
 
 # ---- running the grid ---------------------------------------------------------------------------

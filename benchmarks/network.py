@@ -18,7 +18,7 @@ Needs root (network namespaces, tc) and iperf3. Each phase brings up its own vir
 * ``fp16``: ``hpcdl.train`` with and without ``--fp16-allreduce`` on two nodes, alternating
   (A B B A) on each slow rate, images/s of every epoch after the first;
 * ``report``: bus bandwidth / link rate per size, the alpha-beta model fitted to all sizes but one
-  and checked on that one, a markdown table and a plot (``net_summary.{json,md,png}``).
+  and checked on that one (``net_summary.json``, whose tables benchmarks/figures.py writes into network.md).
 
 The machine's 1-minute load average is recorded beside every figure.
 """
@@ -360,96 +360,9 @@ def summarise(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return summary
 
 
-def markdown(summary: dict[str, Any], sizes: Sequence[int]) -> str:
-    shorts = ("MPI", "Horovod", "ring", "MPI put off")
-    head = ["link", "nodes"] + [f"{short} {format_size(s)}" for short in shorts for s in sizes]
-    lines = ["| " + " | ".join([*head, "load"]) + " |", "|" + " --- |" * (len(head) + 1)]
-    for entry in summary["configs"]:
-        cells = [entry["rate"], str(entry["nodes"])]
-        for name in IMPLEMENTATIONS:
-            ratios = entry["implementations"].get(name, {}).get("of_link", {})
-            cells += [f"{ratios[str(s)]:.2f}x" if str(s) in ratios else "-" for s in sizes]
-        load_ = entry.get("load") or {}
-        cells.append(f"{load_.get('before', '?')}-{load_.get('after', '?')}")
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| link | nodes | implementation | alpha (us) | B (GB/s) | held-out size | measured (ms) | "
-              "predicted (ms) | error |", "|" + " --- |" * 9]
-    for entry in summary["configs"]:
-        for name, impl in entry["implementations"].items():
-            fit = impl.get("alpha_beta")
-            if fit:
-                lines.append(f"| {entry['rate']} | {entry['nodes']} | {name} | {fit['alpha_us']:.0f} | "
-                             f"{fit['bandwidth_GBps']:.3f} | {format_size(int(fit['held_out_bytes']))} | "
-                             f"{fit['measured_ms']:.0f} | {fit['predicted_ms']:.0f} | {fit['error']:+.0%} |")
-    fp16 = summary.get("fp16", {}).get("runs", [])
-    if fp16:
-        lines += ["", "| link | fp32 allreduce (img/s) | fp16 allreduce (img/s) | fp16 / fp32 | load |",
-                  "| --- | --- | --- | --- | --- |"]
-        for rate in dict.fromkeys(r["rate"] for r in fp16):
-            speed = {flag: statistics.median(s for r in fp16 if r["rate"] == rate and r["fp16_allreduce"] == flag
-                                             for s in r["images_per_second"]) for flag in (False, True)}
-            loads = [x for r in fp16 if r["rate"] == rate for x in r["load"]]
-            lines.append(f"| {rate} | {speed[False]:.0f} | {speed[True]:.0f} | {speed[True] / speed[False]:.2f} | "
-                         f"{min(loads)}-{max(loads)} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = list(dict.fromkeys(e["rate"] for e in summary["configs"]))
-    fp16 = summary.get("fp16", {}).get("runs", [])
-    figure, axes = plt.subplots(1, len(rates) + bool(fp16), figsize=(6 * (len(rates) + bool(fp16)), 4.8),
-                                squeeze=False)
-    colours = {"MPI.Allreduce": "tab:blue", "horovod": "tab:orange", "ring": "tab:green", MPI_NO_PUT: "tab:purple"}
-    styles = {2: "-", 3: "--", 4: ":"}
-    for ax, rate in zip(axes[0], rates, strict=False):
-        for entry in (e for e in summary["configs"] if e["rate"] == rate):
-            for name, impl in entry["implementations"].items():
-                points = sorted((int(s), v) for s, v in impl["of_link"].items())
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
-                        color=colours.get(name), linestyle=styles.get(entry["nodes"], "-."),
-                        label=f"{name}, {entry['nodes']} nodes")
-        links = [r for r in summary.get("links", {}).get("runs", []) if r["rate"] == rate and not r["both_ways"]]
-        if links:
-            ax.axhline(links[0]["gbps"][0] / rate_gbps(rate), color="grey", linewidth=1,
-                       label="iperf3 TCP, one way")
-        ax.axhline(0.9, color="red", linewidth=0.8, linestyle="--", label="target 0.9x")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(0, 1.1)
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("bus bandwidth / link rate")
-        ax.set_title(f"link {rate}, one rank per node")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="x-small", ncol=2)
-    if fp16:
-        ax = axes[0][-1]
-        fp16_rates = list(dict.fromkeys(r["rate"] for r in fp16))
-        for offset, flag in ((-0.2, False), (0.2, True)):
-            speeds = [statistics.median(s for r in fp16 if r["rate"] == rate and r["fp16_allreduce"] == flag
-                                        for s in r["images_per_second"]) for rate in fp16_rates]
-            ax.bar([i + offset for i in range(len(fp16_rates))], speeds, width=0.4,
-                   label="--fp16-allreduce" if flag else "fp32 allreduce")
-        ax.set_xticks(range(len(fp16_rates)), fp16_rates)
-        ax.set_ylabel("hpcdl.train images/s (2 nodes)")
-        ax.set_title("gradient compression on a slow link")
-        ax.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
 def phase_report(args: argparse.Namespace, out: Path) -> None:
-    summary = summarise(args, out)
-    sizes = [s for s in (16 << 20, 32 << 20) if args.min_size <= s <= args.max_size]
-    table = markdown(summary, sizes)
-    save(out / "net_summary.json", summary)
-    write_text_atomically(out / "net_summary.md", table)
-    plot(summary, out / "net_summary.png")
-    say(table + f"wrote {out}/net_summary.json, .md and .png")
+    save(out / "net_summary.json", summarise(args, out))
+    say(f"wrote {out}/net_summary.json; benchmarks/figures.py makes network.md's tables from it")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -474,7 +387,7 @@ def _network_table() -> str:
         return " / ".join(f"{ratios[str(size)]:.2f}x" for size in sizes) if ratios else "-"
 
     rows = [(RATES[e["rate"]], e["nodes"], pair(e, "MPI.Allreduce", (MIB16,)), pair(e, "MPI.Allreduce", (MIB32,)),
-             pair(e, "horovod"), pair(e, "ring"), pair(e, "MPI, put off")) for e in results("net_summary")["configs"]]
+             pair(e, "horovod"), pair(e, "ring"), pair(e, MPI_NO_PUT)) for e in results("net_summary")["configs"]]
     return table(["link", "nodes", "MPI 16 MiB", "MPI 32 MiB", "Horovod 16 / 32 MiB", "ring 16 / 32 MiB",
                   "MPI, TCP put off, 16 / 32 MiB"], rows)
 
