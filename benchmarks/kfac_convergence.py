@@ -13,7 +13,7 @@ several seeds, and runs SGD and K-FAC settings alternately within each seed (rev
 seed, :func:`studies.interleaved`), so that a machine shared with other jobs slows both
 alike. Test accuracy is measured several times per epoch (``--eval-every``); time is hpcdl.train's
 training time (evaluation excluded). Results: benchmarks/results/kfac_convergence_<dataset>[_np<ranks>]
-.{json,csv,png}; the verdict pairs the best SGD setting with the best K-FAC setting seed by seed
+.{json,png}; the verdict pairs the best SGD setting with the best K-FAC setting seed by seed
 (docs/kfac.md, "When K-FAC pays off"). Where a K-FAC step's time goes is benchmarks/kfac_overhead.py's.
 
 The results are saved after every run; a run that fails is recorded as failed and the study goes on (exit 1
@@ -276,18 +276,10 @@ def plot(report: dict[str, Any], out: Path) -> None:
 
 
 def write(report: dict[str, Any], out: Path, figure: bool = True) -> list[str]:
-    """STEM.json (everything), STEM.csv (one row per run), STEM.png (the study's end: ``figure``), each replaced
-    whole; returns the table printed."""
+    """STEM.json (everything) and STEM.png (the study's end: ``figure``), each replaced whole; returns the table
+    printed."""
     write_text_atomically(outputs.output_file(out, ".json"),
                           json.dumps(report, indent=2, default=lambda v: None) + "\n")
-    header = ["setting", "seed", "epochs_to_target", "seconds_to_target", "final_accuracy", "train_seconds",
-              "wall_seconds"]
-    rows = [",".join(header)]
-    for name, s in report["settings"].items():
-        for r in s["runs"]:
-            values = [name, *(r[key] for key in header[1:])]
-            rows.append(",".join("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in values))
-    write_text_atomically(outputs.output_file(out, ".csv"), "\n".join(rows) + "\n")
     if figure:
         plot(report, out)
     table = [f"{'setting':<58} reached  epochs  seconds   final  s/epoch"]
@@ -319,7 +311,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="hpcdl.train's --device")
     parser.add_argument("--run-timeout", type=real(0, low_open=True), default=7200.0, help="seconds per run")
     parser.add_argument("--out", type=Path, default=None,
-                        help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
+                        help="results stem: STEM.json/.png (default: a new folder under runs/bench/; "
                              "--refresh-results replaces benchmarks/results/kfac_convergence_*)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the finished runs already in STEM.json whose command is the one this study would "
@@ -355,7 +347,7 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
 
 def study(args: argparse.Namespace, out: Path, scratch: Path, saved: dict[str, int]) -> dict[str, Any]:
     """Every (setting, seed) run, alternating; checks every run's flags (and --keep's runs) before the first starts,
-    and saves STEM.json/.csv after every run (``saved["runs"]`` counts what is in them)."""
+    and saves STEM.json after every run (``saved["runs"]`` counts what is in them)."""
     recipe = recipe_of(args)
     if recipe.batch_size % args.ranks:
         raise UsageError(f"--batch-size {recipe.batch_size} is the global batch: it must divide by --ranks "
@@ -448,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         suffix = "" if args.ranks == 1 else f"_np{args.ranks}"
-        out = outputs.results_stem(args.out, f"kfac_convergence_{args.dataset}{suffix}", (".json", ".csv", ".png"),
+        out = outputs.results_stem(args.out, f"kfac_convergence_{args.dataset}{suffix}", (".json", ".png"),
                                    refresh_results=args.refresh_results, force=args.force or args.keep, flag="--out")
         with session("kfac_convergence") as scratch:
             report = study(args, out, scratch, saved)
@@ -469,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(median): {v['median_wall_ratio']:.2f}x; {cost}fewer epochs in every seed: "
               f"{v['kfac_fewer_epochs_every_seed']}")
     failed = sum(s["failed"] for s in report["settings"].values())
-    print(f"wrote {out}.json/.csv/.png" + (f"; {failed} run(s) FAILED (errors in the .json)" if failed else ""))
+    print(f"wrote {out}.json/.png" + (f"; {failed} run(s) FAILED (errors in the .json)" if failed else ""))
     return 1 if failed else 0
 
 

@@ -697,6 +697,14 @@ def load_outcomes(path: Path) -> list[Outcome]:
     return outcomes_of(json.loads(path.read_text()))
 
 
+def selected(source: str, read: Callable[[str], dict[str, Any]]) -> list[Outcome]:
+    """The runs of results file ``FILE``, or of ``FILE@B1,B2`` those at global batches B1 and B2 (``read``: a file's
+    JSON by its name)."""
+    name, _, only = source.partition("@")
+    batches = {int(b) for b in only.split(",")} if only else None
+    return [o for o in outcomes_of(read(name)) if batches is None or o.cell.batch in batches]
+
+
 def outcomes_of(results: dict[str, Any]) -> list[Outcome]:
     """The runs of a results file; hpcdl K-FAC runs at other settings than :func:`kfac_settings`'s are
     named by them (damping, KL clip, decompositions every N steps, a warm-up ramp)."""
@@ -792,15 +800,13 @@ def markdown(outcomes: Sequence[Outcome]) -> list[str]:
 
 def report(sources: Sequence[str], out: Path) -> int:
     """The table, verdict and plot of results files together; ``FILE@128,512`` takes only those batches of FILE."""
-    outcomes, paths = [], []
-    for source in sources:
-        name, _, only = source.partition("@")
-        batches = {int(b) for b in only.split(",")} if only else None
-        paths.append(Path(name))
-        outcomes += [o for o in load_outcomes(Path(name)) if batches is None or o.cell.batch in batches]
+    def read(name: str) -> dict[str, Any]:
+        return json.loads(Path(name).read_text())
+
+    outcomes = [o for source in sources for o in selected(source, read)]
     print("\n".join(markdown(outcomes)))
     print("\n".join(verdict(outcomes)))
-    loads = [json.loads(p.read_text())["meta"] for p in paths]
+    loads = [read(source.partition("@")[0])["meta"] for source in sources]
     low, high = min(m["load_before"] for m in loads), max(m.get("load_after", m["load_before"]) for m in loads)
     plot(outcomes, out, f"MNIST mnist_cnn, 5 epochs, 1 rank, CPU; load average {low:.0f}-{high:.0f} (shared machine)")
     print(f"plot: {outputs.output_file(out, '.png')}")

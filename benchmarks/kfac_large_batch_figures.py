@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from figures import percent, results, table, times
-from kfac_large_batch import TUNE_LRS, Outcome, beats_kfac, best_rows, markdown, outcomes_of, summarise
+from kfac_large_batch import TUNE_LRS, Outcome, beats_kfac, best_rows, markdown, selected, summarise
 from studies import median_or_inf
 
 TARGET_CELL = ("kfac_large_batch_target_quiet", "kfac_large_batch_target_quiet_others")
@@ -43,13 +43,8 @@ RERUN = "kfac_large_batch_rerun"
 
 
 def outcomes(*sources: str) -> list[Outcome]:
-    found = []
     with contextlib.redirect_stderr(io.StringIO()):  # old results name deprecated flags: hpcdl.train says so
-        for source in sources:
-            name, _, only = source.partition("@")
-            batches = {int(b) for b in only.split(",")} if only else None
-            found += [o for o in outcomes_of(results(name)) if batches is None or o.cell.batch in batches]
-    return found
+        return [o for source in sources for o in selected(source, results)]
 
 
 @functools.cache
