@@ -137,6 +137,8 @@ def test_the_reduced_mode_runs_end_to_end_on_digits(study: Any, tmp_path: Path) 
     assert all(r["returncode"] == 0 and r["epochs"] and r["epochs"][-1]["global_step"] == 2 for r in data["runs"])
     assert out.with_suffix(".png").exists() and not out.with_suffix(".csv").exists()
     assert set(data["runs"][0]["epochs"][-1]) <= set(study.CURVE)  # the curve, not the whole metrics row
+    table = study.markdown(study.outcomes_of(data))  # what the figures make of a results file: one row a cell
+    assert len(table) == 2 + 4 and all(row.startswith(("| 32 |", "| 64 |")) for row in table[2:])
 
 
 # ---- --tune: the same budget for every method (issue 29) -----------------------------------------------------
