@@ -174,7 +174,7 @@ def test_a_stem_with_a_dot_reaches_the_rule_whole(probed, program: str) -> None:
 def test_no_writer_names_a_file_by_cutting_at_the_last_dot() -> None:
     """Every file a study writes or reads back is named by outputs.output_file: ``Path.with_suffix`` cuts
     ``sgd-lr0.05`` to ``sgd-lr0`` (the check, the write and --keep's reading must name one file)."""
-    sources = [*programs(), "hpcdl/bench/studies.py", "hpcdl/bench/report.py"]
+    sources = [*programs(), "benchmarks/studies.py", "hpcdl/bench/report.py"]
     offenders = [f"{source}:{node.lineno}" for source in sources for node in ast.walk(ast.parse((REPO / source)
                  .read_text())) if isinstance(node, ast.Attribute) and node.attr == "with_suffix"]
     assert not offenders, offenders

@@ -37,7 +37,7 @@ from hpcdl.runtime.errors import UsageError
 from hpcdl.runtime.processes import end_trees
 from hpcdl.training.config import TrainConfig, option_name, parse_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
 

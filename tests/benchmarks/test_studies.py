@@ -1,4 +1,4 @@
-"""hpcdl.bench.studies: how every accuracy study runs hpcdl.train and reads it back."""
+"""benchmarks/studies.py: how every accuracy study runs hpcdl.train and reads it back."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.bench import studies
 from hpcdl.runtime.errors import UsageError
+from tests.support.scripts import load_benchmark
+
+studies = load_benchmark("studies")
 
 
 def test_the_command_is_hpcdl_train_and_several_ranks_go_through_hpcdl_s_launcher() -> None:
