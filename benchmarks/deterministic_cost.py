@@ -27,12 +27,12 @@ sys.path.insert(0, str(REPO))
 from figures import results, times  # noqa: E402
 from studies import check_launch, run_train  # noqa: E402
 
-from hpcdl.run import outputs  # noqa: E402
+from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
-SUFFIXES = (".json",)  # the files it writes, each <stem><suffix> (hpcdl.run.outputs.output_file)
+SUFFIXES = (".json",)  # the files it writes, each <stem><suffix> (hpcdl.persistence.outputs.output_file)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

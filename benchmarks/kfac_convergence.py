@@ -55,8 +55,8 @@ from studies import (  # noqa: E402
     train_command,
 )
 
-from hpcdl.run import outputs  # noqa: E402
-from hpcdl.run.atomic import write_text_atomically  # noqa: E402
+from hpcdl.persistence import outputs  # noqa: E402
+from hpcdl.persistence.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import EXIT_USAGE, UsageError  # noqa: E402
 from hpcdl.runtime.numbers import integer, real  # noqa: E402

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from figures import results, table, times  # noqa: E402
 
-from hpcdl.run import outputs  # noqa: E402
+from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer, real  # noqa: E402

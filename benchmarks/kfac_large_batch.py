@@ -57,8 +57,8 @@ from typing import Any
 
 import studies
 
-from hpcdl.run import outputs
-from hpcdl.run.atomic import write_text_atomically
+from hpcdl.persistence import outputs
+from hpcdl.persistence.atomic import write_text_atomically
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
@@ -662,7 +662,7 @@ def results_file(path: Path, flag: str) -> None:
 
 
 def output_stem(args: argparse.Namespace) -> Path:
-    """Where this study writes (hpcdl.run.outputs' rule: benchmarks/results only with --refresh-results)."""
+    """Where this study writes (hpcdl.persistence.outputs' rule: benchmarks/results only with --refresh-results)."""
     suffix = ("" if args.report else "_reduced" if args.reduced else "_target" if args.target_cell
               else "_tune" if args.tune else "")
     return outputs.results_stem(args.out, f"kfac_large_batch{suffix}", (".png",) if args.report else

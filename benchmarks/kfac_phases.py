@@ -24,7 +24,7 @@ from pathlib import Path
 from figures import results, table
 from studies import finish_train, start_train
 
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer

@@ -37,7 +37,7 @@ from figures import results, table, times
 from torch import Tensor, nn
 
 from hpcdl.bench.alphabeta import AlphaBeta, fit_ring, network
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real

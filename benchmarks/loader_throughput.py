@@ -43,7 +43,7 @@ from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
-SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.run.outputs.output_file)
+SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.persistence.outputs.output_file)
 
 
 def write_jpegs(root: Path, images: int, classes: int, seed: int = 0) -> Path:
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
-    from hpcdl.run import outputs
+    from hpcdl.persistence import outputs
 
     outputs.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
                                                             for n in rates if n != "synthetic-device"}}
             summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
             print(f"training, {workers} workers: images/s {summary}", flush=True)
-    from hpcdl.run.atomic import write_text_atomically
+    from hpcdl.persistence.atomic import write_text_atomically
 
     output, figure = outputs.output_file(stem, ".json"), outputs.output_file(stem, ".png")
     write_text_atomically(output, json.dumps(report, indent=1) + "\n")

@@ -48,8 +48,8 @@ from figures import results, table  # noqa: E402
 
 from hpcdl.bench import alphabeta  # noqa: E402
 from hpcdl.bench.sizes import format_size, parse_size  # noqa: E402
-from hpcdl.run import outputs  # noqa: E402
-from hpcdl.run.atomic import write_text_atomically  # noqa: E402
+from hpcdl.persistence import outputs  # noqa: E402
+from hpcdl.persistence.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.tools import vcluster  # noqa: E402
 

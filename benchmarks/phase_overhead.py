@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from figures import results, times
 
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import run_main
 from hpcdl.runtime.numbers import integer

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-from hpcdl.run.outputs import output_file
+from hpcdl.persistence.outputs import output_file
 from hpcdl.runtime.errors import UsageError
 from hpcdl.runtime.processes import end_trees
 from hpcdl.training.config import TrainConfig, option_name, parse_config

@@ -46,7 +46,7 @@ from hpcdl.training.config import BACKENDS, default_backend  # noqa: E402
 MODES = ("fp32", "amp", "amp+cl", "compile")
 SHAPES = {"cpu": dict(model="resnet32", batch=64, size=32), "cuda": dict(model="resnet50", batch=128, size=224)}
 
-SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.run.outputs.output_file)
+SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.persistence.outputs.output_file)
 
 
 def mode_flags(mode: str, device: str) -> list[str]:
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kfac", action="store_true", help="also measure each backend's scaling with --kfac")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
-    from hpcdl.run import outputs
+    from hpcdl.persistence import outputs
 
     outputs.add_arguments(parser)
     measure(parser.parse_args(argv))
@@ -249,7 +249,7 @@ def measure(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
 
-    from hpcdl.run import outputs
+    from hpcdl.persistence import outputs
     from hpcdl.runtime import world
     from hpcdl.runtime.errors import UsageError
 
@@ -262,7 +262,7 @@ def measure(args: argparse.Namespace) -> None:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
     report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
                     **SHAPES[args.device], "modes": {}}
-    from hpcdl.run.atomic import write_text_atomically
+    from hpcdl.persistence.atomic import write_text_atomically
 
     output = outputs.output_file(stem, ".json")
     with tempfile.TemporaryDirectory() as scratch:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from figures import results, table  # noqa: E402
 from studies import check_launch, run_train  # noqa: E402
 
-from hpcdl.run import outputs  # noqa: E402
+from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402

@@ -1,4 +1,4 @@
-"""Every program that writes results decides where through one rule (hpcdl.run.outputs), and so never
+"""Every program that writes results decides where through one rule (hpcdl.persistence.outputs), and so never
 replaces the results committed in benchmarks/results without --refresh-results.
 
 Each program under benchmarks/ and hpcdl/bench/ is run (tests/benchmarks/output_probe.py) up to the
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 
 pytestmark = pytest.mark.processes
 
@@ -113,7 +113,7 @@ def test_each_program_asks_the_one_rule_and_passes_refresh_results(probed, progr
                                                                    name: str) -> None:
     for refresh in (False, True):
         row = probed[(program, " ".join(argv), refresh)]
-        assert row["decided"], f"{program} {argv} ended without asking hpcdl.run.outputs: {row.get('ending')}"
+        assert row["decided"], f"{program} {argv} ended without asking hpcdl.persistence.outputs: {row.get('ending')}"
         assert row["requested"] is None and row["name"] == name, row
         assert row["refresh_results"] is refresh, row
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from hpcdl.run.rundir import temporary_path
+from hpcdl.persistence.rundir import temporary_path
 
 # What to do about each common write failure (the OS's own words come first, e.g. "No space left on device").
 _ADVICE = {

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.run import rundir
+from hpcdl.persistence import rundir
 from hpcdl.runtime.errors import LockHeldError, UsageError
 from tests.support.mpi_harness import REPO, error_lines, run_mpi
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
 HOLD = """
 import sys, time
-from hpcdl.run import rundir
+from hpcdl.persistence import rundir
 run = rundir.claim(sys.argv[1], None, resume=False, heartbeat_seconds=float(sys.argv[2]))
 print(run.run_id, flush=True)
 sys.stdin.readline()  # hold the directory until told to go
@@ -317,7 +317,7 @@ def test_temporary_names_carry_the_run_id() -> None:
 CLAIM_JOB = """
 import sys
 from mpi4py import MPI
-from hpcdl.run import rundir
+from hpcdl.persistence import rundir
 from hpcdl.runtime.errors import run_main
 
 def main():

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdl.run import atomic, checkpoint_files
-from hpcdl.run.checkpoint_files import CheckpointError
+from hpcdl.persistence import atomic, checkpoint_files
+from hpcdl.persistence.checkpoint_files import CheckpointError
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 

@@ -5,7 +5,7 @@ GradScaler, a K-FAC preconditioner, the run's progress. A checkpoint is one dict
 header (what the file is and what produced it), ``run_id``, ``global_step``, ``world_size``, each
 part's state under its name (None for a part the run does not have) and every rank's random
 state under ``rng``. What the parts mean, and what a resume may change, is the caller's business
-(:mod:`hpcdl.training.runstate` for training). Files are written by :mod:`hpcdl.run.checkpoint_files`.
+(:mod:`hpcdl.training.runstate` for training). Files are written by :mod:`hpcdl.persistence.checkpoint_files`.
 
 Both directions are collective: rank 0 writes or reads, every rank learns how it went, and a
 failure is the same one-line error on every rank (:func:`~hpcdl.runtime.errors.rank0_then_all`).
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hpcdl.run import checkpoint_files
+from hpcdl.persistence import checkpoint_files
 from hpcdl.runtime.errors import StorageError, UsageError, describe, rank0_then_all
 from hpcdl.runtime.faults import FaultInjector
 from hpcdl.runtime.watchdog import StallWatchdog

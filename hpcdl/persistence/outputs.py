@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcdl.run import rundir
+from hpcdl.persistence import rundir
 from hpcdl.runtime import launcher
 from hpcdl.runtime.errors import UsageError, rank0_then_all
 
@@ -33,7 +33,7 @@ BENCH_PARENT = Path("runs") / "bench"
 
 def checkout_results() -> Path | None:
     """``benchmarks/results`` of the source checkout hpcdl runs from, or None for an installed package."""
-    checkout = Path(__file__).resolve().parents[2]  # hpcdl/run/outputs.py lies two folders down
+    checkout = Path(__file__).resolve().parents[2]  # hpcdl/persistence/outputs.py lies two folders down
     results = checkout / "benchmarks" / "results"
     return results if results.is_dir() else None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpcdl.run.metrics import RunRecord
+from hpcdl.persistence.metrics import RunRecord
 
 
 def rows_of(path: Path) -> list[dict]:

@@ -6,7 +6,7 @@ one, never half a file. Loading walks from the newest file back and skips any th
 read, saying so. Only the newest ``keep`` files are kept. Files are loaded with
 ``weights_only=True``: a checkpoint on a shared file system is not trusted to run code.
 
-Files are written by :func:`hpcdl.run.atomic.write_atomically`; temporaries are named after the run
+Files are written by :func:`hpcdl.persistence.atomic.write_atomically`; temporaries are named after the run
 that writes them (``.ckpt-<step>.pt.tmp-<run id>``), so a run cleans up only its own.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from hpcdl.run.atomic import WriteError, write_atomically
-from hpcdl.run.rundir import remove_temporaries
+from hpcdl.persistence.atomic import WriteError, write_atomically
+from hpcdl.persistence.rundir import remove_temporaries
 
 PATTERN = re.compile(r"^ckpt-(\d{9})\.pt$")
 PID_TEMPORARY = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp-\d+$")  # named by pid: writers that are not a run (demos, tools)
@@ -90,7 +90,7 @@ def remove_stale_temporaries(directory: Path, run_id: str | None = None) -> list
     """Delete half-written checkpoint files that this run left behind (a write it abandoned).
 
     With a ``run_id``, only that run's temporaries: another run's may be in the middle of a write
-    (the leftovers of a dead run are removed when its lock is taken over, hpcdl.run.rundir). Without
+    (the leftovers of a dead run are removed when its lock is taken over, hpcdl.persistence.rundir). Without
     one, the pid-named temporaries that writers outside a run leave.
     """
     if not directory.is_dir():

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcdl.run.atomic import write_text_atomically
+from hpcdl.persistence.atomic import write_text_atomically
 from hpcdl.runtime.errors import UsageError
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from hpcdl.run import checkpoint_files
-from hpcdl.run.checkpointer import Checkpointer, load_parts, rng_state, set_rng_state
+from hpcdl.persistence import checkpoint_files
+from hpcdl.persistence.checkpointer import Checkpointer, load_parts, rng_state, set_rng_state
 from hpcdl.runtime.errors import StorageError, UsageError
 from tests.support.comm import OneRank
 
