@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,12 +24,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpcdl.run import outputs  # noqa: E402
+from figures import results, times  # noqa: E402
+from studies import check_launch, run_train  # noqa: E402
+
+from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
-SUFFIXES = (".json",)  # the files it writes, each <stem><suffix> (hpcdl.run.outputs.output_file)
+SUFFIXES = (".json",)  # the files it writes, each <stem><suffix> (hpcdl.persistence.outputs.output_file)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,8 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "benchmarks/results/deterministic_cost.json)")
     outputs.add_arguments(parser)
     args = parser.parse_args(argv)
-    if shutil.which("mpirun") is None:
-        raise UsageError("mpirun not found (bash scripts/setup.sh installs Open MPI)")
+    for ranks in args.ranks:
+        check_launch(ranks)
     return args
 
 
@@ -53,19 +55,13 @@ def images_per_second(ranks: int, mode: str, steps: int, model: str, workdir: Pa
     out = workdir / f"np{ranks}-{mode}"
     shutil.rmtree(out, ignore_errors=True)
     batch = 16
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
-    command = ["timeout", "600", "mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train",
-               "--dataset", "synthetic", "--synthetic-size", str(steps * batch * ranks), "--model", model,
-               "--batch-size", str(batch), "--epochs", "2", "--warmup-epochs", "0", "--no-progress",
-               "--log-every", str(steps), "--deterministic", mode, "--output-dir", str(out)]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        print(done.stderr[-2000:], file=sys.stderr)
-        raise UsageError(f"hpcdl.train --deterministic {mode} on {ranks} ranks failed (exit {done.returncode}; "
-                         "its output is above)")
-    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return float(epochs[-1]["images_per_second"])
+    run = run_train(["--dataset", "synthetic", "--synthetic-size", str(steps * batch * ranks), "--model", model,
+                     "--batch-size", str(batch), "--epochs", "2", "--warmup-epochs", "0", "--log-every", str(steps),
+                     "--deterministic", mode], out, ranks=ranks, timeout=600)
+    if run.returncode != 0 or not run.rows:
+        raise UsageError(f"hpcdl.train --deterministic {mode} on {ranks} ranks failed (exit {run.returncode}): "
+                         f"{run.log_tail}")
+    return float(run.rows[-1]["images_per_second"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +90,17 @@ def main(argv: list[str] | None = None) -> int:
                                       cores=os.cpu_count(), rows=rows), indent=1) + "\n")
     print(f"wrote {output}")
     return 0
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+def _pairs() -> str:
+    ratios = results("deterministic_cost")["rows"][0]["ratios"]
+    return f"{min(ratios):.3f}–{max(ratios):.3f}×"
+
+
+FIGURES = {"deterministic.ratio": lambda: times(results("deterministic_cost")["rows"][0]["ratio_median"], 3),
+           "deterministic.pairs": _pairs}
 
 
 if __name__ == "__main__":

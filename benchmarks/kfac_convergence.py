@@ -10,10 +10,10 @@ Every run trains the same model at the same global batch with momentum SGD (0.9)
 decay over the same budget, no warm-up; K-FAC runs add ``--kfac`` and its settings. The study sweeps
 SGD's learning rate and K-FAC's learning rate, damping, update frequencies and skipped layers, with
 several seeds, and runs SGD and K-FAC settings alternately within each seed (reversed on every other
-seed, :func:`hpcdl.bench.studies.interleaved`), so that a machine shared with other jobs slows both
+seed, :func:`studies.interleaved`), so that a machine shared with other jobs slows both
 alike. Test accuracy is measured several times per epoch (``--eval-every``); time is hpcdl.train's
 training time (evaluation excluded). Results: benchmarks/results/kfac_convergence_<dataset>[_np<ranks>]
-.{json,csv,png}; the verdict pairs the best SGD setting with the best K-FAC setting seed by seed
+.{json,png}; the verdict pairs the best SGD setting with the best K-FAC setting seed by seed
 (docs/kfac.md, "When K-FAC pays off"). Where a K-FAC step's time goes is benchmarks/kfac_overhead.py's.
 
 The results are saved after every run; a run that fails is recorded as failed and the study goes on (exit 1
@@ -40,7 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-from hpcdl.bench.studies import (  # noqa: E402
+from figures import percent, results, table, times  # noqa: E402
+from studies import (  # noqa: E402
     StudyStopped,
     TrainRun,
     check_flags,
@@ -53,8 +54,9 @@ from hpcdl.bench.studies import (  # noqa: E402
     session,
     train_command,
 )
-from hpcdl.run import outputs  # noqa: E402
-from hpcdl.run.atomic import write_text_atomically  # noqa: E402
+
+from hpcdl.persistence import outputs  # noqa: E402
+from hpcdl.persistence.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import EXIT_USAGE, UsageError  # noqa: E402
 from hpcdl.runtime.numbers import integer, real  # noqa: E402
@@ -274,18 +276,10 @@ def plot(report: dict[str, Any], out: Path) -> None:
 
 
 def write(report: dict[str, Any], out: Path, figure: bool = True) -> list[str]:
-    """STEM.json (everything), STEM.csv (one row per run), STEM.png (the study's end: ``figure``), each replaced
-    whole; returns the table printed."""
+    """STEM.json (everything) and STEM.png (the study's end: ``figure``), each replaced whole; returns the table
+    printed."""
     write_text_atomically(outputs.output_file(out, ".json"),
                           json.dumps(report, indent=2, default=lambda v: None) + "\n")
-    header = ["setting", "seed", "epochs_to_target", "seconds_to_target", "final_accuracy", "train_seconds",
-              "wall_seconds"]
-    rows = [",".join(header)]
-    for name, s in report["settings"].items():
-        for r in s["runs"]:
-            values = [name, *(r[key] for key in header[1:])]
-            rows.append(",".join("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in values))
-    write_text_atomically(outputs.output_file(out, ".csv"), "\n".join(rows) + "\n")
     if figure:
         plot(report, out)
     table = [f"{'setting':<58} reached  epochs  seconds   final  s/epoch"]
@@ -317,7 +311,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="hpcdl.train's --device")
     parser.add_argument("--run-timeout", type=real(0, low_open=True), default=7200.0, help="seconds per run")
     parser.add_argument("--out", type=Path, default=None,
-                        help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
+                        help="results stem: STEM.json/.png (default: a new folder under runs/bench/; "
                              "--refresh-results replaces benchmarks/results/kfac_convergence_*)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the finished runs already in STEM.json whose command is the one this study would "
@@ -353,7 +347,7 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
 
 def study(args: argparse.Namespace, out: Path, scratch: Path, saved: dict[str, int]) -> dict[str, Any]:
     """Every (setting, seed) run, alternating; checks every run's flags (and --keep's runs) before the first starts,
-    and saves STEM.json/.csv after every run (``saved["runs"]`` counts what is in them)."""
+    and saves STEM.json after every run (``saved["runs"]`` counts what is in them)."""
     recipe = recipe_of(args)
     if recipe.batch_size % args.ranks:
         raise UsageError(f"--batch-size {recipe.batch_size} is the global batch: it must divide by --ranks "
@@ -446,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         suffix = "" if args.ranks == 1 else f"_np{args.ranks}"
-        out = outputs.results_stem(args.out, f"kfac_convergence_{args.dataset}{suffix}", (".json", ".csv", ".png"),
+        out = outputs.results_stem(args.out, f"kfac_convergence_{args.dataset}{suffix}", (".json", ".png"),
                                    refresh_results=args.refresh_results, force=args.force or args.keep, flag="--out")
         with session("kfac_convergence") as scratch:
             report = study(args, out, scratch, saved)
@@ -467,8 +461,110 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(median): {v['median_wall_ratio']:.2f}x; {cost}fewer epochs in every seed: "
               f"{v['kfac_fewer_epochs_every_seed']}")
     failed = sum(s["failed"] for s in report["settings"].values())
-    print(f"wrote {out}.json/.csv/.png" + (f"; {failed} run(s) FAILED (errors in the .json)" if failed else ""))
+    print(f"wrote {out}.json/.png" + (f"; {failed} run(s) FAILED (errors in the .json)" if failed else ""))
     return 1 if failed else 0
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+def _digits_table() -> str:
+    r = results("kfac_convergence_digits")
+    return table(["setting", f"seeds reaching {100 * r['target']:.0f} %", "median epochs", "median seconds",
+                  "mean final accuracy"],
+                 [(name, s["reached"], f"{s['median_epochs_to_target']:g}", f"{s['median_seconds_to_target']:.1f}",
+                   f"{s['final_accuracy_mean']:.3f}") for name, s in r["settings"].items()])
+
+
+def _digits_verdict() -> str:
+    s = results("kfac_convergence_digits")["settings"]
+    kfac = next(v for v in s.values() if v["kfac"])  # named by all its settings since the study runs hpcdl.train
+    sgd, fast = s["SGD lr=0.02"], s["SGD lr=0.05"]
+    return (f"K-FAC {kfac['median_epochs_to_target']:g} epochs ({kfac['median_seconds_to_target']:.1f} s) vs SGD "
+            f"{sgd['median_epochs_to_target']:g} epochs ({sgd['median_seconds_to_target']:.1f} s); SGD at 2.5× the "
+            f"lr: {fast['median_epochs_to_target']:g} epochs")
+
+
+def _finite(value: float, form: str) -> str:
+    """A median over seeds where a seed that never got there counts as infinite."""
+    return format(value, form) if value != float("inf") else "not reached"
+
+
+def _mnist_table() -> str:
+    settings = results("kfac_convergence_mnist")["settings"]
+    return table(["setting", "seeds reaching 99.0 %", "median epochs to 99.0 %", "median training s to 99.0 %",
+                  "mean final accuracy", "training s / epoch"],
+                 [(setting, s["reached"], _finite(s["median_epochs_to_target"], ".2f"),
+                   _finite(s["median_seconds_to_target"], ".1f"), percent(s["final_accuracy_mean"]),
+                   f"{s['median_train_seconds_per_epoch']:.1f}") for setting, s in settings.items()])
+
+
+def _mnist_pairs() -> str:
+    v = results("kfac_convergence_mnist")["verdict"]
+
+    def epochs(value: float | None) -> str:
+        return "not reached" if value is None else f"{value:g}"
+
+    seeds = "; ".join(f"seed {p['seed']}: {epochs(p['sgd_epochs'])} vs {epochs(p['kfac_epochs'])} epochs, "
+                      + ("-" if p["wall_ratio"] is None else times(p["wall_ratio"])) + " the training time"
+                      for p in v["pairs"])
+    return (f"{seeds}. Median: **{times(v['median_wall_ratio'])} the training time**; a K-FAC epoch cost "
+            f"{times(v['cost_per_epoch_ratio'])} an SGD epoch (wall)")
+
+
+def _budget(name: str) -> tuple[str, str]:
+    s = results(name)["settings"]
+    cells = []
+    for kfac in (False, True):
+        entry = next(e for e in s.values() if e["kfac"] == kfac)
+        finals = [run["final_accuracy"] for run in entry["runs"]]
+        cells.append(f"{percent(entry['final_accuracy_mean'])}, {sum(f >= 0.99 for f in finals)}/{len(finals)}")
+    return cells[0], cells[1]
+
+
+def _budgets() -> str:
+    rows = [(f"{n} epoch{'s' if n > 1 else ''}", *_budget(f"kfac_convergence_mnist_budget{n}")) for n in (1, 2)]
+    return table(["budget", "SGD lr 0.05: final accuracy (mean), seeds ≥ 99.0 %",
+                  "K-FAC: final accuracy (mean), seeds ≥ 99.0 %"], rows)
+
+
+def _profile() -> str:
+    rows = []
+    for name, e in results("kfac_convergence_mnist_profile")["settings"].items():
+        ms = e["ms_per_step"]
+        kfac_wall = sum(ms.get(p + "_wall", 0.0) for p in ("factors", "decompositions", "precondition"))
+        rows.append((name, f"{ms['step_cpu']:.1f}", times(e.get("cost_vs_sgd_cpu", 1.0)),
+                     f"{ms['forward_backward_cpu']:.1f}", f"{ms.get('kfac_step_cpu', 0.0):.1f}",
+                     f"{ms.get('precondition_wall', 0.0):.1f} of {kfac_wall:.1f}"))
+    return table(["setting", "CPU ms / step", "vs SGD", "forward+backward (CPU)", "K-FAC `step()` (CPU)",
+                  "of which preconditioning (wall)"], rows)
+
+
+def _kfac_gain() -> str:
+    """How many points unskipped K-FAC ended above the best SGD, over every budget and rank count run."""
+    gains = []
+    for name in ("kfac_convergence_mnist", "kfac_convergence_mnist_np2", "kfac_convergence_mnist_budget1",
+                 "kfac_convergence_mnist_budget2"):
+        settings = results(name)["settings"].values()
+        sgd = max(s["final_accuracy_mean"] for s in settings if not s["kfac"])
+        kfac = max(s["final_accuracy_mean"] for s in settings if s["kfac"] and not s.get("skip"))
+        gains.append(100 * (kfac - sgd))
+    return f"{min(gains):.2f}–{max(gains):.2f} points"
+
+
+def _profile_range() -> str:
+    costs = [e["cost_vs_sgd_cpu"] for e in results("kfac_convergence_mnist_profile")["settings"].values() if e["kfac"]]
+    return f"{min(costs):.1f}–{max(costs):.1f}×"
+
+
+FIGURES = {
+    "digits.table": _digits_table, "digits.verdict": _digits_verdict, "mnist1.table": _mnist_table,
+    "mnist1.pairs": _mnist_pairs, "mnist.budgets": _budgets, "mnist.profile": _profile, "mnist.kfac_gain": _kfac_gain,
+    "mnist.profile_range": _profile_range,
+    "mnist1.wall": lambda: times(results("kfac_convergence_mnist")["verdict"]["median_wall_ratio"]),
+    "mnist2.wall": lambda: times(results("kfac_convergence_mnist_np2")["verdict"]["median_wall_ratio"]),
+    "mnist.profile_10_100": lambda: times(results("kfac_convergence_mnist_profile")["settings"]
+                                          ["K-FAC lr=0.1 d=0.1 f=10/100"]["cost_vs_sgd_cpu"], 1),
+}
 
 
 if __name__ == "__main__":

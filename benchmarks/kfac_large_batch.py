@@ -29,8 +29,9 @@ docs/kfac.md (λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one s
 Test accuracy is measured ``--evals-per-epoch`` times an epoch (hpcdl.train's ``--eval-every``, which leaves
 the training unchanged); steps and training seconds (evaluation excluded) to 98.5 % and 99.0 % are those of
 the first evaluation that reaches them. ``--kfac-flags`` adds flags to hpcdl's K-FAC runs, for ablations.
-Results: ``<out>.json`` (every run's curve), ``<out>.csv`` (one row per run), ``<out>.png``, saved after every
-run (a failed run is recorded as failed). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch
+Results: ``<out>.json`` (the summary rows and every run's curve: step, training seconds and test accuracy at
+each evaluation, what the summaries read) and ``<out>.png``, saved after every run (a failed run is recorded as
+failed). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch
 folder with it; ``--keep`` then runs only what is missing, and keeps a recorded run only when its command is
 the one the study would run now (otherwise one line names the setting that differs). Runs of several ranks
 go through launch/mpirun.sh, checked once before the first run.
@@ -39,9 +40,9 @@ go through launch/mpirun.sh, checked once before the first run.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
+import functools
 import json
+import math
 import os
 import shlex
 import statistics
@@ -54,9 +55,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpcdl.bench import studies
-from hpcdl.run import outputs
-from hpcdl.run.atomic import write_text_atomically
+import studies
+
+from hpcdl.persistence import outputs
+from hpcdl.persistence.atomic import write_text_atomically
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
@@ -163,39 +165,15 @@ class Outcome:
 # ---- kfac-pytorch inside hpcdl.train (imported by the training process through --kfac-impl) ----------
 
 
-class KfacPytorchAdapter:
-    """kfac-pytorch's KFACPreconditioner behind the interface hpcdl.train's loop calls.
-
-    It has no non-finite skip: ``found_inf`` is ignored (these fp32 runs have no non-finite steps; a
-    step that had one would feed its statistics to kfac-pytorch's factors).
-    """
-
-    def __init__(self, preconditioner: Any) -> None:
-        self.preconditioner = preconditioner
-
-    def step(self, found_inf: Any = None) -> None:
-        self.preconditioner.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.preconditioner.state_dict()  # type: ignore[no-any-return]
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.preconditioner.load_state_dict(state)
-
-
-def kfac_pytorch_native_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any) -> Any:
-    """``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--kfac-damping``
-    and ``--kfac-kl-clip`` taken as kfac-pytorch values, in its own convention."""
-    return kfac_pytorch_preconditioner(config, model, current_lr, scaler, carry_over=False)
-
-
 def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any,
                                 carry_over: bool = True) -> Any:
     """``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner``: kfac-pytorch with hpcdl's settings.
 
     Damping and KL clip are hpcdl's divided by N² (N = examples per step on this rank): the
     Linear-layer equivalence of docs/kfac.md. Conv layers have no single equivalent (their factor
-    ratio also depends on the output positions), which is kfac-pytorch's convention at work.
+    ratio also depends on the output positions), which is kfac-pytorch's convention at work. Its
+    ``step`` takes the loop's ``found_inf`` and ignores it: kfac-pytorch has no non-finite skip (these
+    fp32 runs have no non-finite steps; a step that had one would feed its statistics to the factors).
     """
     import torch
 
@@ -209,7 +187,7 @@ def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..
         if isinstance(module, torch.nn.ReLU):
             module.inplace = False
     n = config.batch_size * config.batches_per_allreduce if carry_over else 1
-    return KfacPytorchAdapter(KFACPreconditioner(
+    preconditioner = KFACPreconditioner(
         model,
         factor_update_steps=config.kfac_factor_update_freq,
         inv_update_steps=config.kfac_inv_update_freq,
@@ -219,7 +197,15 @@ def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..
         lr=lambda _step: current_lr(),
         accumulation_steps=config.batches_per_allreduce,
         grad_scaler=scaler,
-    ))
+    )
+    step = preconditioner.step
+    preconditioner.step = lambda found_inf=None: step()
+    return preconditioner
+
+
+# ``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--kfac-damping`` and
+# ``--kfac-kl-clip`` taken as kfac-pytorch values, in its own convention.
+kfac_pytorch_native_preconditioner = functools.partial(kfac_pytorch_preconditioner, carry_over=False)
 
 
 # ---- running the grid ---------------------------------------------------------------------------
@@ -400,8 +386,8 @@ def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     for (method, batch, lr, warmup), runs in sorted(groups.items(), key=lambda g: (*g[0][:3], g[0][3] or -1.0)):
         row: dict[str, Any] = dict(method=method, batch=batch, lr=lr, seeds=len(runs),
                                    final_accuracy=[o.final_accuracy for o in runs],
-                                   median_final=_median([o.final_accuracy or 0.0 for o in runs]),
-                                   seconds_per_step=_median([o.seconds_per_step for o in runs]))
+                                   median_final=statistics.median(o.final_accuracy or 0.0 for o in runs),
+                                   seconds_per_step=_median_of_measured([o.seconds_per_step for o in runs]))
         if warmup is not None:
             row["warmup"] = warmup
         for target in TARGETS:
@@ -409,31 +395,36 @@ def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             reached = [h for h in hits if h]
             key = f"{target * 100:.1f}"
             row[f"reached_{key}"] = f"{len(reached)}/{len(runs)}"
-            # a median over seeds only when most seeds got there
-            row[f"steps_{key}"] = _median([h[0] for h in reached]) if len(reached) * 2 > len(runs) else None
-            row[f"seconds_{key}"] = _median([h[1] for h in reached]) if len(reached) * 2 > len(runs) else None
+            for at, what in enumerate(("steps", "seconds")):  # a miss counts as beyond the budget: None past half
+                median = studies.median_or_inf([h and h[at] for h in hits])
+                row[f"{what}_{key}"] = None if math.isinf(median) else median
         rows.append(row)
     return rows
 
 
-def _median(values: Sequence[float | None]) -> float | None:
+def _median_of_measured(values: Sequence[float | None]) -> float | None:
+    """A measurement's median over the runs that measured it (a run that failed before its first evaluation has no
+    time per step)."""
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
 
 
+# What a run's curve keeps of each metrics.jsonl row: all the summaries, the plot and --keep read.
+CURVE = ("epoch", "global_step", "train_seconds", "test_accuracy")
+
+
+def curve(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{key: row[key] for key in CURVE if key in row} for row in rows]
+
+
 def write_results(outcomes: Sequence[Outcome], out: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """<out>.json and <out>.csv, each replaced whole (atomically: a study stopped while saving keeps the last)."""
+    """<out>.json, replaced whole (atomically: a study stopped while saving keeps the last)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = summarise(outcomes)
-    runs = [dict(asdict(o.cell), returncode=o.returncode, epochs=o.epochs, wall_seconds=o.wall_seconds,
+    runs = [dict(asdict(o.cell), returncode=o.returncode, epochs=curve(o.epochs), wall_seconds=o.wall_seconds,
                  error=o.error, command=" ".join(o.command)) for o in outcomes]
     write_text_atomically(outputs.output_file(out, ".json"),
                           json.dumps(dict(meta=meta, summary=rows, runs=runs), indent=1) + "\n")
-    table = io.StringIO(newline="")
-    writer = csv.DictWriter(table, fieldnames=list(rows[0]) if rows else ["method"])
-    writer.writeheader()
-    writer.writerows(rows)
-    write_text_atomically(outputs.output_file(out, ".csv"), table.getvalue())
     return rows
 
 
@@ -671,11 +662,11 @@ def results_file(path: Path, flag: str) -> None:
 
 
 def output_stem(args: argparse.Namespace) -> Path:
-    """Where this study writes (hpcdl.run.outputs' rule: benchmarks/results only with --refresh-results)."""
+    """Where this study writes (hpcdl.persistence.outputs' rule: benchmarks/results only with --refresh-results)."""
     suffix = ("" if args.report else "_reduced" if args.reduced else "_target" if args.target_cell
               else "_tune" if args.tune else "")
     return outputs.results_stem(args.out, f"kfac_large_batch{suffix}", (".png",) if args.report else
-                                (".json", ".csv", ".png"), refresh_results=args.refresh_results,
+                                (".json", ".png"), refresh_results=args.refresh_results,
                                 force=args.force or args.keep, flag="--out")
 
 
@@ -703,10 +694,21 @@ def install_kfac_pytorch(source: str, site: Path) -> int:
 
 
 def load_outcomes(path: Path) -> list[Outcome]:
+    return outcomes_of(json.loads(path.read_text()))
+
+
+def selected(source: str, read: Callable[[str], dict[str, Any]]) -> list[Outcome]:
+    """The runs of results file ``FILE``, or of ``FILE@B1,B2`` those at global batches B1 and B2 (``read``: a file's
+    JSON by its name)."""
+    name, _, only = source.partition("@")
+    batches = {int(b) for b in only.split(",")} if only else None
+    return [o for o in outcomes_of(read(name)) if batches is None or o.cell.batch in batches]
+
+
+def outcomes_of(results: dict[str, Any]) -> list[Outcome]:
     """The runs of a results file; hpcdl K-FAC runs at other settings than :func:`kfac_settings`'s are
     named by them (damping, KL clip, decompositions every N steps, a warm-up ramp)."""
     outcomes = []
-    results = json.loads(path.read_text())
     for r in results["runs"]:
         command, method = r.get("command", "").split(), r["method"]
         if method == "kfac" and "hpcdl.train" in command:
@@ -798,15 +800,13 @@ def markdown(outcomes: Sequence[Outcome]) -> list[str]:
 
 def report(sources: Sequence[str], out: Path) -> int:
     """The table, verdict and plot of results files together; ``FILE@128,512`` takes only those batches of FILE."""
-    outcomes, paths = [], []
-    for source in sources:
-        name, _, only = source.partition("@")
-        batches = {int(b) for b in only.split(",")} if only else None
-        paths.append(Path(name))
-        outcomes += [o for o in load_outcomes(Path(name)) if batches is None or o.cell.batch in batches]
+    def read(name: str) -> dict[str, Any]:
+        return json.loads(Path(name).read_text())
+
+    outcomes = [o for source in sources for o in selected(source, read)]
     print("\n".join(markdown(outcomes)))
     print("\n".join(verdict(outcomes)))
-    loads = [json.loads(p.read_text())["meta"] for p in paths]
+    loads = [read(source.partition("@")[0])["meta"] for source in sources]
     low, high = min(m["load_before"] for m in loads), max(m.get("load_after", m["load_before"]) for m in loads)
     plot(outcomes, out, f"MNIST mnist_cnn, 5 epochs, 1 rank, CPU; load average {low:.0f}-{high:.0f} (shared machine)")
     print(f"plot: {outputs.output_file(out, '.png')}")
@@ -892,7 +892,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for batch in sorted({o.cell.batch for o in outcomes}, reverse=True):
         for line in verdict(outcomes, batch):
             print(line)
-    print(f"results: {args.out}.{{json,csv,png}} ({meta['seconds']:.0f} s)")  # each <stem><suffix>
+    print(f"results: {args.out}.{{json,png}} ({meta['seconds']:.0f} s)")  # each <stem><suffix>
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
 
 

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -50,10 +51,18 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpcdl.run import outputs  # noqa: E402
+from figures import results, table, times  # noqa: E402
+
+from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
+from hpcdl.training.backend import Backend  # noqa: E402
+from hpcdl.training.config import parse_config  # noqa: E402
+from hpcdl.training.loop import apply_gradients  # noqa: E402
+from hpcdl.training.optimizers import build_update_rule  # noqa: E402
+from hpcdl.training.phases import StepPhases  # noqa: E402
+from hpcdl.training.runstate import TrainState  # noqa: E402
 
 TARGETS = {
     "cpu": {(1, 10): 3.5, (10, 10): 1.33},
@@ -69,46 +78,39 @@ DEFAULT_CONFIGS = {"cpu": "1,10 10,10 10,100", "cuda": "1,10 10,10 10,100"}
 
 # ------------------------------------------------------------------ one contender's step
 class Stepper:
-    """One model with its optimizer, and optionally a K-FAC preconditioner; ``step()`` trains one batch."""
+    """One model with hpcdl.train's SGD and optionally a K-FAC preconditioner; ``step()`` trains one batch: the
+    forward pass, then the training loop's own gradient step (``hpcdl.training.loop.apply_gradients``: the
+    loss scaler, the preconditioner told of a non-finite step, the fused update that skips it)."""
 
     def __init__(self, args: argparse.Namespace, batch, kfac_module: Any = None, freqs: tuple[int, int] | None = None):
         torch.manual_seed(0)
         self.model = build_model(args).to(args.device)
         if args.device == "cuda":
             self.model = self.model.to(memory_format=torch.channels_last)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+        config = parse_config(["--momentum", "0.9", "--weight-decay", "5e-4"])
         self.batch = batch
         self.amp = args.precision == "amp"
-        self.scaler = torch.amp.GradScaler("cuda") if self.amp else None
+        scaler = torch.amp.GradScaler("cuda") if self.amp else None
         self.pre = None
-        self.found_inf_supported = False
+        told = None
         if kfac_module is not None and freqs is not None:
             self.pre = kfac_module.KFACPreconditioner(
-                self.model, factor_update_freq=freqs[0], inv_update_freq=freqs[1], lr=0.1, grad_scaler=self.scaler
+                self.model, factor_update_freq=freqs[0], inv_update_freq=freqs[1], lr=0.1, grad_scaler=scaler
             )
-            self.found_inf_supported = "found_inf" in kfac_module.KFACPreconditioner.step.__code__.co_varnames
+            told = self.pre
+            if "found_inf" not in kfac_module.KFACPreconditioner.step.__code__.co_varnames:  # an older --baseline
+                told = SimpleNamespace(step=lambda found_inf=None: self.pre.step())
+        state = TrainState(self.model, build_update_rule(config, self.model, 0.1), scaler, told)
+        self.trainer = SimpleNamespace(state=state, settings=SimpleNamespace(use_adasum=False), phases=StepPhases(),
+                                       backend=Backend(1))
 
     def step(self) -> None:
         x, y = self.batch
-        self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(x.device.type, dtype=torch.float16, enabled=self.amp):
             loss = F.cross_entropy(self.model(x), y)
-        if self.scaler is None:
-            loss.backward()
-            if self.pre is not None:
-                self.pre.step()
-            self.optimizer.step()
-            return
-        self.scaler.scale(loss).backward()
-        self.scaler.unscale_(self.optimizer)
-        if self.pre is not None:
-            if self.found_inf_supported:
-                found = self.scaler._found_inf_per_device(self.optimizer)  # the flags unscale_ just set
-                self.pre.step(found_inf=sum(found.values()).clamp(max=1.0))
-            else:
-                self.pre.step()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        scaler = self.trainer.state.scaler
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        apply_gradients(self.trainer)
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
@@ -451,6 +453,33 @@ def main(argv: list[str] | None = None) -> None:
             f"{met}{base}{memory}  {r['phase_ms_per_step']}"
         )
     print(f"wrote {outputs.output_file(args.out, '.json')}, .csv, .png")
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+FREQUENCIES = ((1, 10), (10, 10), (10, 100))
+
+
+def _at(factors: int, inverse: int) -> dict[str, Any]:
+    return next(r for r in results("kfac_overhead")["results"]
+                if (r["factor_update_freq"], r["inv_update_freq"]) == (factors, inverse))
+
+
+def _table() -> str:
+    rows = []
+    for f, i in FREQUENCIES:
+        r = _at(f, i)
+        target = f"≤ {r['target']}× (kfac-pytorch: {r['kfac_pytorch_ratio']}×)" if r.get("target") else ""
+        rows.append((f"({f}, {i})", f"{r['sgd_ms']:.1f}", f"{r['kfac_ms']:.1f}",
+                     f"{times(r['ratio'])} ({r['min_ratio']:.2f}–{r['max_ratio']:.2f})",
+                     times(r["baseline_ratio"]), target))
+    return table(["(factor, inverse) freq", "SGD ms", "K-FAC ms",
+                  f"K-FAC / SGD (median of {results('kfac_overhead')['rounds']} rounds; min–max)",
+                  "the previous kfac / SGD", "target"], rows)
+
+
+FIGURES = {"overhead.ratios": lambda: " / ".join(times(_at(f, i)["ratio"]) for f, i in FREQUENCIES),
+           "overhead.10_10": lambda: times(_at(10, 10)["ratio"]), "overhead.table": _table}
 
 
 if __name__ == "__main__":

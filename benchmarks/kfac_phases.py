@@ -21,8 +21,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpcdl.bench.studies import finish_train, start_train
-from hpcdl.run import outputs
+from figures import results, table
+from studies import finish_train, start_train
+
+from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer
@@ -85,6 +87,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     print(f"wrote {stem}.json and {stem}.png")
     return 0
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+def _table(name: str) -> str:
+    """Per phase, each run's median seconds on its slowest rank (phases under half a millisecond left out)."""
+    runs = results(name)["runs"]
+    phases = [p for p in next(iter(runs.values()))["step_phases"]["phases"]
+              if any(run["step_phases"]["phases"][p]["median_slowest"] >= 0.0005 for run in runs.values())]
+    return table(["phase (ms, median, slowest rank)", *runs],
+                 [(p, *(f"{1000 * run['step_phases']['phases'][p]['median_slowest']:.0f}" for run in runs.values()))
+                  for p in phases])
+
+
+FIGURES = {"phases.2x1": lambda: _table("kfac_phases_2x1"), "phases.2x2": lambda: _table("kfac_phases_2x2")}
 
 
 if __name__ == "__main__":

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from figures import results, table, times
 from torch import Tensor, nn
 
 from hpcdl.bench.alphabeta import AlphaBeta, fit_ring, network
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
@@ -456,7 +457,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         each.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
     if args.phase == "count":
-        from hpcdl.bench.studies import check_launch
+        from studies import check_launch
 
         for fraction in args.fractions:
             if abs(fraction * args.ranks - round(fraction * args.ranks)) > 1e-9 or args.ranks % round(
@@ -518,6 +519,112 @@ def main(argv: Sequence[str] | None = None) -> int:
     outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {stem}.json")
     return 0
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+def _kb(nbytes: float) -> str:
+    return f"{nbytes / 1024:,.0f}"
+
+
+def _bytes() -> str:
+    """Per grad-worker fraction, rank 0's payload bytes per step of each kind (counted), and seconds per step."""
+    rows = []
+    for run in (x for x in results("kfac_traffic_count")["runs"] if x["rank"] == 0):
+        per_step = {k: v["bytes"] / run["steps"] for k, v in run["counted"].items()}
+        rows.append((f"{run['fraction']:g}", _kb(run["gradient_bytes"]), _kb(per_step.get("factors", 0)),
+                     _kb(per_step.get("decompositions", 0)), _kb(per_step.get("directions", 0)),
+                     times(sum(per_step.values()) / run["gradient_bytes"], 1), f"{1000 * run['seconds_per_step']:.0f}"))
+    return table(["grad-worker fraction", "gradients KiB / step", "K-FAC factors", "decompositions",
+                  "preconditioned gradients", "K-FAC / gradients", "ms / step"], rows)
+
+
+def _model_check() -> str:
+    r = results("kfac_traffic_count")
+    fractions = sorted({run["fraction"] for run in r["runs"]}, reverse=True)
+    verdict = "equals" if r["model_equals_counts"] else "does NOT equal"
+    return (f"{verdict} the counted bytes of every collective round on each of the {r['ranks']} ranks, at fractions "
+            + ", ".join(f"{f:g}" for f in fractions))
+
+
+def _measures() -> list[Any]:
+    return [results(f"kfac_traffic_measure_{n}") for n in (2, 3, 4)]
+
+
+def _held_out() -> str:
+    """Per cluster size measured (one rank per virtual node), each held-out collective: measured, predicted."""
+    names = {"factors": "factors", "broadcasts": "decompositions, one broadcast per rank",
+             "one_collective": "decompositions, one collective"}
+    rows = [(m["world"], label, f"{1000 * m['held_out'][kind]:.1f}", f"{1000 * m['predicted'][kind]:.1f}",
+             f"{100 * m['error'][kind]:+.0f} %") for m in _measures() for kind, label in names.items()]
+    return table(["nodes x 1 rank", "collective (held out)", "measured ms", "predicted ms", "error"], rows)
+
+
+def _fit() -> str:
+    return "; ".join(f"{m['world']} nodes: α = {1e6 * m['alpha']:.0f} µs, B = {m['bandwidth'] / 1e6:.0f} MB/s"
+                     for m in _measures())
+
+
+def _ratio1() -> str:
+    """K-FAC's payload bytes per step over the gradients', fraction 1, rank 0."""
+    run = next(x for x in results("kfac_traffic_count")["runs"] if x["rank"] == 0 and x["fraction"] == 1.0)
+    return times(sum(v["bytes"] for v in run["counted"].values()) / run["steps"] / run["gradient_bytes"], 1)
+
+
+def _predicted(ranks: int, frequencies: tuple[int, int]) -> list[dict[str, Any]]:
+    return [r for r in results("kfac_traffic_predict")["rows"] if r["ranks"] == ranks
+            and r["network"].startswith("HDR") and (r["factor_every"], r["inverse_every"]) == frequencies]
+
+
+def _kfac_ms(row: dict[str, Any]) -> float:
+    return 1000 * sum(v for k, v in row["seconds"].items() if k != "gradients")
+
+
+def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return min((r for r in rows if r["design"] == "one collective"), key=_kfac_ms)
+
+
+def _resnet1024() -> str:
+    """ResNet-50 on HDR100 at 1,024 ranks, decompositions every step: the former design on NCCL, the best now."""
+    rows = _predicted(1024, (1, 1))
+    old = next(r for r in rows if r["design"] == "broadcasts" and r["backend"] == "nccl" and r["fraction"] == 1.0)
+    best = _best(rows)
+    grads = 1000 * best["seconds"]["gradients"]
+    return (f"{_kfac_ms(old):.0f} ms a step before (fraction 1, NCCL), {_kfac_ms(best):.0f} ms now "
+            f"(fraction {best['fraction']:g}, {best['payload']}: {times(_kfac_ms(best) / grads, 1)} the gradients' "
+            f"{grads:.0f} ms)")
+
+
+def _resnet1024_rare() -> str:
+    """The same at kfac-pytorch's ImageNet frequencies (factors every 10 steps, decompositions every 100)."""
+    best = _best(_predicted(1024, (10, 100)))
+    grads = 1000 * best["seconds"]["gradients"]
+    return (f"{_kfac_ms(best):.1f} ms a step (fraction {best['fraction']:g}, {best['payload']}), "
+            f"{times(_kfac_ms(best) / grads)} the gradients'")
+
+
+def _sharing(row: dict[str, Any]) -> str:
+    if row["design"] == "broadcasts":
+        return f"one broadcast per member ({'NCCL rings' if row['backend'] == 'nccl' else 'MPI trees'})"
+    return f"one collective per group, {row['payload']}"
+
+
+def _resnet50() -> str:
+    rows = []
+    for row in results("kfac_traffic_predict")["rows"]:
+        if row["network"].startswith("HDR") and row["ranks"] in (64, 256, 1024):
+            sec = row["seconds"]
+            rows.append((row["ranks"], f"{row['factor_every']}, {row['inverse_every']}", f"{row['fraction']:g}",
+                         _sharing(row), f"{1000 * sec['gradients']:.1f}", f"{1000 * sec['factors']:.1f}",
+                         f"{1000 * sec['decompositions']:.1f}", f"{1000 * sec['directions']:.1f}",
+                         times(_kfac_ms(row) / 1000 / sec["gradients"], 2)))
+    return table(["ranks", "factors, decompositions every", "fraction", "sharing", "gradients ms", "factors ms",
+                  "decompositions ms", "preconditioned gradients ms", "K-FAC / gradients"], rows)
+
+
+FIGURES = {"traffic.bytes": _bytes, "traffic.model_check": _model_check, "traffic.heldout": _held_out,
+           "traffic.fit": _fit, "traffic.ratio1": _ratio1, "traffic.resnet1024": _resnet1024,
+           "traffic.resnet1024.rare": _resnet1024_rare, "traffic.resnet50": _resnet50}
 
 
 if __name__ == "__main__":

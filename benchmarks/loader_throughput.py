@@ -37,11 +37,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from figures import results, table, times  # noqa: E402
+
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
-SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.run.outputs.output_file)
+SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.persistence.outputs.output_file)
 
 
 def write_jpegs(root: Path, images: int, classes: int, seed: int = 0) -> Path:
@@ -218,60 +220,6 @@ def reader_rates(folder: Path, shards: Path, rounds: int, block: int = 16) -> di
     return rates
 
 
-def producer_host_time(folder: Path, batch: int, batches: int, rounds: int) -> dict[str, list[float]]:
-    """Host seconds per batch that the device-decode producer thread spends beyond decoding, run on
-    the CPU with nvJPEG stubbed (every image decoded once beforehand and handed back from a cache):
-    ``views-stubbed`` also stubs the crop/resize kernels (what is left is the per-batch host
-    bookkeeping: parameter draws, stacking, launches' Python side), ``views-on-cpu`` runs them on the
-    CPU. Thread CPU time (``time.thread_time``), median over ``rounds``."""
-    import torch
-
-    import hpcdl.data.pipeline as pipeline_module
-    from hpcdl.data import DataSpec, FileSplits, read_dataset
-    from hpcdl.data.images import decode_cpu
-    from hpcdl.data.pipeline import FilePipeline
-    from hpcdl.data.registry import REGISTRY
-
-    data = read_dataset("imagenet", str(folder))
-    assert isinstance(data, FileSplits)
-    spec = DataSpec("imagenet", str(folder), batch, batch, 0, 0)
-    cpu = torch.device("cpu")
-    pipeline = FilePipeline(spec, 0, 1, cpu, train=data.train, test=data.test, norm=REGISTRY["imagenet"].norm,
-                            num_classes=len(data.classes), decode_on_gpu=True)
-    keys = pipeline.train_keys_for(0, 0)[:batch * batches]
-    payloads = {i: data.train.read(i) for i, _ in keys}
-    decoded = {id(payloads[i]): decode_cpu(payloads[i], "") for i in payloads}
-
-    def cached_decode(datas, names, device):  # type: ignore[no-untyped-def]
-        return [decoded[id(data)] for data in datas]
-
-    tiny = torch.zeros(3, 4, 4, dtype=torch.uint8)  # no allocation or copy worth the name: bookkeeping alone
-
-    def stub_view(image, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return tiny
-
-    results: dict[str, list[float]] = {"views-stubbed": [], "views-on-cpu": []}
-    originals = {name: getattr(pipeline_module, name) for name in ("decode_on_device", "train_view", "eval_view")
-                 if hasattr(pipeline_module, name)}
-    try:
-        pipeline_module.decode_on_device = cached_decode  # type: ignore[attr-defined]
-        for _ in range(rounds):
-            for mode in results:
-                for name in ("train_view", "eval_view"):
-                    if name in originals:
-                        setattr(pipeline_module, name, stub_view if mode == "views-stubbed" else originals[name])
-                start = time.thread_time()
-                for k in range(batches):
-                    part = keys[k * batch:(k + 1) * batch]
-                    pipeline.decode_views([payloads[i] for i, _ in part], [True] * len(part), part, True)
-                results[mode].append((time.thread_time() - start) / batches)
-    finally:
-        for name, value in originals.items():
-            setattr(pipeline_module, name, value)
-        pipeline.close()
-    return results
-
-
 def synthetic_contender(args: argparse.Namespace, device) -> dict:  # type: ignore[no-untyped-def]
     from hpcdl.data import DataSpec, build_pipeline
 
@@ -329,11 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contenders", nargs="+", help="a subset of pil-folder folder-cpu shards-cpu folder-gpu "
                         "shards-gpu (default: all that the device allows)")
     parser.add_argument("--skip-training", action="store_true")
-    parser.add_argument("--producer-only", action="store_true", help="measure only the device-decode producer's "
-                        "host time per batch (nvJPEG stubbed, so it runs on the CPU)")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
-    from hpcdl.run import outputs
+    from hpcdl.persistence import outputs
 
     outputs.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -373,17 +319,6 @@ def main(argv: list[str] | None = None) -> None:
         report: dict = {"device": args.device, "device_name": device_name, "images": len(sizes),
                         "mean_jpeg_kb": sum(sizes) / len(sizes) / 1000, "batch_size": args.batch_size,
                         "timed_batches": args.batches, "rounds": args.rounds, "pipeline_alone": {}, "ratios": {}}
-        producer = producer_host_time(folder, args.batch_size, args.batches, max(args.rounds, 5))
-        report["producer_host_seconds_per_batch"] = producer
-        print("device-decode producer, host s/batch (decode stubbed): " + " | ".join(
-            f"{name} {statistics.median(times):.4f}" for name, times in producer.items()), flush=True)
-        if args.producer_only:
-            from hpcdl.run.atomic import write_text_atomically
-
-            output = outputs.output_file(stem, ".json")
-            write_text_atomically(output, json.dumps(report, indent=1) + "\n")
-            print(f"wrote {output}")
-            return
         reads = reader_rates(folder, shards, max(args.rounds, 5))
         report["reader_alone"] = {"images_per_second": reads,
                                   "shards/folder": paired_ratio(reads, "shards", "folder")}
@@ -412,12 +347,38 @@ def main(argv: list[str] | None = None) -> None:
                                                             for n in rates if n != "synthetic-device"}}
             summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
             print(f"training, {workers} workers: images/s {summary}", flush=True)
-    from hpcdl.run.atomic import write_text_atomically
+    from hpcdl.persistence.atomic import write_text_atomically
 
     output, figure = outputs.output_file(stem, ".json"), outputs.output_file(stem, ".png")
     write_text_atomically(output, json.dumps(report, indent=1) + "\n")
     plot(report, figure)
     print(f"wrote {output} and {figure}")
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+PIPELINES = {"pil-folder": "old path: PIL decode + transforms, float32 batches",
+             "folder-cpu": "libjpeg-turbo (torchvision.io) decode, uint8 batches, folder",
+             "shards-cpu": "same, from shards"}
+
+
+def _table() -> str:
+    r = results("loader_throughput_cpu")
+    workers = list(r["pipeline_alone"])
+    rows = [(label, *(f"{statistics.median(r['pipeline_alone'][w][key]):.1f}" for w in workers))
+            for key, label in PIPELINES.items()]
+    rows.append(("**new CPU path / old path** (target ≥ 1)",
+                 *(f"**{times(r['ratios'][w]['folder-cpu/pil-folder'])}**" for w in workers)))
+    return table(["images/s, pipeline alone", *(f"{w} worker{'s' if w != '1' else ''}" for w in workers)], rows)
+
+
+def _ratios(which: str) -> str:
+    ratios = results("loader_throughput_cpu")["ratios"]
+    return " / ".join(times(ratios[w][which]) for w in ratios)
+
+
+FIGURES = {"loader.table": _table, "loader.ratios": lambda: _ratios("folder-cpu/pil-folder"),
+           "loader.shards": lambda: _ratios("shards-cpu/folder-cpu")}
 
 
 if __name__ == "__main__":

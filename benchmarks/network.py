@@ -18,7 +18,7 @@ Needs root (network namespaces, tc) and iperf3. Each phase brings up its own vir
 * ``fp16``: ``hpcdl.train`` with and without ``--fp16-allreduce`` on two nodes, alternating
   (A B B A) on each slow rate, images/s of every epoch after the first;
 * ``report``: bus bandwidth / link rate per size, the alpha-beta model fitted to all sizes but one
-  and checked on that one, a markdown table and a plot (``net_summary.{json,md,png}``).
+  and checked on that one (``net_summary.json``, whose tables benchmarks/figures.py writes into network.md).
 
 The machine's 1-minute load average is recorded beside every figure.
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -43,10 +44,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from figures import results, table  # noqa: E402
+
 from hpcdl.bench import alphabeta  # noqa: E402
 from hpcdl.bench.sizes import format_size, parse_size  # noqa: E402
-from hpcdl.run import outputs  # noqa: E402
-from hpcdl.run.atomic import write_text_atomically  # noqa: E402
+from hpcdl.persistence import outputs  # noqa: E402
+from hpcdl.persistence.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.tools import vcluster  # noqa: E402
 
@@ -357,96 +360,9 @@ def summarise(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return summary
 
 
-def markdown(summary: dict[str, Any], sizes: Sequence[int]) -> str:
-    shorts = ("MPI", "Horovod", "ring", "MPI put off")
-    head = ["link", "nodes"] + [f"{short} {format_size(s)}" for short in shorts for s in sizes]
-    lines = ["| " + " | ".join([*head, "load"]) + " |", "|" + " --- |" * (len(head) + 1)]
-    for entry in summary["configs"]:
-        cells = [entry["rate"], str(entry["nodes"])]
-        for name in IMPLEMENTATIONS:
-            ratios = entry["implementations"].get(name, {}).get("of_link", {})
-            cells += [f"{ratios[str(s)]:.2f}x" if str(s) in ratios else "-" for s in sizes]
-        load_ = entry.get("load") or {}
-        cells.append(f"{load_.get('before', '?')}-{load_.get('after', '?')}")
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| link | nodes | implementation | alpha (us) | B (GB/s) | held-out size | measured (ms) | "
-              "predicted (ms) | error |", "|" + " --- |" * 9]
-    for entry in summary["configs"]:
-        for name, impl in entry["implementations"].items():
-            fit = impl.get("alpha_beta")
-            if fit:
-                lines.append(f"| {entry['rate']} | {entry['nodes']} | {name} | {fit['alpha_us']:.0f} | "
-                             f"{fit['bandwidth_GBps']:.3f} | {format_size(int(fit['held_out_bytes']))} | "
-                             f"{fit['measured_ms']:.0f} | {fit['predicted_ms']:.0f} | {fit['error']:+.0%} |")
-    fp16 = summary.get("fp16", {}).get("runs", [])
-    if fp16:
-        lines += ["", "| link | fp32 allreduce (img/s) | fp16 allreduce (img/s) | fp16 / fp32 | load |",
-                  "| --- | --- | --- | --- | --- |"]
-        for rate in dict.fromkeys(r["rate"] for r in fp16):
-            speed = {flag: statistics.median(s for r in fp16 if r["rate"] == rate and r["fp16_allreduce"] == flag
-                                             for s in r["images_per_second"]) for flag in (False, True)}
-            loads = [x for r in fp16 if r["rate"] == rate for x in r["load"]]
-            lines.append(f"| {rate} | {speed[False]:.0f} | {speed[True]:.0f} | {speed[True] / speed[False]:.2f} | "
-                         f"{min(loads)}-{max(loads)} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = list(dict.fromkeys(e["rate"] for e in summary["configs"]))
-    fp16 = summary.get("fp16", {}).get("runs", [])
-    figure, axes = plt.subplots(1, len(rates) + bool(fp16), figsize=(6 * (len(rates) + bool(fp16)), 4.8),
-                                squeeze=False)
-    colours = {"MPI.Allreduce": "tab:blue", "horovod": "tab:orange", "ring": "tab:green", MPI_NO_PUT: "tab:purple"}
-    styles = {2: "-", 3: "--", 4: ":"}
-    for ax, rate in zip(axes[0], rates, strict=False):
-        for entry in (e for e in summary["configs"] if e["rate"] == rate):
-            for name, impl in entry["implementations"].items():
-                points = sorted((int(s), v) for s, v in impl["of_link"].items())
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
-                        color=colours.get(name), linestyle=styles.get(entry["nodes"], "-."),
-                        label=f"{name}, {entry['nodes']} nodes")
-        links = [r for r in summary.get("links", {}).get("runs", []) if r["rate"] == rate and not r["both_ways"]]
-        if links:
-            ax.axhline(links[0]["gbps"][0] / rate_gbps(rate), color="grey", linewidth=1,
-                       label="iperf3 TCP, one way")
-        ax.axhline(0.9, color="red", linewidth=0.8, linestyle="--", label="target 0.9x")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(0, 1.1)
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("bus bandwidth / link rate")
-        ax.set_title(f"link {rate}, one rank per node")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="x-small", ncol=2)
-    if fp16:
-        ax = axes[0][-1]
-        fp16_rates = list(dict.fromkeys(r["rate"] for r in fp16))
-        for offset, flag in ((-0.2, False), (0.2, True)):
-            speeds = [statistics.median(s for r in fp16 if r["rate"] == rate and r["fp16_allreduce"] == flag
-                                        for s in r["images_per_second"]) for rate in fp16_rates]
-            ax.bar([i + offset for i in range(len(fp16_rates))], speeds, width=0.4,
-                   label="--fp16-allreduce" if flag else "fp32 allreduce")
-        ax.set_xticks(range(len(fp16_rates)), fp16_rates)
-        ax.set_ylabel("hpcdl.train images/s (2 nodes)")
-        ax.set_title("gradient compression on a slow link")
-        ax.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
 def phase_report(args: argparse.Namespace, out: Path) -> None:
-    summary = summarise(args, out)
-    sizes = [s for s in (16 << 20, 32 << 20) if args.min_size <= s <= args.max_size]
-    table = markdown(summary, sizes)
-    save(out / "net_summary.json", summary)
-    write_text_atomically(out / "net_summary.md", table)
-    plot(summary, out / "net_summary.png")
-    say(table + f"wrote {out}/net_summary.json, .md and .png")
+    save(out / "net_summary.json", summarise(args, out))
+    say(f"wrote {out}/net_summary.json; benchmarks/figures.py makes network.md's tables from it")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -456,6 +372,144 @@ def main(argv: Sequence[str] | None = None) -> None:
     for phase in PHASES:
         if phase in args.phases:
             globals()[f"phase_{phase}"](args, out)
+
+
+# ---- the figures the documents quote (benchmarks/figures.py): this study's, and those of the 2-rank runs of
+# ---- hpcdl.bench.allreduce (allreduce.md) that its network runs stand beside
+
+RATES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "100mbit": "100 Mbit/s"}
+MIB16, MIB32 = 16 << 20, 32 << 20
+
+
+def _network_table() -> str:
+    def pair(entry: dict[str, Any], name: str, sizes: Sequence[int] = (MIB16, MIB32)) -> str:
+        ratios = entry["implementations"].get(name, {}).get("of_link", {})
+        return " / ".join(f"{ratios[str(size)]:.2f}x" for size in sizes) if ratios else "-"
+
+    rows = [(RATES[e["rate"]], e["nodes"], pair(e, "MPI.Allreduce", (MIB16,)), pair(e, "MPI.Allreduce", (MIB32,)),
+             pair(e, "horovod"), pair(e, "ring"), pair(e, MPI_NO_PUT)) for e in results("net_summary")["configs"]]
+    return table(["link", "nodes", "MPI 16 MiB", "MPI 32 MiB", "Horovod 16 / 32 MiB", "ring 16 / 32 MiB",
+                  "MPI, TCP put off, 16 / 32 MiB"], rows)
+
+
+def _network_ab() -> str:
+    runs = {"default": "put on (Open MPI's default), 1st", "putoff": "put off, 1st", "default2": "put on, 2nd",
+            "putoff2": "put off, 2nd"}
+    rows = []
+    for suffix, label in runs.items():
+        bandwidth = {(r["implementation"], r["bytes"]): r["busbw_GBps"]
+                     for r in results(f"net_ab_1gbit_n2_{suffix}")["rows"]}
+        rows.append((label, *(f"{bandwidth[name, size] / 0.125:.2f}x" for name in ("MPI.Allreduce", "ring")
+                              for size in (MIB16, MIB32))))
+    return table(["run", "MPI 16 MiB", "MPI 32 MiB", "ring 16 MiB", "ring 32 MiB"], rows)
+
+
+def _network_fp16() -> str:
+    runs = results("net_fp16")["runs"]
+    rows = []
+    for rate in dict.fromkeys(r["rate"] for r in reversed(runs)):
+        speed = {flag: [s for r in runs if r["rate"] == rate and r["fp16_allreduce"] == flag
+                        for s in r["images_per_second"]] for flag in (False, True)}
+        loads = [x for r in runs if r["rate"] == rate for x in r["load"]]
+        cells = [f"{statistics.median(v):.0f} img/s ({min(v):.0f}-{max(v):.0f})" for v in speed.values()]
+        ratio = statistics.median(speed[True]) / statistics.median(speed[False])
+        rows.append((RATES[rate], *cells, f"{ratio:.2f}x", f"{min(loads):.1f}-{max(loads):.1f}"))
+    return table(["link", "fp32 allreduce", "`--fp16-allreduce`", "ratio", "load"], rows)
+
+
+def _network_best() -> str:
+    entry = next(c for c in results("net_summary")["configs"] if (c["rate"], c["nodes"]) == ("1gbit", 2))
+    return f"{entry['implementations']['MPI.Allreduce']['of_link'][str(MIB32)]:.2f}x"
+
+
+ALLREDUCE_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20, 256 << 20)
+ALLREDUCE_IMPLEMENTATIONS = ("MPI.Allreduce", "horovod", "torch.distributed (gloo)", "naive", "ring",
+                             "recursive_doubling", "rabenseifner")
+ALLREDUCE_RUNS = {"np2": "allreduce_np2", "cycle": "allreduce_np2_cycle0.03ms"}
+
+
+def _bandwidth(value: float) -> str:
+    """Two decimals from 0.1 GB/s up, two significant digits below (one under 0.01)."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}" if value >= 0.01 else f"{value:.1g}"
+
+
+def _right_aligned(text: str, columns: int, first: str = "---") -> str:
+    """A table of :func:`figures.table` with its number columns right-aligned (all but the first)."""
+    return text.replace("|" + " --- |" * columns, f"| {first} |" + " ---: |" * (columns - 1))
+
+
+def _allreduce_table(name: str) -> str:
+    rows = {(r["implementation"], r["bytes"]): r for r in results(name)["rows"]}
+    lines = []
+    for size in ALLREDUCE_SIZES:
+        cells = []
+        for implementation in ALLREDUCE_IMPLEMENTATIONS:
+            row = rows.get((implementation, size))
+            cell = "-" if row is None else _bandwidth(row["busbw_GBps"])
+            if row is not None and size == ALLREDUCE_SIZES[0]:
+                cell += f" ({row['latency_us']:.0f})"
+            cells.append(cell)
+        lines.append((format_size(size), *cells))
+    return _right_aligned(table(["size", *ALLREDUCE_IMPLEMENTATIONS], lines), len(ALLREDUCE_IMPLEMENTATIONS) + 1)
+
+
+def _acceptance(name: str, who: str) -> str:
+    entry = results(name)["acceptance"][who]
+    ratios = {int(size): ratio for size, ratio in entry["ratios"].items()}
+    lowest = min(ratios, key=lambda size: ratios[size])
+    if entry["met"]:
+        return f"**{entry['min_ratio']:.2f}** (met)"
+    later = [r for size, r in ratios.items() if size > lowest]
+    return (f"{entry['min_ratio']:.2f} at {format_size(lowest)} (not met); {min(later):.2f}–{max(later):.2f} "
+            f"from {format_size(min(s for s in ratios if s > lowest))} up")
+
+
+def _acceptance_table() -> str:
+    rows = [(f"{label}, lowest ratio", f"≥ {results('allreduce_np2')['acceptance'][who]['target']:.2f}",
+             *(_acceptance(name, who) for name in ALLREDUCE_RUNS.values()))
+            for who, label in (("ring", "our ring"), ("horovod", "Horovod"))]
+    return _right_aligned(table(["", "target", "default run", "`--horovod-cycle-time-ms 0.03`"], rows), 4)
+
+
+def _fit() -> str:
+    first, second = (results(name)["alpha_beta"]["fitted_here"] for name in ALLREDUCE_RUNS.values())
+    return (f"α = {first['alpha_us']:.1f} µs per step, B = {first['bandwidth_GBps']:.1f} GB/s (default run; "
+            f"{second['alpha_us']:.1f} µs and {second['bandwidth_GBps']:.1f} GB/s in the second)")
+
+
+def _predictions() -> str:
+    rows = [(f"{p['ranks']:,}", f"{p['ring_ms']:.1f}", f"{p['ring_bandwidth_term_ms']:.1f}",
+             f"{p['ring_with_alpha_fitted_here_ms']:.1f}", f"{p['naive_ms']:,.0f}")
+            for p in results("allreduce_np2")["alpha_beta"]["predictions"]]
+    return _right_aligned(table(["ranks", "ring, assumed network (ms)", "of which bandwidth (ms)",
+                                 "ring with α fitted here (ms)", "naive (ms)"], rows), 5, first="---:")
+
+
+def _alpha_us() -> float:
+    return float(results("allreduce_np2")["alpha_beta"]["fitted_here"]["alpha_us"])
+
+
+def _naive_4096() -> str:
+    prediction = next(p for p in results("allreduce_np2")["alpha_beta"]["predictions"] if p["ranks"] == 4096)
+    return f"{prediction['naive_ms'] / 1000:.0f} s"
+
+
+def _horovod() -> str:
+    default, short = (results(name)["acceptance"]["horovod"]["min_ratio"] for name in ALLREDUCE_RUNS.values())
+    return f"{default:.2f} with its default 1 ms cycle and {short:.2f} with a 0.03 ms one"
+
+
+FIGURES = {
+    "network.table": _network_table, "network.ab": _network_ab, "network.fp16": _network_fp16,
+    "network.best": _network_best,
+    **{f"allreduce.{key}.table": functools.partial(_allreduce_table, name) for key, name in ALLREDUCE_RUNS.items()},
+    "allreduce.ring": lambda: f"{results('allreduce_np2')['acceptance']['ring']['min_ratio']:.2f}",
+    "allreduce.horovod": _horovod, "allreduce.acceptance": _acceptance_table, "allreduce.fit": _fit,
+    "allreduce.predictions": _predictions, "allreduce.alpha": lambda: f"{_alpha_us():.1f} µs",
+    # the ring's 2(N-1)·α at 4,096 ranks with the α fitted here
+    "allreduce.latency_term_4096": lambda: f"{2 * 4095 * _alpha_us() / 1000:.0f} ms",
+    "allreduce.naive_4096": _naive_4096,
+}
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ torch.distributed: the same flags, run after run in alternating order) and repor
 scaling efficiency, and torch's images/s over Horovod's at the most ranks measured (``--vcluster``: through
 launch/mpirun.sh on a virtual cluster's nodes, one rank per node). On CUDA each rank needs a GPU of its own, so a
 one-GPU machine measures 1 rank only (NCCL DDP against Horovod's NCCL path). Results: JSON and a bar chart, under
-runs/bench/ (``--output`` to write elsewhere, ``--refresh-results`` into benchmarks/results/). :func:`figures`
-gives the backends' figures that docs/cluster.md and README quote.
+runs/bench/ (``--output`` to write elsewhere, ``--refresh-results`` into benchmarks/results/); the figures the
+documents quote are computed from them in train_throughput_figures.py.
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -47,11 +45,12 @@ sys.path.insert(0, str(REPO))
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
+from hpcdl.training.config import BACKENDS, default_backend  # noqa: E402
 
 MODES = ("fp32", "amp", "amp+cl", "compile")
 SHAPES = {"cpu": dict(model="resnet32", batch=64, size=32), "cuda": dict(model="resnet50", batch=128, size=224)}
 
-SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.run.outputs.output_file)
+SUFFIXES = (".json", ".png")  # the files it writes, each <stem><suffix> (hpcdl.persistence.outputs.output_file)
 
 
 def mode_flags(mode: str, device: str) -> list[str]:
@@ -152,7 +151,10 @@ def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: 
                "--synthetic-size", str(args.steps * shape["batch"] * ranks), "--epochs", "2",
                "--output-dir", f"{out}/r", "--no-progress", "--keep-checkpoints", "1", "--device", args.device,
                "--backend", backend, *(["--kfac"] if kfac else [])]
-        subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800, capture_output=True)
+        done = subprocess.run(cmd, env=env, cwd=REPO, timeout=1800, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"hpcdl.train --backend {backend} on {ranks} rank(s) failed (exit {done.returncode}): "
+                               + " | ".join(done.stderr.strip().splitlines()[-5:]))
         rows = [json.loads(line) for line in (Path(out) / "r" / "metrics.jsonl").read_text().splitlines()]
     return float(rows[-1]["images_per_second"])
 
@@ -254,61 +256,7 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-# ---- the backends' figures (docs/cluster.md, README): benchmarks/figures.py registers what this returns ----------
-
-BACKEND_RUNS = {"one host, 2 ranks": "train_throughput_backends_cpu",
-                "2 virtual nodes x 1 rank, 1 Gbit/s": "train_throughput_backends_2nodes"}
-ALLREDUCE_2NODES = "allreduce_2nodes_1gbit"  # python -m hpcdl.bench.allreduce on the same 2 virtual nodes
-ALLREDUCE_ROWS = ("MPI.Allreduce", "horovod", "torch.distributed (gloo)")
-
-
-def figures(results: Callable[[str], Any], markdown: Callable[..., str]) -> dict[str, Callable[[], str]]:
-    """Figure name -> function of the results files (``results(name)``: benchmarks/results/<name>.json, parsed;
-    ``markdown(header, rows)``: benchmarks/figures.py's table)."""
-
-    def ratio(name: str, kfac: bool = False) -> float:
-        """torch's images/s over Horovod's at 2 ranks; with K-FAC, inverted: torch's step time over Horovod's."""
-        value = results(name)["torch_over_horovod_2_ranks" + ("_kfac" if kfac else "")]
-        return 1 / value if kfac else value
-
-    def scaling(figures: dict[str, Any]) -> str:
-        return (f"{figures['images_per_second_1_rank']:.0f} → {figures['images_per_second_2_rank']:.0f} "
-                f"({100 * figures['scaling_efficiency_2_ranks']:.0f} %)")
-
-    def spread(figures: dict[str, Any]) -> str:
-        runs = figures["runs"]["2"]
-        return f"{min(runs):.0f}–{max(runs):.0f}"
-
-    def backends() -> str:
-        rows = []
-        for where, name in BACKEND_RUNS.items():
-            load = results(name)["load"]
-            for suffix, what, compared in (("", "SGD", f"images/s {ratio(name):.2f}×"),
-                                           ("+kfac", "K-FAC", f"step {ratio(name, kfac=True):.2f}×")):
-                horovod, torch_ = (results(name)["backends"][b + suffix] for b in ("horovod", "torch"))
-                rows.append((where, what, scaling(horovod), scaling(torch_), compared,
-                             f"{spread(horovod)}; {spread(torch_)}", f"{min(load):.1f}–{max(load):.1f}"))
-        return markdown(["where", "", "Horovod img/s, 1 → 2 ranks", "torch (Gloo) img/s, 1 → 2 ranks",
-                         "torch / Horovod, 2 ranks", "2-rank rounds, Horovod; torch", "load"], rows)
-
-    def allreduce() -> str:
-        rows = {(r["implementation"], r["bytes"]): r["busbw_GBps"] for r in results(ALLREDUCE_2NODES)["rows"]}
-        sizes = sorted({size for (_, size) in rows if size >= 1 << 20})
-        return markdown(["size", *ALLREDUCE_ROWS],
-                         [(f"{size >> 20} MiB", *(f"{rows[who, size]:.3f}" for who in ALLREDUCE_ROWS))
-                          for size in sizes])
-
-    one_host, two_nodes = BACKEND_RUNS.values()
-    return {"backends.table": backends, "backends.allreduce_2nodes": allreduce,
-            "backends.ratio": lambda: f"{ratio(one_host):.2f}×",
-            "backends.kfac": lambda: f"{ratio(one_host, kfac=True):.2f}×",
-            "backends.2nodes.ratio": lambda: f"{ratio(two_nodes):.2f}×",
-            "backends.2nodes.kfac": lambda: f"{ratio(two_nodes, kfac=True):.2f}×"}
-
-
 def main(argv: list[str] | None = None) -> None:
-    from hpcdl.training.config import BACKENDS, default_backend  # torch: not for benchmarks/figures.py's import
-
     parser = RankZeroParser(prog="benchmarks/train_throughput.py", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES),
@@ -324,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                         "(python -m hpcdl.tools.vcluster up; CPU only)")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
-    from hpcdl.run import outputs
+    from hpcdl.persistence import outputs
 
     outputs.add_arguments(parser)
     measure(parser.parse_args(argv))
@@ -334,10 +282,9 @@ def measure(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
 
-    from hpcdl.run import outputs
+    from hpcdl.persistence import outputs
     from hpcdl.runtime import world
     from hpcdl.runtime.errors import UsageError
-    from hpcdl.training.config import default_backend
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no GPU")
@@ -350,7 +297,7 @@ def measure(args: argparse.Namespace) -> None:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
     report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
                     "vcluster": args.vcluster, **SHAPES[args.device], "modes": {}}
-    from hpcdl.run.atomic import write_text_atomically
+    from hpcdl.persistence.atomic import write_text_atomically
 
     output = outputs.output_file(stem, ".json")
     with tempfile.TemporaryDirectory() as scratch:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/transformer_lm.py                        # 2 ranks, to validation loss 2.45
     .venv/bin/python benchmarks/transformer_lm.py --ranks 2 --target 2.45 --refresh-results
 
-Each method is one ``mpirun -np N python -m hpcdl.train --task examples.transformer_lm:task`` run of the same
+Each method is one ``python -m hpcdl.train --task examples.transformer_lm:task`` run on N ranks of the same
 epochs, seed and global batch, stopped by ``--target-metric`` at the stated validation loss (nats per
 character) or at the last epoch. The results file holds, per method, the training time to the target (the
 run's ``time_to_target_seconds``: training only, evaluations excluded), the epochs and steps to it, and the
@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +22,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpcdl.run import outputs  # noqa: E402
+from figures import results, table  # noqa: E402
+from studies import check_launch, run_train  # noqa: E402
+
+from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
@@ -47,25 +48,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "benchmarks/results/transformer_lm.json)")
     outputs.add_arguments(parser)
     args = parser.parse_args(argv)
-    if shutil.which("mpirun") is None:
-        raise UsageError("mpirun not found (bash scripts/setup.sh installs Open MPI)")
+    check_launch(args.ranks)
     return args
 
 
 def train(method: str, args: argparse.Namespace, workdir: Path) -> dict:
-    out = workdir / method
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
-    command = ["timeout", "1800", "mpirun", "-np", str(args.ranks), "--bind-to", "none", sys.executable, "-m",
-               "hpcdl.train", "--task", TASK, *METHODS[method], "--epochs", str(args.epochs), "--batch-size", "16",
-               "--seed", "1", "--target-metric", str(args.target), "--no-progress", "--output-dir", str(out)]
-    print(" ".join(command[3:]), flush=True)
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        print(done.stderr[-2000:], file=sys.stderr)
-        raise UsageError(f"the {method} run failed (exit {done.returncode}; its output is above)")
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    flags = ["--task", TASK, *METHODS[method], "--epochs", str(args.epochs), "--batch-size", "16", "--seed", "1",
+             "--target-metric", str(args.target)]
+    print(" ".join(flags), flush=True)
+    run = run_train(flags, workdir / method, ranks=args.ranks, timeout=1800)
+    if run.returncode != 0 or run.summary is None:
+        raise UsageError(f"the {method} run failed (exit {run.returncode}): {run.log_tail}")
+    summary, rows = run.summary, run.rows
     reached = next((row for row in rows if row["test_loss"] <= args.target), None)
     return dict(flags=METHODS[method], seconds_to_target=summary["time_to_target_seconds"],
                 epochs_to_target=reached["epoch"] if reached else None,
@@ -90,6 +84,33 @@ def main(argv: list[str] | None = None) -> int:
                                       runs=runs), indent=1) + "\n")
     print(f"wrote {output}")
     return 0
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+def _run(method: str) -> str:
+    data = results("transformer_lm")
+    run = data["runs"][method]
+    if run["seconds_to_target"] is None:
+        return f"not reached in {data['epochs']} epochs (best {run['best_test_loss']:.3f})"
+    return f"{run['seconds_to_target']:.0f} s ({run['epochs_to_target']} epochs)"
+
+
+def _table() -> str:
+    data = results("transformer_lm")
+    rows = [(method, " ".join(run["flags"]), _run(method), f"{run['best_test_loss']:.3f}",
+             ", ".join(f"{loss:.3f}" for loss in run["losses"])) for method, run in data["runs"].items()]
+    return table(["method", "flags", f"to validation loss {data['target']:g}", "best validation loss",
+                  "validation loss after each epoch"], rows)
+
+
+def _load() -> str:
+    data = results("transformer_lm")
+    return f"{data['load_average'][1]:.1f} on {data['cores']} cores"
+
+
+FIGURES = {"lm.target": lambda: f"{results('transformer_lm')['target']:g}", "lm.kfac": lambda: _run("kfac"),
+           "lm.adamw": lambda: _run("adamw"), "lm.table": _table, "lm.load": _load}
 
 
 if __name__ == "__main__":

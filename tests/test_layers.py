@@ -1,7 +1,7 @@
 """The layout states the architecture: each layer imports only the layers below it, and no module
 imports itself back through others (lazy imports inside functions count too).
 
-Layers, lowest first: runtime; collectives, data, kfac; run; training; bench, demos, tools; the
+Layers, lowest first: runtime; collectives, data, kfac; persistence; training; bench, demos, tools; the
 entry modules at the package root (``python -m hpcdl.train`` ...).
 """
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = {
     "runtime": 0,
     "collectives": 1, "data": 1, "kfac": 1,
-    "run": 2,
+    "persistence": 2,
     "training": 3,
     "bench": 4, "demos": 4, "tools": 4,
     "<entry>": 5,
@@ -132,7 +132,7 @@ def test_readme_layout_names_what_exists() -> None:
     for layer in LAYERS:
         if layer not in ("<entry>", "kfac"):
             assert f"hpcdl/{layer}/" in layout, f"README's Layout does not name hpcdl/{layer}/"
-    for layer in ("runtime", "run", "training"):
+    for layer in ("runtime", "persistence", "training"):
         for module in REPO.joinpath("hpcdl", layer).glob("*.py"):
             if module.stem != "__init__":
                 assert re.search(rf"\b{module.stem}\b", layout), f"README's Layout does not name hpcdl/{layer}/{module.name}"
@@ -147,11 +147,11 @@ def test_no_import_cycle() -> None:
 
 
 @pytest.mark.parametrize("edges, expected", [
-    ({"hpcdl.runtime.world": {"hpcdl.run.checkpoint_files"}, "hpcdl.run.checkpoint_files": set()},
-     ["hpcdl.runtime.world (runtime) imports hpcdl.run.checkpoint_files (run)"]),
+    ({"hpcdl.runtime.world": {"hpcdl.persistence.checkpoint_files"}, "hpcdl.persistence.checkpoint_files": set()},
+     ["hpcdl.runtime.world (runtime) imports hpcdl.persistence.checkpoint_files (persistence)"]),
     ({"hpcdl.data.spec": {"hpcdl.collectives.ring"}, "hpcdl.collectives.ring": set()},
      ["hpcdl.data.spec (data) imports hpcdl.collectives.ring (collectives)"]),
-    ({"hpcdl.training.job": {"hpcdl.run.checkpoint_files"}, "hpcdl.run.checkpoint_files": set()}, []),
+    ({"hpcdl.training.job": {"hpcdl.persistence.checkpoint_files"}, "hpcdl.persistence.checkpoint_files": set()}, []),
 ])
 def test_the_layer_check_catches_an_upward_or_sideways_import(edges, expected) -> None:
     assert upward_imports(edges) == expected

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from hpcdl.bench import alphabeta, contenders, report, timing
 from hpcdl.bench.sizes import format_size, parse_size
 from hpcdl.collectives import ALGORITHMS
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 from hpcdl.runtime import world
 from hpcdl.runtime.console import RankZeroParser, print0
 from hpcdl.runtime.errors import UsageError, run_main

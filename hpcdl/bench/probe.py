@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdl.bench.sizes import parse_size
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer

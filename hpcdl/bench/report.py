@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.bench.sizes import format_size
-from hpcdl.run.atomic import write_atomically, write_text_atomically
+from hpcdl.persistence.atomic import write_atomically, write_text_atomically
 
 GB = 1e9  # bandwidths in GB/s (10^9 bytes), as OSU and nccl-tests report them
 

@@ -285,12 +285,18 @@ class FilePipeline(InputPipeline):
         return decoded
 
     def close(self) -> None:
-        for loader in (self.train_loader, self.test_loader):
-            iterator = getattr(loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
-            loader._iterator = None
+        shut_down(self.train_loader, self.test_loader)
         for source in (self.train_source, self.test_source):
             closer = getattr(source, "close", None)
             if closer is not None:
                 closer()
+
+
+def shut_down(*loaders: DataLoader) -> None:
+    """Stop each loader's persistent workers now, not at garbage collection (a closed pipeline must not
+    leave processes behind while the job goes on)."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        loader._iterator = None

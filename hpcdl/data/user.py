@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from hpcdl.data.order import check_enough, rank_order, steps_per_epoch, test_order
-from hpcdl.data.pipeline import Batch, InputPipeline, KeySampler, copied_ahead
+from hpcdl.data.pipeline import Batch, InputPipeline, KeySampler, copied_ahead, shut_down
 from hpcdl.data.spec import DataSpec
 from hpcdl.runtime.errors import UsageError
 
@@ -62,8 +62,4 @@ class DatasetPipeline(InputPipeline):
         return copied_ahead(iter(self.test_loader), self.device)
 
     def close(self) -> None:
-        for loader in (self.train_loader, self.test_loader):
-            iterator = getattr(loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
-            loader._iterator = None
+        shut_down(self.train_loader, self.test_loader)

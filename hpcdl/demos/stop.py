@@ -56,7 +56,7 @@ def batches(workers: int) -> Iterator[Any]:
 def write_checkpoint(directory: Path, step: int, size: int) -> Path:
     import torch
 
-    from hpcdl.run import checkpoint_files
+    from hpcdl.persistence import checkpoint_files
 
     state = {"model": {"w": torch.zeros(4)}, "optimizer": {}, "epoch": 0, "step_in_epoch": step, "global_step": step,
              "config": {}, "world_size": size}

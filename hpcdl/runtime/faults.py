@@ -127,7 +127,7 @@ class FaultInjector:
             os.kill(os.getpid(), sig)
 
     def while_saving(self, step: int):
-        """A hook for :func:`hpcdl.run.checkpoint_files.save`, or None: SIGKILL half-way through the write."""
+        """A hook for :func:`hpcdl.persistence.checkpoint_files.save`, or None: SIGKILL half-way through the write."""
         if not self._due(step, ("killsave",)):
             return None
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hpcdl.run import outputs
-from hpcdl.run.atomic import write_atomically
+from hpcdl.persistence import outputs
+from hpcdl.persistence.atomic import write_atomically
 from hpcdl.runtime.errors import UsageError, run_main
 
 PROGRAM = "hpcdl.plot"
@@ -76,7 +76,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         missing = [key for key in keys if key not in row]
         if missing:
             raise UsageError(f"{path}, line {number}: missing {', '.join(dict.fromkeys(missing))}")
-        # null is how a run writes a value that was not finite (hpcdl.run.metrics): drawn as a gap
+        # null is how a run writes a value that was not finite (hpcdl.persistence.metrics): drawn as a gap
         wrong = [key for key in dict.fromkeys(keys) if not _number(row[key], nullable=key != "epoch")]
         if wrong:
             raise UsageError(f"{path}, line {number}: {', '.join(f'{k}={row[k]!r}' for k in wrong)} is not a number")

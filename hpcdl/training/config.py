@@ -211,8 +211,9 @@ class TrainConfig:
     kfac_grad_worker_fraction: float | str = flag(1.0, "KAISA: share of ranks that precondition each layer, or auto: "
                                                   "the one that moves the fewest bytes per step (docs/kfac.md)",
                                                   parse=fraction_or_auto, group=KFAC)
-    kfac_comm_precision: str = flag("same", "precision K-FAC's factors, decompositions and preconditioned gradients "
-                                            "travel in: same as the model, or bf16 (half the bytes; docs/kfac.md)",
+    kfac_comm_precision: str = flag("same", "precision K-FAC's decompositions and preconditioned gradients travel "
+                                            "in: same as the model, or bf16 (half their bytes; factor statistics are "
+                                            "summed in the model's precision; docs/kfac.md)",
                                     choices=("same", "bf16"), group=KFAC)
     kfac_bucket_mb: float = flag(25.0, "factor statistics of consecutive layers share one allreduce of up to this "
                                        "many MB", parse=float, valid=POSITIVE, group=KFAC)

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from hpcdl.data import DataSpec, InputPipeline, build_pipeline
-from hpcdl.run import checkpoint_files
-from hpcdl.run.checkpointer import Checkpointer
-from hpcdl.run.metrics import RunRecord
-from hpcdl.run.rundir import RunDir, claim
+from hpcdl.persistence import checkpoint_files
+from hpcdl.persistence.checkpointer import Checkpointer
+from hpcdl.persistence.metrics import RunRecord
+from hpcdl.persistence.rundir import RunDir, claim
 from hpcdl.runtime import launcher, placement, world
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.cpu_features import slow_bf16_warning

@@ -1,7 +1,7 @@
 """One epoch of training and one evaluation, without waiting on the device inside a step.
 
 A step queues its work and returns: loss and accuracy sums stay on the device
-(:class:`~hpcdl.run.metrics.DeviceSums`), the non-finite verdict is a device flag that the fused
+(:class:`~hpcdl.persistence.metrics.DeviceSums`), the non-finite verdict is a device flag that the fused
 optimizer reads to skip the update by itself, and the flags of the last ``--log-every`` steps are
 read back together at the next log point. There, and only there, the host learns the metrics,
 decides about non-finite streaks and exchanges the stop flag with the other ranks.
@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from hpcdl.data import InputPipeline
-from hpcdl.run.metrics import DeviceSums, averages
+from hpcdl.persistence.metrics import DeviceSums, averages
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import DivergenceError
 from hpcdl.runtime.faults import FaultInjector

@@ -1,6 +1,6 @@
 """Run state: what a checkpoint holds, its format, and what resuming means. Described here once.
 
-A checkpoint (``<run>/checkpoints/ckpt-<step>.pt``, written by :class:`hpcdl.run.checkpointer.Checkpointer`
+A checkpoint (``<run>/checkpoints/ckpt-<step>.pt``, written by :class:`hpcdl.persistence.checkpointer.Checkpointer`
 from the stateful parts of :class:`TrainState`) is a dict with:
 
 ==================  ===========================================================================
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcdl.run import checkpoint_files
-from hpcdl.run.checkpointer import Checkpointer, Stateful, load_parts, set_rng_state
+from hpcdl.persistence import checkpoint_files
+from hpcdl.persistence.checkpointer import Checkpointer, Stateful, load_parts, set_rng_state
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import StorageError, UsageError, agree, rank0_then_all
 from hpcdl.training.config import TrainConfig, current_names, option_name

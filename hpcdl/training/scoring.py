@@ -2,7 +2,7 @@
 metrics for a user's (:mod:`hpcdl.training.task`).
 
 The loop asks a :class:`Scoring` for the training batch's accuracy term (the "correct" slot of
-:class:`~hpcdl.run.metrics.DeviceSums`) and for the evaluation's sums; the epoch driver asks it which test
+:class:`~hpcdl.persistence.metrics.DeviceSums`) and for the evaluation's sums; the epoch driver asks it which test
 value decides "best" (and ``--target-accuracy`` / ``--target-metric``) and in which direction. Every value is an
 exact mean over examples: per-batch means are weighted by the batch's examples and summed over ranks.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hpcdl.run.metrics import DeviceSums, allreduce_sums
+from hpcdl.persistence.metrics import DeviceSums, allreduce_sums
 from hpcdl.training.task import Task, as_number
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcdl.run.atomic import WriteError
-from hpcdl.run.metrics import averages
+from hpcdl.persistence.atomic import WriteError
+from hpcdl.persistence.metrics import averages
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import DivergenceError, LostRankError, StorageError, rank0_then_all, run_main
 from hpcdl.runtime.watchdog import stop_all as stop_all_watchdogs

@@ -17,7 +17,7 @@ import pytest
 
 from hpcdl.bench import alphabeta, report, timing
 from hpcdl.bench.sizes import format_size, parse_size
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 from hpcdl.runtime import launcher
 from hpcdl.runtime.errors import UsageError
 from tests.support.backends import HOROVOD

@@ -2,7 +2,7 @@
 
 ``python output_probe.py CASES.json REPORT.json``: CASES is a list of ``{"program": ..., "argv": [...]}``
 (a path to a script, or ``-m module``). For each case a forked child patches
-:mod:`hpcdl.run.outputs`' deciding functions with a probe, runs the program as ``__main__`` in a
+:mod:`hpcdl.persistence.outputs`' deciding functions with a probe, runs the program as ``__main__`` in a
 scratch working directory and ends at the first decision (``os._exit``), before any measurement.
 REPORT gets, per case, what the program asked the one rule for (or that it never asked, and how it
 ended). Forking from one parent that has imported torch once keeps the whole probe to seconds.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch  # noqa: F401 - imported once here, so that every forked child starts with it
 
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 
 
 def probe(case: dict[str, Any], report: Path) -> None:

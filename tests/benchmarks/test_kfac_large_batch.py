@@ -124,7 +124,7 @@ def test_bad_arguments_are_one_line(study: Any, tmp_path: Path) -> None:
 
 @pytest.mark.processes
 @pytest.mark.timeout(900)  # six short hpcdl.train processes, two at a time: mostly start-up
-def test_the_reduced_mode_runs_end_to_end_on_digits(tmp_path: Path) -> None:
+def test_the_reduced_mode_runs_end_to_end_on_digits(study: Any, tmp_path: Path) -> None:
     out = tmp_path / "study"
     methods = ["lamb", "kfac"]
     command = [sys.executable, str(SCRIPT), "--reduced", "--dataset", "digits", "--model", "digits_cnn",
@@ -135,7 +135,10 @@ def test_the_reduced_mode_runs_end_to_end_on_digits(tmp_path: Path) -> None:
     data = json.loads(out.with_suffix(".json").read_text())
     assert len(data["runs"]) == 2 + 2  # one rate per method at each batch
     assert all(r["returncode"] == 0 and r["epochs"] and r["epochs"][-1]["global_step"] == 2 for r in data["runs"])
-    assert out.with_suffix(".png").exists() and out.with_suffix(".csv").exists()
+    assert out.with_suffix(".png").exists() and not out.with_suffix(".csv").exists()
+    assert set(data["runs"][0]["epochs"][-1]) <= set(study.CURVE)  # the curve, not the whole metrics row
+    table = study.markdown(study.outcomes_of(data))  # what the figures make of a results file: one row a cell
+    assert len(table) == 2 + 4 and all(row.startswith(("| 32 |", "| 64 |")) for row in table[2:])
 
 
 # ---- --tune: the same budget for every method (issue 29) -----------------------------------------------------

@@ -1,4 +1,4 @@
-"""Every program that writes results decides where through one rule (hpcdl.run.outputs), and so never
+"""Every program that writes results decides where through one rule (hpcdl.persistence.outputs), and so never
 replaces the results committed in benchmarks/results without --refresh-results.
 
 Each program under benchmarks/ and hpcdl/bench/ is run (tests/benchmarks/output_probe.py) up to the
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from hpcdl.run import outputs
+from hpcdl.persistence import outputs
 
 pytestmark = pytest.mark.processes
 
@@ -113,7 +113,7 @@ def test_each_program_asks_the_one_rule_and_passes_refresh_results(probed, progr
                                                                    name: str) -> None:
     for refresh in (False, True):
         row = probed[(program, " ".join(argv), refresh)]
-        assert row["decided"], f"{program} {argv} ended without asking hpcdl.run.outputs: {row.get('ending')}"
+        assert row["decided"], f"{program} {argv} ended without asking hpcdl.persistence.outputs: {row.get('ending')}"
         assert row["requested"] is None and row["name"] == name, row
         assert row["refresh_results"] is refresh, row
 
@@ -174,7 +174,7 @@ def test_a_stem_with_a_dot_reaches_the_rule_whole(probed, program: str) -> None:
 def test_no_writer_names_a_file_by_cutting_at_the_last_dot() -> None:
     """Every file a study writes or reads back is named by outputs.output_file: ``Path.with_suffix`` cuts
     ``sgd-lr0.05`` to ``sgd-lr0`` (the check, the write and --keep's reading must name one file)."""
-    sources = [*programs(), "hpcdl/bench/studies.py", "hpcdl/bench/report.py"]
+    sources = [*programs(), "benchmarks/studies.py", "hpcdl/bench/report.py"]
     offenders = [f"{source}:{node.lineno}" for source in sources for node in ast.walk(ast.parse((REPO / source)
                  .read_text())) if isinstance(node, ast.Attribute) and node.attr == "with_suffix"]
     assert not offenders, offenders

@@ -254,16 +254,29 @@ def test_bad_flags_are_one_line_errors(tmp_path: Path) -> None:
         build_pipeline(spec("cifar10"), 0, 1, CPU)
 
 
+def assert_close_to_libjpeg(gpu_batch: tuple[torch.Tensor, torch.Tensor],
+                            cpu_batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """nvJPEG and libjpeg-turbo decode one JPEG differently: IDCT rounding (a few thousandths of a
+    normalised unit on average, as on grayscale images) and 4:2:0 chroma upsampling, which on these
+    uniform-noise colour images averages 0.10-0.20 (H100, torchvision 0.26). A batch overwritten by other
+    images' pixels averages about 1.1: each GPU image must be within 0.3 of its own CPU decode, and nearer
+    to it than to any other image of the batch."""
+    (x, y), (cx, cy) = gpu_batch, cpu_batch
+    assert x.device.type == "cuda" and torch.equal(y, cy)
+    distances = (x.flatten(1)[:, None, :] - cx.flatten(1)[None, :, :]).abs().mean(2)  # [gpu image, cpu image]
+    own = distances.diagonal()
+    assert own.max().item() < 0.3, own.tolist()
+    assert torch.equal(distances.argmin(1).cpu(), torch.arange(len(x))), distances.tolist()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (nvJPEG decode)")
 def test_gpu_decode_matches_cpu_decode_closely(tmp_path: Path) -> None:
     write_imagenet(tmp_path, classes=3, per_class=4, size=64)
     cuda = torch.device("cuda")
     gpu = build_pipeline(spec("imagenet", tmp_path, image_size=32, decode="gpu"), 0, 1, cuda)
     cpu = build_pipeline(spec("imagenet", tmp_path, image_size=32, decode="cpu"), 0, 1, cuda)
-    for (x, y), (cx, cy) in zip(gpu.train_epoch(0), cpu.train_epoch(0), strict=True):
-        assert x.device.type == "cuda" and torch.equal(y, cy)
-        # nvJPEG and libjpeg-turbo differ in IDCT rounding; same crops give nearly the same pixels
-        assert (x - cx).abs().mean().item() < 0.05
+    for gpu_batch, cpu_batch in zip(gpu.train_epoch(0), cpu.train_epoch(0), strict=True):
+        assert_close_to_libjpeg(gpu_batch, cpu_batch)  # same crops: nearly the same pixels
     gpu.close()
     cpu.close()
 
@@ -363,17 +376,6 @@ def paired_cuda_pipelines(root: Path, **changes: object) -> tuple[InputPipeline,
     options: dict = {"image_size": 64, "batch_size": 8, "test_batch_size": 8, **changes}
     return (build_pipeline(spec("imagenet", root, decode="gpu", **options), 0, 1, cuda),
             build_pipeline(spec("imagenet", root, decode="cpu", **options), 0, 1, cuda))
-
-
-def assert_close_to_libjpeg(gpu_batch: tuple[torch.Tensor, torch.Tensor],
-                            cpu_batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """nvJPEG and libjpeg-turbo differ in IDCT and chroma-upsampling rounding: a few levels on a
-    pixel, far less on average. A batch overwritten by another batch's pixels is off by about 1.1
-    normalised units on average (uniform random pixels), hundreds of times these bounds."""
-    (x, y), (cx, cy) = gpu_batch, cpu_batch
-    assert x.device.type == "cuda" and torch.equal(y, cy)
-    per_image = (x - cx).abs().flatten(1).mean(1)
-    assert per_image.max().item() < 0.05, per_image.tolist()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (nvJPEG decode)")

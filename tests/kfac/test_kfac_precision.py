@@ -66,7 +66,10 @@ def _check_against_dense_solve(device: str) -> None:
     damping = 0.05
     pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, damping=damping)
     xd, yd = _data(device)
-    F.cross_entropy(model(xd), yd).backward()
+    # The model's own arithmetic in IEEE float32 (the reference is a float64 model: TF32 convolutions
+    # would put its gradients ~1e-4 off before K-FAC saw them); K-FAC's step runs under the script's TF32.
+    with ieee_fp32():
+        F.cross_entropy(model(xd), yd).backward()
     raw = {layer.name: grad_matrix(layer.module).double().cpu() for layer in pre.layers}
     pre.step()
     for i, layer in enumerate(pre.layers):
@@ -184,12 +187,15 @@ def test_cuda_decompositions_split_between_host_and_gpu_equal_the_cpu_ones() -> 
     pres = {}
     for name, model, data in (("cpu", cpu_model, (x, y)), ("cuda", gpu_model, _data("cuda"))):
         pres[name] = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, cpu_eigen_limit=30)
-        F.cross_entropy(model(data[0]), data[1]).backward()
+        with ieee_fp32():  # both models' own arithmetic alike (cuDNN would run the GPU's convolutions in TF32)
+            F.cross_entropy(model(data[0]), data[1]).backward()
         pres[name].step()
     for i in range(len(pres["cpu"].layers)):
         for side in (0, 1):
             factor = (pres["cpu"].a_factors if side == 0 else pres["cpu"].g_factors)[i].double()
             q, d = (t.double().cpu() for t in pres["cuda"]._decompositions[i][side])
-            assert rel_err(q @ torch.diag(d) @ q.T, factor) < FLOAT32_TOL
+            # A float32 eigensolver's backward error grows with n (LAPACK's bound: a small multiple of n·eps).
+            tolerance = max(FLOAT32_TOL, 8 * len(d) * torch.finfo(torch.float32).eps)
+            assert rel_err(q @ torch.diag(d) @ q.T, factor) < tolerance, (i, side, len(d))
     for p, q in zip(cpu_model.parameters(), gpu_model.parameters(), strict=True):
-        assert rel_err(q.grad.cpu().double(), p.grad.double()) < FLOAT32_TOL
+        assert rel_err(q.grad.cpu().double(), p.grad.double()) < 10 * FLOAT32_TOL  # two float32 eigensolvers

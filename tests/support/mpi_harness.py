@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hpcdl.runtime.processes import descendants
+
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
@@ -80,27 +82,11 @@ def kill_tree(pid: int) -> None:
     its own, so the ranks of a hung job would survive mpirun, keep the output pipes open (the
     test then waits on them) and load the machine for the tests after it.
     """
-    for victim in [pid, *_descendants(pid)]:  # found before any is killed: orphans lose their parent
+    for victim in [pid, *descendants(pid)]:  # found before any is killed: orphans lose their parent
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(victim, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-
-
-def _descendants(root: int) -> list[int]:
-    parent_of: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we looked
-    found, frontier = [], [root]
-    while frontier:
-        current = frontier.pop()
-        children = [pid for pid, parent in parent_of.items() if parent == current]
-        found += children
-        frontier += children
-    return found
 
 
 def assert_all_ranks(ok: bool, message: str = "") -> None:

@@ -11,7 +11,10 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py as the module <name> (registered first: dataclasses look their module up there)."""
+    """benchmarks/<name>.py as the module <name> (registered first: dataclasses look their module up there), with
+    benchmarks/ on the path for what the scripts share (``import studies``), as when run as a script."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -9,8 +9,6 @@ before MPI, a download or a file is touched.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,21 +20,15 @@ import hpcdl.tools.fetch_mnist
 import hpcdl.tools.pack
 import hpcdl.tools.plot
 from hpcdl.runtime.errors import UsageError
+from tests.support.scripts import load_benchmark
 
 # Imported when the module is collected: their imports (torch, MPI) look up libraries with ldconfig,
 # which the fast tier would count as starting a process inside a test.
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def benchmark(name: str, function: str = "parse_args") -> Callable[[list[str]], object]:
     """A benchmark script's argument reader (``main`` where reading is its first step)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return getattr(module, function)  # type: ignore[no-any-return]
+    return getattr(load_benchmark(name), function)  # type: ignore[no-any-return]
 
 
 ENTRIES: dict[str, Callable[[list[str]], object]] = {

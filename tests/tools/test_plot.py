@@ -130,7 +130,7 @@ def test_command_line_prints_one_line_and_exits_2(tmp_path: Path) -> None:
 
 def written_by_a_run(run_dir: Path) -> Path:
     """metrics.jsonl and summary.json written by hpcdl's own writer, with values that were not finite."""
-    from hpcdl.run.metrics import RunRecord
+    from hpcdl.persistence.metrics import RunRecord
 
     record = RunRecord(run_dir, active=True, kept_through=None, run_id="20261123T110000-node-1-abcdef")
     record.log_epoch({k: v for k, v in row(1).items() if k != "run_id"})
@@ -149,7 +149,7 @@ def strict_json(text: str) -> object:
 
 
 def test_what_a_run_writes_with_non_finite_values_every_reader_accepts(tmp_path: Path) -> None:
-    from hpcdl.run.metrics import RunRecord
+    from hpcdl.persistence.metrics import RunRecord
 
     run = written_by_a_run(tmp_path / "run")
     lines = (run / "metrics.jsonl").read_text().splitlines()

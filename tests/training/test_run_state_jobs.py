@@ -123,7 +123,7 @@ def test_a_failed_results_write_is_one_line_on_every_rank_and_leaves_no_partial_
     import pytest
     from mpi4py import MPI
 
-    from hpcdl.run.metrics import RunRecord
+    from hpcdl.persistence.metrics import RunRecord
     from hpcdl.runtime.errors import StorageError
     from hpcdl.training.train import write_results
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from hpcdl.run import checkpoint_files
-from hpcdl.run.checkpointer import Checkpointer
+from hpcdl.persistence import checkpoint_files
+from hpcdl.persistence.checkpointer import Checkpointer
 from hpcdl.training import runstate
 from hpcdl.training.config import TrainConfig
 from hpcdl.training.runstate import FORMAT, FORMAT_VERSION, Progress, TrainState
