@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/train_throughput.py --modes fp32 amp --rounds 4 --skip-scaling
     .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch   # the backends' scaling only
     .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch --kfac   # and K-FAC's step
+    .venv/bin/python benchmarks/train_throughput.py --modes --backends horovod torch --kfac --vcluster bk \
+        --output runs/bench/backends_2nodes                      # the same on 2 virtual nodes, 1 rank each
 
 For each mode (fp32; amp: bf16 autocast; amp+cl: bf16 + channels_last; compile: torch.compile, fp32
 on CPU and amp+cl on CUDA) this one process alternates, pair by pair (AB BA AB ...), between
@@ -17,9 +19,11 @@ on CPU and amp+cl on CUDA) this one process alternates, pair by pair (AB BA AB .
 The median over pairs of B's step time / A's step time is hpcdl's speed relative to the bare loop
 (1.0 = as fast). Part 2 launches ``mpirun -np 1`` and ``-np 2`` under each ``--backends`` (Horovod,
 torch.distributed: the same flags, run after run in alternating order) and reports each one's images/s and
-scaling efficiency, and torch's images/s over Horovod's at the most ranks measured. On CUDA each rank needs a
-GPU of its own, so a one-GPU machine measures 1 rank only (NCCL DDP against Horovod's NCCL path). Results:
-JSON and a bar chart, under benchmarks/results/ (``--output`` to write elsewhere).
+scaling efficiency, and torch's images/s over Horovod's at the most ranks measured (``--vcluster``: through
+launch/mpirun.sh on a virtual cluster's nodes, one rank per node). On CUDA each rank needs a GPU of its own, so a
+one-GPU machine measures 1 rank only (NCCL DDP against Horovod's NCCL path). Results: JSON and a bar chart, under
+runs/bench/ (``--output`` to write elsewhere, ``--refresh-results`` into benchmarks/results/); the figures the
+documents quote are computed from them in train_throughput_figures.py.
 """
 
 from __future__ import annotations
@@ -125,6 +129,15 @@ def bare_step_seconds(mode: str, args: argparse.Namespace) -> float:
     return steps(args.steps)
 
 
+def launch(ranks: int, vcluster: str | None) -> list[str]:
+    """The words that start ``ranks`` ranks of hpcdl.train, one thread each: a bare mpirun on this machine, or
+    launch/mpirun.sh on a virtual cluster's nodes (it knows their addresses, interface and agent)."""
+    if vcluster is None:
+        return ["mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train"]
+    return ["bash", str(REPO / "launch" / "mpirun.sh"), "--vcluster", vcluster, "-np", str(ranks), "--threads", "1",
+            "--"]
+
+
 def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: bool = False) -> float:
     """hpcdl.train's images/s in its second epoch on ``ranks`` ranks (one thread each on the CPU, one GPU each
     on CUDA) under ``backend`` (with ``--kfac``: K-FAC's step, its collectives over the backend's
@@ -132,8 +145,8 @@ def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: 
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     shape = SHAPES[args.device]
     with tempfile.TemporaryDirectory() as out:
-        cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpcdl.train",
-               "--dataset", "synthetic", "--model", shape["model"], "--batch-size", str(shape["batch"]),
+        cmd = [*launch(ranks, args.vcluster), "--dataset", "synthetic", "--model", shape["model"],
+               "--batch-size", str(shape["batch"]),
                "--synthetic-shape", "3", str(shape["size"]), str(shape["size"]),
                "--synthetic-size", str(args.steps * shape["batch"] * ranks), "--epochs", "2",
                "--output-dir", f"{out}/r", "--no-progress", "--keep-checkpoints", "1", "--device", args.device,
@@ -144,6 +157,22 @@ def images_per_second(backend: str, ranks: int, args: argparse.Namespace, kfac: 
                                + " | ".join(done.stderr.strip().splitlines()[-5:]))
         rows = [json.loads(line) for line in (Path(out) / "r" / "metrics.jsonl").read_text().splitlines()]
     return float(rows[-1]["images_per_second"])
+
+
+def check_vcluster(args: argparse.Namespace) -> None:
+    """UsageError (one line) before any run when ``--vcluster`` cannot give each of the 2 ranks a node."""
+    from hpcdl.runtime.errors import UsageError
+    from hpcdl.tools import vcluster
+
+    if args.device != "cpu":
+        raise UsageError("--vcluster measures CPU ranks (virtual nodes share this machine's devices): drop "
+                         "--device cuda")
+    cluster = vcluster.load(args.vcluster)
+    if cluster is None:
+        raise UsageError(f"no virtual cluster named {args.vcluster!r}; start one with .venv/bin/python -m "
+                         f"hpcdl.tools.vcluster up --nodes 2 --name {args.vcluster}")
+    if len(cluster.nodes) < 2:
+        raise UsageError(f"virtual cluster {args.vcluster!r} has {len(cluster.nodes)} node(s); the 2-rank runs need 2")
 
 
 def rank_counts(device: str) -> tuple[int, ...]:
@@ -161,13 +190,15 @@ def scaling(args: argparse.Namespace) -> dict:
     variants = [*args.backends, *(f"{backend}+kfac" for backend in args.backends if args.kfac)]
     counts = rank_counts(args.device)
     runs: dict[str, dict[int, list[float]]] = {variant: {n: [] for n in counts} for variant in variants}
+    loads: list[float] = []  # the machine's 1-minute load before each run: a shared machine's timings drift
     for round_ in range(args.rounds):
         order = variants if round_ % 2 == 0 else list(reversed(variants))
         for ranks in counts:
             for variant in order:
                 backend, _, kfac = variant.partition("+")
+                loads.append(round(os.getloadavg()[0], 2))
                 runs[variant][ranks].append(images_per_second(backend, ranks, args, kfac=bool(kfac)))
-    result: dict = {"backends": {}}
+    result: dict = {"backends": {}, "load": loads}
     most = max(counts)
     for backend, by_ranks in runs.items():
         figures = {f"images_per_second_{n}_rank": statistics.median(by_ranks[n]) for n in counts}
@@ -237,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="--backend values whose 1- and 2-rank scaling is measured side by side (default: "
                              "hpcdl.train's default backend)")
     parser.add_argument("--kfac", action="store_true", help="also measure each backend's scaling with --kfac")
+    parser.add_argument("--vcluster", help="run the scaling part on this virtual cluster's nodes, one rank per node "
+                        "(python -m hpcdl.tools.vcluster up; CPU only)")
     parser.add_argument("--output", type=Path, help="results stem: writes STEM.json and STEM.png (default: a new "
                         "folder under runs/bench/; --refresh-results replaces the committed figures)")
     from hpcdl.persistence import outputs
@@ -255,13 +288,15 @@ def measure(args: argparse.Namespace) -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no GPU")
+    if args.vcluster is not None:
+        check_vcluster(args)
     stem = outputs.results_stem(outputs.given_stem(args.output, SUFFIXES),
                                 f"train_throughput_{args.device}", SUFFIXES,
                                 refresh_results=args.refresh_results, force=args.force)
     me = world.init(use_horovod=default_backend() == "horovod", torch_distributed=default_backend() == "torch")
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
     report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
-                    **SHAPES[args.device], "modes": {}}
+                    "vcluster": args.vcluster, **SHAPES[args.device], "modes": {}}
     from hpcdl.persistence.atomic import write_text_atomically
 
     output = outputs.output_file(stem, ".json")

@@ -33,3 +33,14 @@ def test_scaling_of_both_backends_side_by_side(tmp_path: Path) -> None:
     assert "torch/horovod images/s at 2 ranks:" in result.stdout and "with K-FAC:" in result.stdout
     assert report["torch_over_horovod_2_ranks_kfac"] > 0
     assert (tmp_path / "tt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_virtual_cluster_that_does_not_exist_is_one_line_before_any_run(tmp_path: Path) -> None:
+    result = subprocess.run([PYTHON, "benchmarks/train_throughput.py", "--modes", "--vcluster", "nosuch-w37",
+                             "--output", str(tmp_path / "tt")], capture_output=True, text=True, cwd=REPO, env=mpi_env(),
+                            timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "no virtual cluster named 'nosuch-w37'; start one with .venv/bin/python -m hpcdl.tools.vcluster up --nodes 2 "
+        "--name nosuch-w37"), result.stderr
+    assert "Traceback" not in result.stderr and not list(tmp_path.iterdir())

@@ -4,11 +4,12 @@ One image for the session (tests/support/container.py: built once, cached), the 
 data, few and short runs:
   - 4 ranks under launch/mpirun.sh on this host: the doctor inside says which image, which MPI inside
     and outside, that they talk, and that the host's venv, PYTHONPATH and PIP_* did not leak in;
-  - 2 ranks in the image end with weights bit-identical to the same run on the host;
+  - 2 ranks in the image, under Horovod and under torch.distributed, end with weights bit-identical to the
+    same run on the host;
   - 2 virtual nodes x 2 ranks: a 64 MiB allreduce between the nodes' containers, and a node lost
     mid-training ends the containerised job naming the node, as a bare job ends;
-  - launch/slurm.sbatch --image on the project's Slurm (srun --mpi=pmix): SIGUSR1 near the time
-    limit checkpoints inside the image, requeues the job, and it resumes to the end.
+  - launch/slurm.sbatch --image on the project's Slurm (srun --mpi=pmix), under either backend: SIGUSR1 near
+    the time limit checkpoints inside the image, requeues the job, and it resumes to the end.
 """
 
 # ruff: noqa: F811 - pytest fixtures imported by name and taken as arguments
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.backends import BACKENDS
 from tests.support.container import REPO, clean_env, hpcdl_image, leaky_env  # noqa: F401 (a fixture)
 from tests.support.slurm_cluster import SlurmCluster, slurm  # noqa: F401 (a fixture)
 from tests.support.vcluster import Launch, make_vcluster  # noqa: F401 (a fixture)
@@ -58,25 +60,32 @@ def test_doctor_in_the_image_under_mpirun_on_four_ranks(hpcdl_image: Path, tmp_p
     assert "world size           4" in out or re.search(r"world size\s+4\b", out), out[-3000:]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_two_ranks_in_the_image_end_bit_identical_to_the_host(hpcdl_image: Path, tmp_path: Path) -> None:
+    """The image under both backends (it carries Horovod and torch.distributed): on 2 ranks both add the same two
+    numbers, so the host's Horovod run, the image's Horovod run and the image's torch run end bit-identical."""
     import torch
 
     runs = {}
-    for where, extra in (("host", []), ("image", ["--image", str(hpcdl_image)])):
+    for where, extra in (("host", ["--backend", "horovod"]), ("image", ["--backend", "horovod"]),
+                         ("image-torch", ["--backend", "torch"])):
+        image = ["--image", str(hpcdl_image)] if where.startswith("image") else []
         out_dir = tmp_path / where
-        rc, text = launch(["-np", "2", *extra, "--", *TRAIN, "--epochs", "2", "--output-dir", str(out_dir)],
+        rc, text = launch(["-np", "2", *image, "--", *TRAIN, *extra, "--epochs", "2", "--output-dir", str(out_dir)],
                           tmp_path / f"{where}.log", timeout=300)
         assert rc == 0, f"{where}:\n{text[-3000:]}"
         checkpoints = sorted((out_dir / "checkpoints").glob("ckpt-*.pt"))
         assert checkpoints, f"{where} wrote no checkpoint\n{text[-2000:]}"
         runs[where] = (checkpoints[-1], text)
     assert "ch-run" in runs["image"][1] and "ch-run" not in runs["host"][1]
-    assert runs["host"][0].name == runs["image"][0].name  # the same number of steps
-    host, image = model_tensors(runs["host"][0]), model_tensors(runs["image"][0])
-    assert list(host) == list(image)
-    differing = [name for name in host if not torch.equal(host[name], image[name])]
-    assert not differing, f"tensors that differ between host and image: {differing}"
+    assert "| torch (gloo) |" in runs["image-torch"][1], runs["image-torch"][1][-2000:]
+    host = model_tensors(runs["host"][0])
+    for where in ("image", "image-torch"):
+        assert runs["host"][0].name == runs[where][0].name  # the same number of steps
+        image = model_tensors(runs[where][0])
+        assert list(host) == list(image)
+        differing = [name for name in host if not torch.equal(host[name], image[name])]
+        assert not differing, f"tensors that differ between the host and {where}: {differing}"
     # A check that can fail: one more step changes the weights.
     assert any(torch.is_floating_point(t) and t.abs().sum() > 0 for t in image.values())
 
@@ -127,13 +136,15 @@ def test_a_lost_node_ends_the_containerised_job_naming_it(make_vcluster, hpcdl_i
 
 
 @pytest.mark.timeout(500)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_slurm_job_in_the_image_checkpoints_on_sigusr1_requeues_and_resumes(
-        slurm: SlurmCluster, hpcdl_image: Path, tmp_path: Path) -> None:
+        slurm: SlurmCluster, hpcdl_image: Path, tmp_path: Path, backend: str) -> None:
     epochs = 30  # long after the first epoch, where the signal is sent: a fast machine ran 4 in 0.5 s
     env = {key: "" for key in os.environ if key.startswith("HPCDL_")}  # no launch settings of the caller's
     env.update(OMP_NUM_THREADS="1")
     job = slurm.sbatch(REPO / "launch" / "slurm.sbatch",
-                       script_args=["--image", str(hpcdl_image), "--", *TRAIN, "--epochs", str(epochs)],
+                       script_args=["--image", str(hpcdl_image), "--", *TRAIN, "--epochs", str(epochs),
+                                    "--backend", backend],
                        sbatch_args=["--ntasks-per-node=2", "--cpus-per-task=1", "--time=10"], env=env, cwd=tmp_path)
     metrics = tmp_path / "runs" / f"hpcdl-{job}" / "metrics.jsonl"
     deadline = time.monotonic() + 300
@@ -148,5 +159,6 @@ def test_slurm_job_in_the_image_checkpoints_on_sigusr1_requeues_and_resumes(
     assert state == "COMPLETED", log[-4000:]
     assert "srun --mpi=pmix" in log and "ch-run --join --join-tag" in log, log[-3000:]
     assert "SIGUSR1 received" in log and "requeueing job" in log and "resuming from" in log, log[-4000:]
+    assert f"| {backend}" in log, log[-3000:]
     logged = [json.loads(line)["epoch"] for line in metrics.read_text().splitlines() if line.strip()]
     assert logged == list(range(1, epochs + 1)), logged

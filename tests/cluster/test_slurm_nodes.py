@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.backends import BACKENDS
 from tests.support.mpi_harness import epochs_to_resume_to
 from tests.support.slurm_cluster import SlurmCluster, missing_requirements
 from tests.support.vcluster import PYTHON, REPO, make_vcluster  # noqa: F401 (a fixture)
@@ -70,15 +71,19 @@ def test_srun_two_nodes_two_tasks_each_has_right_node_facts(slurm2: SlurmCluster
         assert re.search(rf"^  {host} +{rank} +{local} +2 ", text, re.M), text[-3000:]
 
 
-def test_sbatch_slurm_script_trains_on_two_nodes(slurm2: SlurmCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sbatch_slurm_script_trains_on_two_nodes(slurm2: SlurmCluster, tmp_path: Path, backend: str) -> None:
+    """srun --mpi=pmix across 2 nodes x 2 ranks, under either backend (torch.distributed's rendezvous on a host
+    whose name resolves nowhere)."""
     out = tmp_path / "run"
-    job = slurm2.sbatch(REPO / "launch" / "slurm.sbatch", ["--epochs", "1", "--no-progress"],
+    job = slurm2.sbatch(REPO / "launch" / "slurm.sbatch", ["--epochs", "1", "--no-progress", "--backend", backend],
                         ["-N", "2", "--ntasks-per-node", "2", "--cpus-per-task", "1", "-o", str(tmp_path / "job.out"),
                          "--export", f"ALL,HPCDL_OUTPUT_DIR={out}"], cwd=REPO)
     state = slurm2.wait_for_job(job, timeout=300)
     text = (tmp_path / "job.out").read_text(errors="replace")
     assert state == "COMPLETED", text[-3000:]
     assert "4 rank(s)" in text and (out / "summary.json").exists(), text[-3000:]
+    assert f"| {backend}" in text, text[-3000:]
 
 
 def test_frontera_script_multi_node_path(slurm2: SlurmCluster, tmp_path: Path) -> None:

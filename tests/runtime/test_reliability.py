@@ -93,11 +93,13 @@ def test_out_of_memory_on_one_rank_ends_the_job_in_one_line(tmp_path: Path) -> N
 
 # ------------------------------------------------------------------ a rank freezes
 
-def test_frozen_rank_is_named_and_the_job_ends_within_60_seconds(tmp_path: Path) -> None:
-    """Rank 1 of 4 SIGSTOPped at step 5 with --stall-timeout 20: no launcher notices; the watchdog does."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_rank_is_named_and_the_job_ends_within_60_seconds(backend: str, tmp_path: Path) -> None:
+    """Rank 1 of 4 SIGSTOPped at step 5 with --stall-timeout 20: no launcher notices; the watchdog does (under
+    torch.distributed before Gloo's own timeout, which is set past the watchdog's verdict)."""
     # One retry on a harness timeout, as in the rank-0 case below (see there).
     job = run_job_once_more_if(lambda j: j.rc == HARNESS_TIMEOUT, 4, tmp_path / "run", "--epochs", "1",
-                               "--stall-timeout", "20", fault="1:5:stop", timeout=120)
+                               "--stall-timeout", "20", "--backend", backend, fault="1:5:stop", timeout=120)
     assert job.rc != 0, job.tail()
     assert 20 <= report(job) < PROMPT, job.tail()
     # Rank 1 is always named; on a starved machine a slow live rank may be named beside it.
@@ -216,18 +218,21 @@ def test_sigusr1_to_mpirun_reaches_every_rank_and_checkpoints(backend: str, tmp_
 
 # ------------------------------------------------------------------ checkpoints that survive
 
-def test_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path_factory, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kill_during_a_checkpoint_write_keeps_the_previous_one(backend: str, tmp_path_factory,
+                                                                 tmp_path: Path) -> None:
     """Rank 0 SIGKILLed half-way through writing the checkpoint of step 44: the newest complete
-    checkpoint (22) stays the newest, and --resume from it reaches the uninterrupted run's weights."""
+    checkpoint (22) stays the newest, and --resume from it reaches the uninterrupted run's weights (a Horovod
+    run's: on 2 ranks both backends add the same two numbers)."""
     reference = baseline_run(tmp_path_factory)
     run_dir = tmp_path / "run"
-    killed = run_job(BASE_RANKS, run_dir, *BASE_FLAGS, fault="0:44:killsave")
+    killed = run_job(BASE_RANKS, run_dir, *BASE_FLAGS, "--backend", backend, fault="0:44:killsave")
     assert killed.rc != 0, killed.tail()
     assert checkpoint_steps(run_dir) == [22]
     leftovers = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".ckpt-000000044.pt.tmp-")]
     assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0  # the half-written file is really there
 
-    resumed = run_job(BASE_RANKS, run_dir, "--resume", *BASE_FLAGS)
+    resumed = run_job(BASE_RANKS, run_dir, "--resume", *BASE_FLAGS, "--backend", backend)
     assert resumed.rc == 0, resumed.tail()
     assert f"resuming from {run_dir / 'checkpoints' / 'ckpt-000000022.pt'}" in resumed.out
     assert "skipping" not in resumed.err  # the temporary file was never a candidate

@@ -19,6 +19,9 @@ def test_gloo_and_nccl_failures_are_a_lost_rank_and_a_bug_is_not() -> None:
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                         "[127.0.0.1]:18845. This is typically caused by a remote worker crashing.")
     assert is_lost_rank(gloo)
+    # Gloo's own timeout, as torch 2.13 raises it when a peer stops answering (a frozen rank, the watchdog off)
+    assert is_lost_rank(RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                                     "Timed out waiting 3000ms for recv operation to complete"))
     assert is_lost_rank(dist.DistBackendError("NCCL error: remote process exited or there was a network error"))
     assert not is_lost_rank(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_lost_rank(ValueError("gloo Connection closed by peer"))  # only what torch raises

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hpcdl.training.schedule import LRSchedule
-from tests.support.backends import needs_horovod
+from tests.support.backends import BACKENDS, needs_horovod
 from tests.support.data_files import write_cifar10, write_imagenet
 from tests.support.mpi_harness import run_mpi
 from tests.support.reliability_runs import (
@@ -288,14 +288,16 @@ def test_output_dir_of_another_run_without_resume(tmp_path_factory, tmp_path: Pa
     assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
 
 
-def test_disk_full_while_writing_a_checkpoint(tmp_path: Path) -> None:
-    """A real full disk: a 2 MiB tmpfs holds the first checkpoint (1.2 MB) but not the second."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disk_full_while_writing_a_checkpoint(backend: str, tmp_path: Path) -> None:
+    """A real full disk: a 2 MiB tmpfs holds the first checkpoint (1.2 MB) but not the second (rank 0's failed
+    write is agreed over MPI under either backend)."""
     mount = tmp_path / "small"
     mount.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
     try:
-        job = run_job(RANKS, mount / "run", *BASE_FLAGS)
+        job = run_job(RANKS, mount / "run", *BASE_FLAGS, "--backend", backend)
         steps = checkpoint_steps(mount / "run")
         leftovers = [p.name for p in (mount / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
         first = load_checkpoint(mount / "run", 22) if steps else None
