@@ -246,7 +246,7 @@ def test_the_documented_container_commands_are_the_ones_the_tests_run() -> None:
                         "sbatch launch/slurm.sbatch --image $IMG -- --epochs 30"], commands
     # The same launchers and flags in the tests (the image comes from the same build: make image = build.sh).
     assert '"-np", "4", "--image", str(hpcdl_image), "--entry", "hpcdl.doctor"' in runs
-    assert '"-np", "2", *extra, "--", *TRAIN, "--epochs", "2"' in runs and '"--image", str(hpcdl_image)' in runs
+    assert '"-np", "2", *image, "--", *TRAIN, *extra, "--epochs", "2"' in runs and '"--image", str(hpcdl_image)' in runs
     assert 'REPO / "launch" / "slurm.sbatch"' in runs
     assert '"--image", str(hpcdl_image), "--", *TRAIN, "--epochs", str(epochs)' in runs
     assert "epochs = 30" in runs
