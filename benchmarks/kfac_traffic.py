@@ -253,16 +253,21 @@ def share_seconds(model: AlphaBeta, parts_bytes: Sequence[float], design: str, b
 
 def step_seconds(model: AlphaBeta, layers: Layers, world: int, fraction: float, factor_every: int,
                  inverse_every: int, design: str = "one collective", backend: str = "mpi",
-                 share_bytes: int = FP32) -> dict[str, float]:
+                 share_bytes: int = FP32, factor_bytes: int = FP32) -> dict[str, float]:
     """Seconds per optimizer step of each kind of collective, none overlapped with anything. Groups of one kind
     run side by side on disjoint ranks, so a round costs its slowest group. ``share_bytes``: bytes per shared
-    element (2 for --kfac-comm-precision bf16)."""
-    factors = kfac_round_bytes(layers, world, fraction)["factors"]
+    element (2 for --kfac-comm-precision bf16); ``factor_bytes``: per summed factor element (2 for
+    --kfac-factor-precision bf16, whose exact counts, 2 per layer, take one small allreduce more: recursive
+    doubling, the latency-bound algorithm MPI and NCCL's tree use at that size)."""
+    factors = kfac_round_bytes(layers, world, fraction)["factors"] // FP32 * factor_bytes
     shared = {kind: max(share_seconds(model, [n * share_bytes for n in parts], design, backend) for parts in groups)
               for kind, groups in member_parts(layers, world, fraction).items()}
+    counts = 0.0
+    if factor_bytes != FP32 and world > 1:
+        counts = math.ceil(math.log2(world)) * (model.alpha + 2 * len(layers.a_dims) * FP32 / model.bandwidth)
     # The per-layer factors travel in buckets that Horovod (or DDP-like bucketing) runs as one ring.
     return dict(gradients=model.ring_seconds(layers.parameters * FP32, world),
-                factors=model.ring_seconds(factors, world) / factor_every,
+                factors=(model.ring_seconds(factors, world) + counts) / factor_every,
                 decompositions=shared["decompositions"] / inverse_every, directions=shared["directions"])
 
 
@@ -404,14 +409,16 @@ def resnet50_layers() -> Layers:
 # Frequencies (factor updates, decompositions) priced at scale: the large-batch preset's (every step) and
 # kfac-pytorch's ImageNet defaults (factors every 10 steps, decompositions every 100).
 FREQUENCIES = ((1, 1), (10, 100))
-# How K-FAC shares, as priced: (design, backend, bytes per shared element).
-VARIANTS = (("broadcasts", "mpi", FP32), ("broadcasts", "nccl", FP32), ("one collective", "mpi", FP32),
-            ("one collective", "mpi", 2))
+# How K-FAC shares, as priced: (design, backend, bytes per shared element, bytes per summed factor element).
+# bf16 factor sums are a torch.distributed feature (Horovod 0.28 cannot sum bfloat16).
+VARIANTS = (("broadcasts", "mpi", FP32, FP32), ("broadcasts", "nccl", FP32, FP32), ("one collective", "mpi", FP32, FP32),
+            ("one collective", "mpi", 2, FP32), ("one collective", "mpi", 2, 2))
 
 
 def predict(args: argparse.Namespace) -> dict[str, Any]:
     """K-FAC's and the gradients' seconds per step for ResNet-50 at 64-1,024 ranks: each sharing design and
-    backend, fraction 1 and 1/8, fp32 and bf16 payloads, at both FREQUENCIES."""
+    backend, fraction 1, 1/8 and 1/world (one grad worker per layer: decompositions never travel), fp32 and
+    bf16 payloads, at both FREQUENCIES."""
     networks = {"HDR100 InfiniBand (100 Gbit/s, 1 us)": network(100, 1.0)}
     if args.measured:
         fit = json.loads(args.measured.read_text())
@@ -419,14 +426,15 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     layers, rows = resnet50_layers(), []
     for name, model in networks.items():
         for ranks in RANKS_AT_SCALE:
-            for fraction in (1.0, 1 / 8):
+            for fraction in (1.0, 1 / 8, 1 / ranks):
                 for factor_every, inverse_every in FREQUENCIES:
-                    for design, backend, share_bytes in VARIANTS:
+                    for design, backend, share_bytes, factor_bytes in VARIANTS:
                         seconds = step_seconds(model, layers, ranks, fraction, factor_every, inverse_every, design,
-                                               backend, share_bytes)
+                                               backend, share_bytes, factor_bytes)
                         rows.append(dict(network=name, ranks=ranks, fraction=fraction, factor_every=factor_every,
                                          inverse_every=inverse_every, design=design, backend=backend,
-                                         payload="bf16" if share_bytes == 2 else "fp32", seconds=seconds))
+                                         payload="bf16" if share_bytes == 2 else "fp32",
+                                         factor_payload="bf16" if factor_bytes == 2 else "fp32", seconds=seconds))
     owners = sum(1 for parts in member_parts(layers, 1024, 1.0)["decompositions"] for n in parts if n)
     return dict(kind="predict", layers=len(layers.a_dims), parameters=layers.parameters, owners_at_1024=owners,
                 rows=rows)
@@ -515,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in report["rows"]:
             print(f"{row['network'][:12]:12s} {row['ranks']:5d} ranks f={row['fraction']:<6.3g} "
                   f"({row['factor_every']},{row['inverse_every']}) {row['design']:14s} {row['backend']:4s} "
-                  f"{row['payload']} " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
+                  f"{row['payload']} factors {row['factor_payload']} " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
     outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {stem}.json")
     return 0
@@ -584,6 +592,16 @@ def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return min((r for r in rows if r["design"] == "one collective"), key=_kfac_ms)
 
 
+def _fraction(value: float) -> str:
+    """1, 1/8, 1/1024: the grad-worker fractions priced are all 1/k."""
+    return "1" if value == 1 else f"1/{round(1 / value)}"
+
+
+def _options(row: dict[str, Any]) -> str:
+    factors = ", factor sums bf16" if row.get("factor_payload") == "bf16" else ""
+    return f"fraction {_fraction(row['fraction'])}, {row['payload']}{factors}"
+
+
 def _resnet1024() -> str:
     """ResNet-50 on HDR100 at 1,024 ranks, decompositions every step: the former design on NCCL, the best now."""
     rows = _predicted(1024, (1, 1))
@@ -591,30 +609,29 @@ def _resnet1024() -> str:
     best = _best(rows)
     grads = 1000 * best["seconds"]["gradients"]
     return (f"{_kfac_ms(old):.0f} ms a step before (fraction 1, NCCL), {_kfac_ms(best):.0f} ms now "
-            f"(fraction {best['fraction']:g}, {best['payload']}: {times(_kfac_ms(best) / grads, 1)} the gradients' "
-            f"{grads:.0f} ms)")
+            f"({_options(best)}: {times(_kfac_ms(best) / grads, 3)} the gradients' {grads:.1f} ms)")
 
 
 def _resnet1024_rare() -> str:
     """The same at kfac-pytorch's ImageNet frequencies (factors every 10 steps, decompositions every 100)."""
     best = _best(_predicted(1024, (10, 100)))
     grads = 1000 * best["seconds"]["gradients"]
-    return (f"{_kfac_ms(best):.1f} ms a step (fraction {best['fraction']:g}, {best['payload']}), "
-            f"{times(_kfac_ms(best) / grads)} the gradients'")
+    return f"{_kfac_ms(best):.1f} ms a step ({_options(best)}), {times(_kfac_ms(best) / grads)} the gradients'"
 
 
 def _sharing(row: dict[str, Any]) -> str:
     if row["design"] == "broadcasts":
         return f"one broadcast per member ({'NCCL rings' if row['backend'] == 'nccl' else 'MPI trees'})"
-    return f"one collective per group, {row['payload']}"
+    factors = ", factor sums bf16" if row.get("factor_payload") == "bf16" else ""
+    return f"one collective per group, {row['payload']}{factors}"
 
 
 def _resnet50() -> str:
     rows = []
     for row in results("kfac_traffic_predict")["rows"]:
-        if row["network"].startswith("HDR") and row["ranks"] in (64, 256, 1024):
+        if row["network"].startswith("HDR") and row["ranks"] in (64, 1024):
             sec = row["seconds"]
-            rows.append((row["ranks"], f"{row['factor_every']}, {row['inverse_every']}", f"{row['fraction']:g}",
+            rows.append((row["ranks"], f"{row['factor_every']}, {row['inverse_every']}", _fraction(row["fraction"]),
                          _sharing(row), f"{1000 * sec['gradients']:.1f}", f"{1000 * sec['factors']:.1f}",
                          f"{1000 * sec['decompositions']:.1f}", f"{1000 * sec['directions']:.1f}",
                          times(_kfac_ms(row) / 1000 / sec["gradients"], 2)))

@@ -54,6 +54,8 @@ class Group(ABC):
 class Communicator(ABC):
     rank: int = 0
     size: int = 1
+    # Whether allreduce_sum_async can sum bfloat16 tensors (Horovod 0.28's cannot: it aborts).
+    sums_bfloat16: bool = True
 
     @abstractmethod
     def allreduce_sum_async(self, tensor: Tensor, name: str) -> Handle:
@@ -165,6 +167,8 @@ class _MpiGroup(Group):
 
 class HorovodCommunicator(Communicator):
     """Collectives of a running Horovod job (``hvd.init`` done, more than one rank)."""
+
+    sums_bfloat16 = False  # Horovod 0.28 aborts on a bfloat16 allreduce (its MPI and Gloo ops know no bf16)
 
     def __init__(self, hvd: Any) -> None:
         self._hvd = hvd

@@ -103,6 +103,11 @@ class KFACPreconditioner:
             part of K-FAC's bytes); None keeps their own, torch.bfloat16 halves them, and every rank
             then uses the same rounded values (docs/kfac.md has the measured accuracy cost). Factor
             statistics are summed over ranks and stay in the layers' precision.
+        factor_comm_dtype: the precision factor statistics are summed over ranks in (the largest part
+            of K-FAC's bytes when decompositions are rare or stay on their owner); None keeps the
+            layers' own, torch.bfloat16 halves them. The counts travel beside them in the layers'
+            precision (one small allreduce more per factor update), so the averages divide by exact counts.
+            Needs a communicator that sums bfloat16 (torch.distributed; not Horovod 0.28).
         bucket_cap_mb: factor statistics of consecutive layers travel in one allreduce of up to this
             many megabytes (started as soon as backward has reached all of them), so a deterministic
             Horovod run, which fuses nothing, does not pay one collective per layer.
@@ -133,6 +138,7 @@ class KFACPreconditioner:
         factor_examples: int | None = None,
         cpu_eigen_limit: int = 512,
         comm_dtype: torch.dtype | None = None,
+        factor_comm_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 25.0,
     ) -> None:
         for name, freq in (
@@ -156,8 +162,9 @@ class KFACPreconditioner:
             raise ValueError(f"factor_examples must be a positive integer or None, got {factor_examples!r}")
         if not isinstance(cpu_eigen_limit, int) or cpu_eigen_limit < 0:
             raise ValueError(f"cpu_eigen_limit must be a non-negative integer, got {cpu_eigen_limit!r}")
-        if comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype}")
+        for name, dtype in (("comm_dtype", comm_dtype), ("factor_comm_dtype", factor_comm_dtype)):
+            if dtype not in COMM_DTYPES:
+                raise ValueError(f"{name} must be one of {COMM_DTYPES}, got {dtype}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
 
@@ -176,6 +183,7 @@ class KFACPreconditioner:
         self.factor_examples = factor_examples
         self.cpu_eigen_limit = cpu_eigen_limit
         self.comm_dtype = comm_dtype
+        self.factor_comm_dtype = factor_comm_dtype
         self.share_rule = "auto"  # share_by's rule; tests force each collective
         self.steps = 0
         # Host seconds per phase (PHASES), for the trainer's step breakdown and benchmarks; on a GPU the
@@ -196,6 +204,9 @@ class KFACPreconditioner:
         if not self.layers:
             warnings.warn("K-FAC found no nn.Linear or nn.Conv2d layer to precondition", stacklevel=2)
         self.comm = communicator if communicator is not None else default_communicator()
+        if factor_comm_dtype == torch.bfloat16 and self.comm.size > 1 and not self.comm.sums_bfloat16:
+            raise ValueError(f"factor_comm_dtype bfloat16 needs a communicator that sums bfloat16; "
+                             f"{type(self.comm).__name__} cannot (use torch.distributed's)")
         if grad_worker_fraction == "auto":
             grad_worker_fraction = auto_fraction(
                 [math.prod(s) for i in range(len(self.layers)) for k in "AG" for s in self._decomposition_shapes(i, k)],
@@ -226,7 +237,9 @@ class KFACPreconditioner:
         self._bucket_of = {index: b for b, bucket in enumerate(self._buckets) for index in bucket}
         self._gathered: dict[int, BatchStatistics] = {}
         self._passes: dict[int, int] = defaultdict(int)
-        self._in_flight: dict[int, Any] = {}
+        self._in_flight: dict[int | str, Any] = {}
+        self._count_index: dict[tuple[int, torch.device], Tensor] = {}
+        self._counts: list[Tensor] = []  # with factor_comm_dtype: the launched buckets' counts, sent with the last
         self._next_bucket = 0  # buckets whose allreduce this step has started
         self._late: dict[int, BatchStatistics] = {}
         per_example = float(backward_passes_per_step) if loss_reduction == "mean" else 0.0
@@ -363,13 +376,43 @@ class KFACPreconditioner:
                 buffers.append(stats.pack())
         self._next_bucket += 1
         self.collectives["kfac.factors"] += 1
-        self._in_flight[bucket] = self.comm.allreduce_sum_async(torch.cat(buffers), f"kfac.factors.{bucket}")
+        payload = torch.cat(buffers)
+        name = f"kfac.factors.{bucket}"
+        if self.factor_comm_dtype is None:
+            self._in_flight[bucket] = self.comm.allreduce_sum_async(payload, name)
+            return
+        # The sums travel in the narrow precision; the counts (integers bfloat16 cannot hold exactly) are kept
+        # in the statistics' own and go in one small allreduce with the last bucket.
+        self._in_flight[bucket] = self.comm.allreduce_sum_async(payload.to(self.factor_comm_dtype), name)
+        self._counts.append(payload[self._count_positions(bucket, payload.device)])
+        if self._next_bucket == len(self._buckets):
+            self.collectives["kfac.factor_counts"] += 1
+            self._in_flight["counts"] = self.comm.allreduce_sum_async(torch.cat(self._counts), "kfac.factor_counts")
+            self._counts = []
 
-    def _receive(self, bucket: int) -> list[Tensor]:
-        """Wait for a bucket's allreduce; one packed statistics buffer per layer."""
-        layers = [self.layers[i] for i in self._buckets[bucket]]
-        sizes = [upper_size(layer.a_dim) + upper_size(layer.g_dim) + 2 for layer in layers]
-        return list(self.comm.wait(self._in_flight.pop(bucket)).split(sizes))
+    def _count_positions(self, bucket: int, device: torch.device) -> Tensor:
+        """Where the two counts of each layer of ``bucket`` sit in its packed buffer (kept on the device)."""
+        key = (bucket, device)
+        if key not in self._count_index:
+            ends = torch.tensor([upper_size(self.layers[i].a_dim) + upper_size(self.layers[i].g_dim) + 2
+                                 for i in self._buckets[bucket]]).cumsum(0)
+            self._count_index[key] = torch.stack([ends - 2, ends - 1], 1).reshape(-1).to(device)
+        return self._count_index[key]
+
+    def _receive_all(self) -> dict[int, Tensor]:
+        """Wait for every bucket's allreduce: per layer, its packed statistics in the layers' precision."""
+        received: dict[int, Tensor] = {}
+        counts = None if self.factor_comm_dtype is None else self.comm.wait(self._in_flight.pop("counts"))
+        offset = 0
+        for bucket, indices in enumerate(self._buckets):
+            summed = self.comm.wait(self._in_flight.pop(bucket))
+            if counts is not None:
+                summed = summed.to(counts.dtype)
+                summed[self._count_positions(bucket, summed.device)] = counts[offset : offset + 2 * len(indices)]
+                offset += 2 * len(indices)
+            sizes = [upper_size(self.layers[i].a_dim) + upper_size(self.layers[i].g_dim) + 2 for i in indices]
+            received.update(zip(indices, summed.split(sizes), strict=True))
+        return received
 
     def _update_factors(self, step: int, found_inf: Tensor | None) -> None:
         decay = _value(self.factor_decay, step)
@@ -379,8 +422,7 @@ class KFACPreconditioner:
             with self._timed("factor_reduction"):
                 for bucket in range(self._next_bucket, len(self._buckets)):
                     self._launch(bucket)
-                for bucket in range(len(self._buckets)):
-                    received.update(zip(self._buckets[bucket], self._receive(bucket), strict=True))
+                received = self._receive_all()
         late = [self.layers[i].name for i in self._late]
         if late:
             warnings.warn(

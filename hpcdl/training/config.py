@@ -215,6 +215,9 @@ class TrainConfig:
                                             "in: same as the model, or bf16 (half their bytes; factor statistics are "
                                             "summed in the model's precision; docs/kfac.md)",
                                     choices=("same", "bf16"), group=KFAC)
+    kfac_factor_precision: str = flag("same", "precision K-FAC's factor statistics are summed over ranks in: same "
+                                              "as the model, or bf16 (half their bytes; needs --backend torch; "
+                                              "docs/kfac.md)", choices=("same", "bf16"), group=KFAC)
     kfac_bucket_mb: float = flag(25.0, "factor statistics of consecutive layers share one allreduce of up to this "
                                        "many MB", parse=float, valid=POSITIVE, group=KFAC)
     # run control
@@ -411,6 +414,8 @@ def validate(c: TrainConfig) -> None:
     if c.use_adasum and c.backend == "torch":
         raise UsageError("--use-adasum is Horovod's Adasum, which torch.distributed has no equivalent of: use "
                          "--backend horovod, or leave --use-adasum out to average the gradients")
+    if c.kfac and c.kfac_factor_precision == "bf16" and c.backend == "horovod":
+        raise UsageError("--kfac-factor-precision bf16 needs --backend torch: Horovod 0.28 cannot sum bfloat16")
     if c.backend == "horovod" and importlib.util.find_spec("horovod") is None:
         raise UsageError("--backend horovod: Horovod is not installed here (scripts/setup.sh with HPCDL_HOROVOD=1 "
                          "builds it); use --backend torch")

@@ -135,5 +135,6 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
         grad_scaler=scaler,  # its scale is divided out of G
         communicator=communicator,
         comm_dtype=torch.bfloat16 if config.kfac_comm_precision == "bf16" else None,
+        factor_comm_dtype=torch.bfloat16 if config.kfac_factor_precision == "bf16" else None,
         bucket_cap_mb=config.kfac_bucket_mb,
     )

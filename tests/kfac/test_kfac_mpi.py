@@ -408,6 +408,73 @@ def test_bf16_payload_stays_close_to_fp32_and_identical_on_every_rank(dp: DataPa
     assert_all_ranks(not problems, "; ".join(problems))
 
 
+def test_bf16_factor_sums_stay_within_bf16_rounding_with_exact_counts(dp: DataParallel) -> None:
+    """Factor statistics summed in bfloat16 (torch.distributed; Horovod refuses it at construction): every
+    rank's factors stay within bf16's rounding of the fp32 sums, replicas stay identical, the counts travel
+    in the statistics' own precision (one more small collective per factor update)."""
+    if dp.backend == "horovod":
+        try:
+            _train_distributed(dp, 1.0, factor_comm_dtype=torch.bfloat16)
+            refused = ""
+        except ValueError as error:
+            refused = str(error)
+        assert_all_ranks("cannot" in refused, f"Horovod took bfloat16 factor sums: {refused!r}")
+        return
+    problems = []
+    for fraction in _fractions(dp.size):
+        full, pre_full = _train_distributed(dp, fraction)
+        half, pre = _train_distributed(dp, fraction, factor_comm_dtype=torch.bfloat16)
+        for side in ("a_factors", "g_factors"):
+            for i, (f, h) in enumerate(zip(getattr(pre_full, side), getattr(pre, side), strict=True)):
+                err = _rel(h, f)
+                # bf16 keeps 8 bits (4e-3 a rounding), and 5 steps on a trajectory the rounding moved add to it;
+                # zero would mean no bf16 at all (the rounding alone is held by the next test)
+                if not 0 < err < 3e-2:
+                    problems.append(f"fraction {fraction}: {side}[{i}] is {err:.1e} off the fp32 sums")
+        err = _rel(half, full)
+        if not 0 < err < 2e-2:
+            problems.append(f"fraction {fraction}: bf16 factor sums moved the parameters by {err:.1e}")
+        if not _same_on_all_ranks(half):
+            problems.append(f"fraction {fraction}: replicas differ")
+        if pre.collectives["kfac.factor_counts"] != STEPS:  # one per factor update, whatever the buckets
+            problems.append(f"fraction {fraction}: collectives {dict(pre.collectives)}")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+def test_bf16_factor_sums_carry_counts_bf16_cannot_hold() -> None:
+    """One bucket through the bf16 path with counts of 257 + rank (bf16 rounds 257 to 256): the counts
+    arrive exact, the sums within bf16's rounding of MPI's own float64 Allreduce."""
+    from mpi4py import MPI
+
+    from kfac.factors import BatchStatistics
+
+    dp = DataParallel("torch")
+    pre = KFACPreconditioner(_model(), skip_layers=["extra"], communicator=dp.communicator(),
+                             factor_comm_dtype=torch.bfloat16, **SETTINGS)
+    pre.remove_hooks()
+    g = torch.Generator().manual_seed(dp.rank)
+    sent = {}
+    for index, layer in enumerate(pre.layers):
+        a, b = torch.randn(layer.a_dim, layer.a_dim, generator=g), torch.randn(layer.g_dim, layer.g_dim, generator=g)
+        stats = BatchStatistics((a + a.T).to(DTYPE), 257.0 + dp.rank, (b + b.T).to(DTYPE), 1000.0 + dp.rank)
+        sent[index] = stats.pack()
+        pre._gathered[index] = stats
+    problems = []
+    for bucket in range(len(pre._buckets)):
+        pre._launch(bucket)
+    for index, got in sorted(pre._receive_all().items()):
+        want = sent[index].clone()
+        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, want.numpy(), op=MPI.SUM)
+        if got.dtype != DTYPE or not torch.equal(got[-2:], want[-2:]):
+            problems.append(f"layer {index}: counts {got[-2:].tolist()} != {want[-2:].tolist()} ({got.dtype})")
+        err = float((got[:-2] - want[:-2]).abs().max() / want[:-2].abs().max())
+        if not 0 < err < 2e-2:
+            problems.append(f"layer {index}: sums {err:.1e} off MPI's float64 sums")
+    if len(sent) != len(pre.layers) or pre.collectives["kfac.factor_counts"] != 1:
+        problems.append(f"{len(sent)} layers sent, collectives {dict(pre.collectives)}")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
 @needs_horovod
 def test_groups_gather_what_mpi_allgatherv_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both group kinds (Horovod process sets, mpi4py sub-communicators) against MPI's own Allgatherv, with a

@@ -68,6 +68,9 @@ FLAG_ROWS = {
     "large-batch preset with K-FAC off": (["--kfac-preset", "large-batch", "--no-kfac"],
                                           "--kfac-preset large-batch is a K-FAC recipe (its momentum 0.5 is for "
                                           "preconditioned steps) and K-FAC is turned off"),
+    "bf16 factor sums under Horovod": (["--kfac", "--kfac-factor-precision", "bf16", "--backend", "horovod"],
+                                       "--kfac-factor-precision bf16 needs --backend torch: Horovod 0.28 cannot sum "
+                                       "bfloat16"),
 }
 
 
