@@ -231,6 +231,8 @@ def train_flags(cell: Cell, args: argparse.Namespace) -> list[str]:
         "--device", "cpu", "--log-every", "1000",
         "--stall-timeout", "0",
     ]
+    if args.backend:
+        flags += ["--backend", args.backend]
     if args.dataset == "mnist" and args.evals_per_epoch > 1:  # time to target at a finer grain than an epoch
         flags += ["--eval-every", str(max(1, round(MNIST_TRAIN_EXAMPLES // cell.batch / args.evals_per_epoch)))]
     if args.data_dir:
@@ -580,6 +582,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vcluster", default=None, metavar="NAME",
                         help="run each job on this virtual cluster (launch/mpirun.sh --vcluster), e.g. 2 nodes over "
                              "a 1 Gbit/s link")
+    parser.add_argument("--backend", choices=("horovod", "torch"), default=None,
+                        help="what averages every method's gradients (default: hpcdl.train's, Horovod where installed)")
     parser.add_argument("--damping", type=real(0, low_open=True), default=None,
                         help="hpcdl's and (carried over) kfac-pytorch's (default: the preset's; 0.1 up to 512)")
     parser.add_argument("--kl-clip", type=real(0, low_open=True), default=None,
@@ -854,7 +858,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta: dict[str, Any] = dict(
         epochs=args.epochs, warmup_epochs=args.warmup_epochs, dataset=args.dataset, model=args.model, jobs=args.jobs,
         threads=args.threads, load_before=load, max_steps=args.max_steps, damping=args.damping, kl_clip=args.kl_clip,
-        evals_per_epoch=args.evals_per_epoch, ranks=args.ranks, vcluster=args.vcluster,
+        evals_per_epoch=args.evals_per_epoch, ranks=args.ranks, vcluster=args.vcluster, backend=args.backend,
         kfac_preset=dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum),
         argv=sys.argv[1:] if argv is None else list(argv), planned=len(cells))
     if kept:  # the kept runs' own provenance (argv, load, seconds) stays beside this run's

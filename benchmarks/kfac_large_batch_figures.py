@@ -250,10 +250,10 @@ def _two_nodes_steps() -> str:
     return "; ".join(parts)
 
 
-def _two_by_one() -> str:
+def _two_by_one(name: str = "kfac_large_batch_2x1") -> str:
     """2 virtual nodes x 1 rank (1 thread each, 1 Gbit/s): K-FAC's step over Muon's and its training seconds to
     98.5 % over Muon's (medians over seeds of per-seed ratios), the same settings and seeds one run at a time."""
-    other, ratio, seeds, step = _kfac_against("kfac_large_batch_2x1")
+    other, ratio, seeds, step = _kfac_against(name)
     return (f"K-FAC {1000 * step['kfac']:.0f} ms a step, {NAMES[other]} {1000 * step[other]:.0f} ms "
             f"({times(step['kfac'] / step[other])}); time to 98.5 %: {times(ratio)} {NAMES[other]}'s ({seeds} seeds)")
 
@@ -272,6 +272,20 @@ def _two_by_one_bf16() -> str:
              for name, each in runs.items()}
     return (f"final accuracy {percent(final['bf16'])} with bf16 against {percent(final['fp32'])} with fp32, "
             f"{steps['bf16']:.0f} steps to 98.5 % against {steps['fp32']:.0f} (medians of {len(runs['bf16'])} seeds)")
+
+
+def _two_by_one_bf16_factors() -> str:
+    """K-FAC with both payloads in bf16 (--kfac-comm-precision and --kfac-factor-precision) against fp32, both
+    under --backend torch (Horovod cannot sum bf16), the same cell and seeds (2 nodes x 1 rank)."""
+    runs = {"fp32": [o for o in outcomes("kfac_large_batch_2x1_torch") if o.cell.method == "kfac"],
+            "bf16": outcomes("kfac_large_batch_2x1_torch_bf16")}
+    final = {name: _median_final(each) for name, each in runs.items()}
+    steps = {name: median_or_inf([hit and hit[0] for hit in (o.to_target(0.985) for o in each)])
+             for name, each in runs.items()}
+    step = {name: _median_step(each) for name, each in runs.items()}
+    return (f"final accuracy {percent(final['bf16'])} with both in bf16 against {percent(final['fp32'])} with fp32, "
+            f"{steps['bf16']:.0f} steps to 98.5 % against {steps['fp32']:.0f}, {1000 * step['bf16']:.0f} against "
+            f"{1000 * step['fp32']:.0f} ms a step (medians of {len(runs['bf16'])} seeds)")
 
 
 def _one_host_ratio() -> str:
@@ -329,5 +343,7 @@ FIGURES = {
     "lb.2nodes.ratio": _two_nodes, "lb.2nodes.short": _two_nodes_short,
     "lb.2nodes.steps": _two_nodes_steps, "lb.2nodes.fraction": _two_nodes_fraction,
     "lb.2x1.verdict": _two_by_one, "lb.2x1.short": _two_by_one_short, "lb.2x1.bf16": _two_by_one_bf16,
+    "lb.2x1.torch": lambda: _two_by_one("kfac_large_batch_2x1_torch"),
+    "lb.2nodes.torch": lambda: _two_by_one("kfac_large_batch_2nodes_torch"), "lb.2x1.bf16factors": _two_by_one_bf16_factors,
     "lb.1host.ratio": _one_host_ratio,
 }

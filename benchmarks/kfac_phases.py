@@ -29,6 +29,7 @@ from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer
 from hpcdl.tools.plot import plot_phases
+from hpcdl.training.config import default_backend
 
 GLOBAL_BATCH = 4096
 RATES = {"kfac": 0.4, "muon": 0.02}  # the tuned peak rates of the large-batch study (kfac_large_batch.REDUCED_LRS)
@@ -46,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = RankZeroParser(prog="benchmarks/kfac_phases.py", description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=integer(1), default=2)
     parser.add_argument("--vcluster", help="run on this virtual cluster's nodes (launch/mpirun.sh --vcluster)")
+    parser.add_argument("--backend", choices=("horovod", "torch"), default=None,
+                        help="what averages the gradients in every run (default: hpcdl.train's)")
     parser.add_argument("--steps", type=integer(4), default=14)
     parser.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "hpcdl" / "mnist")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
@@ -64,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = ["--dataset", "mnist", "--data-dir", str(args.data_dir), "--model", "mnist_cnn",
               "--batch-size", str(GLOBAL_BATCH // args.ranks), "--epochs", "1", "--max-steps", str(args.steps),
               "--device", "cpu", "--log-every", "1000", "--stall-timeout", "0", "--test-batch-size", "1000",
-              "--profile-steps", f"{args.steps - 1}:{args.steps}"]
+              "--profile-steps", f"{args.steps - 1}:{args.steps}", *(["--backend", args.backend] if args.backend else [])]
     report, dirs = {}, []
     try:
         for k, (label, flags) in enumerate(runs(args.ranks).items()):
@@ -80,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dirs.append(out)
         json_path = outputs.output_file(stem, ".json")
         json_path.write_text(json.dumps(dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
+                                             backend=args.backend or default_backend(),
                                              steps=args.steps, runs=report), indent=1) + "\n")
         plot_phases(dirs, outputs.output_file(stem, ".png"), list(report))
     finally:
@@ -101,7 +105,30 @@ def _table(name: str) -> str:
                   for p in phases])
 
 
-FIGURES = {"phases.2x1": lambda: _table("kfac_phases_2x1"), "phases.2x2": lambda: _table("kfac_phases_2x2")}
+def _gap(name: str) -> str:
+    """Per rank, K-FAC's mean milliseconds in each phase minus Muon's: the phases tile the step, so each column
+    adds up to the rank's step gap (the last row), phase by phase (rows under half a millisecond on every rank
+    left out; their sum is in "the rest")."""
+    runs = results(name)["runs"]
+    kfac, muon = runs["K-FAC"]["step_phases"]["phases"], runs["Muon"]["step_phases"]["phases"]
+    ranks = range(len(kfac["step"]["mean_per_rank"]))
+
+    def gap(phase: str, rank: int) -> float:
+        return 1000 * (kfac[phase]["mean_per_rank"][rank] - muon[phase]["mean_per_rank"][rank])
+
+    phases = [p for p in kfac if p != "step"]
+    shown = [p for p in phases if any(abs(gap(p, r)) >= 0.5 for r in ranks)]
+    rest = [sum(gap(p, r) for p in phases if p not in shown) for r in ranks]
+    rows = [(p, *(f"{gap(p, r):+.0f}" for r in ranks)) for p in shown]
+    rows.append(("the rest", *(f"{x:+.0f}" for x in rest)))
+    rows.append(("**step**", *(f"**{gap('step', r):+.0f}**" for r in ranks)))
+    return table(["K-FAC − Muon (ms, mean over steps)", *(f"rank {r}" for r in ranks)], rows)
+
+
+FIGURES = {"phases.2x1": lambda: _table("kfac_phases_2x1"), "phases.2x2": lambda: _table("kfac_phases_2x2"),
+           "phases.2x1.torch": lambda: _table("kfac_phases_2x1_torch"),
+           "phases.2x2.torch": lambda: _table("kfac_phases_2x2_torch"),
+           "phases.2x2.gap": lambda: _gap("kfac_phases_2x2"), "phases.2x2.gap.torch": lambda: _gap("kfac_phases_2x2_torch")}
 
 
 if __name__ == "__main__":
