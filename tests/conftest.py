@@ -39,8 +39,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # groups use them (tests/kfac/test_kfac_mpi.py). Only there: in the plain session the variable would
     # reach every `mpirun ... hpcdl.train` a test starts, and with it Horovod's background thread
     # holds a lock through an MPI call every cycle (see docs/reliability.md, "frozen rank").
+    # Its tests compare runs bit for bit, so Horovod starts there without tensor fusion, whose timing-dependent
+    # buffers change the order of addition from 3 ranks on (hpcdl.runtime.world.fix_reduction_order).
     if config.getoption("--with-mpi", default=False):
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+        os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", "0")
+        os.environ.setdefault("HOROVOD_AUTOTUNE", "0")
 
 
 @pytest.hookimpl(trylast=True)  # after the fixtures' own teardown (pytest's runner does it at session end)
