@@ -288,6 +288,19 @@ def _two_by_one_bf16_factors() -> str:
             f"{1000 * step['fp32']:.0f} ms a step (medians of {len(runs['bf16'])} seeds)")
 
 
+def _two_by_one_reduce() -> str:
+    """K-FAC with --kfac-conv-approx reduce against expand (the preset's), Horovod, 2 nodes x 1 rank, same seeds."""
+    runs = {"expand": [o for o in outcomes("kfac_large_batch_2x1") if o.cell.method == "kfac"],
+            "reduce": outcomes("kfac_large_batch_2x1_reduce")}
+    steps = {name: median_or_inf([hit and hit[0] for hit in (o.to_target(0.985) for o in each)])
+             for name, each in runs.items()}
+    step = {name: _median_step(each) for name, each in runs.items()}
+    return (f"{steps['reduce']:.0f} steps to 98.5 % against expand's {steps['expand']:.0f}, "
+            f"{1000 * step['reduce']:.0f} against {1000 * step['expand']:.0f} ms a step, final "
+            f"{percent(_median_final(runs['reduce']))} against {percent(_median_final(runs['expand']))} "
+            f"(medians of {len(runs['reduce'])} seeds)")
+
+
 def _one_host_ratio() -> str:
     """The batch-4096 time target repeated: K-FAC's and Muon's tuned settings, seeds 0-2, one rank, each run alone,
     on the later machine (median of per-seed ratios of training seconds to 98.5 %)."""
@@ -344,6 +357,8 @@ FIGURES = {
     "lb.2nodes.steps": _two_nodes_steps, "lb.2nodes.fraction": _two_nodes_fraction,
     "lb.2x1.verdict": _two_by_one, "lb.2x1.short": _two_by_one_short, "lb.2x1.bf16": _two_by_one_bf16,
     "lb.2x1.torch": lambda: _two_by_one("kfac_large_batch_2x1_torch"),
-    "lb.2nodes.torch": lambda: _two_by_one("kfac_large_batch_2nodes_torch"), "lb.2x1.bf16factors": _two_by_one_bf16_factors,
+    "lb.2nodes.torch": lambda: _two_by_one("kfac_large_batch_2nodes_torch"),
+    "lb.2x1.bf16factors": _two_by_one_bf16_factors,
+    "lb.2x1.reduce": _two_by_one_reduce,
     "lb.1host.ratio": _one_host_ratio,
 }

@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = ["--dataset", "mnist", "--data-dir", str(args.data_dir), "--model", "mnist_cnn",
               "--batch-size", str(GLOBAL_BATCH // args.ranks), "--epochs", "1", "--max-steps", str(args.steps),
               "--device", "cpu", "--log-every", "1000", "--stall-timeout", "0", "--test-batch-size", "1000",
-              "--profile-steps", f"{args.steps - 1}:{args.steps}", *(["--backend", args.backend] if args.backend else [])]
+              "--profile-steps", f"{args.steps - 1}:{args.steps}",
+              *(["--backend", args.backend] if args.backend else [])]
     report, dirs = {}, []
     try:
         for k, (label, flags) in enumerate(runs(args.ranks).items()):
@@ -128,7 +129,8 @@ def _gap(name: str) -> str:
 FIGURES = {"phases.2x1": lambda: _table("kfac_phases_2x1"), "phases.2x2": lambda: _table("kfac_phases_2x2"),
            "phases.2x1.torch": lambda: _table("kfac_phases_2x1_torch"),
            "phases.2x2.torch": lambda: _table("kfac_phases_2x2_torch"),
-           "phases.2x2.gap": lambda: _gap("kfac_phases_2x2"), "phases.2x2.gap.torch": lambda: _gap("kfac_phases_2x2_torch")}
+           "phases.2x2.gap": lambda: _gap("kfac_phases_2x2"),
+           "phases.2x2.gap.torch": lambda: _gap("kfac_phases_2x2_torch")}
 
 
 if __name__ == "__main__":

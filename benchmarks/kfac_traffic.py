@@ -411,8 +411,8 @@ def resnet50_layers() -> Layers:
 FREQUENCIES = ((1, 1), (10, 100))
 # How K-FAC shares, as priced: (design, backend, bytes per shared element, bytes per summed factor element).
 # bf16 factor sums are a torch.distributed feature (Horovod 0.28 cannot sum bfloat16).
-VARIANTS = (("broadcasts", "mpi", FP32, FP32), ("broadcasts", "nccl", FP32, FP32), ("one collective", "mpi", FP32, FP32),
-            ("one collective", "mpi", 2, FP32), ("one collective", "mpi", 2, 2))
+VARIANTS = (("broadcasts", "mpi", FP32, FP32), ("broadcasts", "nccl", FP32, FP32),
+            ("one collective", "mpi", FP32, FP32), ("one collective", "mpi", 2, FP32), ("one collective", "mpi", 2, 2))
 
 
 def predict(args: argparse.Namespace) -> dict[str, Any]:
@@ -523,7 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in report["rows"]:
             print(f"{row['network'][:12]:12s} {row['ranks']:5d} ranks f={row['fraction']:<6.3g} "
                   f"({row['factor_every']},{row['inverse_every']}) {row['design']:14s} {row['backend']:4s} "
-                  f"{row['payload']} factors {row['factor_payload']} " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
+                  f"{row['payload']} factors {row['factor_payload']} "
+                  + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
     outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {stem}.json")
     return 0

@@ -9,6 +9,7 @@ written out in docs/kfac.md.
 
 from __future__ import annotations
 
+import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -16,9 +17,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from kfac.patches import ConvGeometry, bordered_moment, patch_moment
+from kfac.patches import ConvGeometry, bordered_moment, mean_patches, patch_moment
 
 SkipSpec = str | type
+# How a convolution's positions enter its factors (docs/kfac.md): KFC's expand (every position an example
+# of a shared linear layer) or K-FAC-reduce (Eschenhagen et al. 2023: positions summed first, per example).
+CONV_APPROXIMATIONS = ("expand", "reduce")
 
 
 def factor_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -135,13 +139,22 @@ class LinearLayer(KFACLayer):
 
 
 class Conv2dLayer(KFACLayer):
-    """nn.Conv2d after KFC: A sums over output positions, G averages over them (docs/kfac.md)."""
+    """nn.Conv2d after KFC: A sums over output positions, G averages over them (docs/kfac.md).
+
+    With ``approximation="reduce"`` (K-FAC-reduce) A is |T| times the Gram of each example's mean patch
+    and G the Gram of each example's output gradient summed over positions, with the same counts: the
+    A statistics cost N·D² instead of N·|T|·D² (D the patch size), and the factors are exact where every
+    position sees the same input, where KFC's expand is exact for independent positions.
+    """
 
     module: nn.Conv2d
 
-    def __init__(self, name: str, module: nn.Conv2d) -> None:
+    def __init__(self, name: str, module: nn.Conv2d, approximation: str = "expand") -> None:
         super().__init__(name, module)
+        if approximation not in CONV_APPROXIMATIONS:
+            raise ValueError(f"conv approximation must be one of {CONV_APPROXIMATIONS}, got {approximation!r}")
         self.geometry = ConvGeometry.of(module)
+        self.reduce = approximation == "reduce"
 
     @property
     def a_dim(self) -> int:
@@ -155,13 +168,24 @@ class Conv2dLayer(KFACLayer):
     def a_moment(self, x: Tensor) -> tuple[Tensor, float]:
         if x.dim() == 3:  # unbatched input (C, H, W)
             x = x.unsqueeze(0)
-        return patch_moment(x.to(self.dtype), self.geometry, self.has_bias), float(x.shape[0])
+        x = x.to(self.dtype)
+        if not self.reduce:
+            return patch_moment(x, self.geometry, self.has_bias), float(x.shape[0])
+        means = mean_patches(x, self.geometry)
+        positions = math.prod(self.geometry.output_size(*self.geometry.pad(x[:1]).shape[-2:]))
+        moment = (means.T @ means).mul_(positions)
+        if self.has_bias:  # the border is expand's: Σ of the patches and their count
+            moment = bordered_moment(moment, means.sum(0).mul_(positions), float(x.shape[0] * positions))
+        return moment, float(x.shape[0])
 
     def g_moment(self, grad_output: Tensor) -> tuple[Tensor, float]:
         if grad_output.dim() == 3:
             grad_output = grad_output.unsqueeze(0)
         n, out = grad_output.shape[:2]
         positions = grad_output[0, 0].numel()
+        if self.reduce:
+            sums = grad_output.reshape(n, out, positions).sum(2).to(self.dtype)
+            return sums.T @ sums, float(n * positions)
         if positions >= out and not grad_output.is_contiguous(memory_format=torch.channels_last):
             # Per-example Grams straight from the NCHW layout, no transpose copy: the (N, out, out)
             # intermediate is no larger than the gradient itself when positions >= out.
@@ -193,7 +217,8 @@ def _matches(name: str, module: nn.Module, skip: Iterable[SkipSpec]) -> bool:
     return False
 
 
-def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = ()) -> list[KFACLayer]:
+def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = (),
+                conv_approximation: str = "expand") -> list[KFACLayer]:
     """The Linear and Conv2d modules of ``model`` that K-FAC will precondition, in model order.
 
     ``skip_layers`` holds module names (a name also skips everything under it), class names
@@ -222,7 +247,7 @@ def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = ()) -> list[
             if module.groups != 1:
                 grouped.append(f"{name or 'the model'} (groups={module.groups})")
                 continue
-            layers.append(Conv2dLayer(name, module))
+            layers.append(Conv2dLayer(name, module, conv_approximation))
         else:
             layers.append(LinearLayer(name, module))
     if grouped:  # one warning for all of them: a MobileNet has dozens

@@ -90,6 +90,20 @@ def patch_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> Tensor:
     return bordered_moment(moment, sums, count)
 
 
+def mean_patches(x: Tensor, geometry: ConvGeometry) -> Tensor:
+    """Each example's patch averaged over the output positions: (N, C*kh*kw), features ordered like
+    weight.view(out, -1). K-FAC-reduce's a; computed as a correlation of every input channel with a
+    kernel of ones the size of the output grid (the convolution's stride as its dilation and its dilation
+    as the stride), so no patch is materialised: N·C·kh·kw·positions additions."""
+    (kh, kw), (sh, sw), (dh, dw) = geometry.kernel, geometry.stride, geometry.dilation
+    padded = geometry.pad(x)
+    n, c, height, width = padded.shape
+    ho, wo = geometry.output_size(height, width)
+    ones = padded.new_ones(1, 1, ho, wo)
+    sums = F.conv2d(padded.reshape(n * c, 1, height, width), ones, stride=(dh, dw), dilation=(sh, sw))
+    return sums[:, 0, :kh, :kw].reshape(n, c * kh * kw) / (ho * wo)
+
+
 def bordered_moment(moment: Tensor, sums: Tensor, count: float) -> Tensor:
     """[[Σ a aᵀ, Σ a], [Σ aᵀ, count]]: the moment of [a, 1] without building a column of ones."""
     d = moment.shape[0]

@@ -108,6 +108,9 @@ class KFACPreconditioner:
             layers' own, torch.bfloat16 halves them. The counts travel beside them in the layers'
             precision (one small allreduce more per factor update), so the averages divide by exact counts.
             Needs a communicator that sums bfloat16 (torch.distributed; not Horovod 0.28).
+        conv_approximation: how a convolution's output positions enter its factors: 'expand' (KFC, every
+            position an example) or 'reduce' (K-FAC-reduce: positions summed per example first, so A's
+            statistics cost N·D² instead of N·positions·D²; docs/kfac.md).
         bucket_cap_mb: factor statistics of consecutive layers travel in one allreduce of up to this
             many megabytes (started as soon as backward has reached all of them), so a deterministic
             Horovod run, which fuses nothing, does not pay one collective per layer.
@@ -140,6 +143,7 @@ class KFACPreconditioner:
         comm_dtype: torch.dtype | None = None,
         factor_comm_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 25.0,
+        conv_approximation: str = "expand",
     ) -> None:
         for name, freq in (
             ("factor_update_freq", factor_update_freq),
@@ -200,7 +204,7 @@ class KFACPreconditioner:
         self._late_runner: ThreadPoolExecutor | None = None
         self._side_stream: Any = None
 
-        self.layers: list[KFACLayer] = find_layers(model, skip_layers)
+        self.layers: list[KFACLayer] = find_layers(model, skip_layers, conv_approximation)
         if not self.layers:
             warnings.warn("K-FAC found no nn.Linear or nn.Conv2d layer to precondition", stacklevel=2)
         self.comm = communicator if communicator is not None else default_communicator()

@@ -218,6 +218,9 @@ class TrainConfig:
     kfac_factor_precision: str = flag("same", "precision K-FAC's factor statistics are summed over ranks in: same "
                                               "as the model, or bf16 (half their bytes; needs --backend torch; "
                                               "docs/kfac.md)", choices=("same", "bf16"), group=KFAC)
+    kfac_conv_approx: str = flag("expand", "how a convolution's positions enter its K-FAC factors: expand (KFC) or "
+                                           "reduce (K-FAC-reduce: cheaper A statistics; docs/kfac.md)",
+                                 choices=("expand", "reduce"), group=KFAC)
     kfac_bucket_mb: float = flag(25.0, "factor statistics of consecutive layers share one allreduce of up to this "
                                        "many MB", parse=float, valid=POSITIVE, group=KFAC)
     # run control

@@ -122,3 +122,38 @@ def test_patches_reproduce_the_convolution(case: dict) -> None:
 def test_same_padding_puts_the_odd_pixel_at_the_end() -> None:
     geometry = ConvGeometry.of(nn.Conv2d(1, 1, (4, 3), padding="same", dilation=(1, 2)))
     assert geometry.padding == (2, 2, 1, 2)  # left, right, top, bottom
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k[0]}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("mode", ["zeros", "reflect"])
+def test_reduce_factors_match_unfold_means_and_summed_gradients(case: dict, mode: str) -> None:
+    """K-FAC-reduce's statistics against F.unfold: A is |T| times the Gram of each example's mean patch
+    (bordered by the patches' sum and count, as expand's), G the Gram of each example's position-summed
+    output gradient; the counts are expand's."""
+    from kfac.layers import Conv2dLayer
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, padding_mode=mode, **case).double()
+    x = torch.randn(5, 3, 13, 11, dtype=torch.float64)
+    geometry = ConvGeometry.of(conv)
+    columns = F.unfold(F.pad(x, geometry.padding, mode=geometry.padding_mode), conv.kernel_size,
+                       dilation=conv.dilation, stride=conv.stride)  # (N, D, T)
+    positions = columns.shape[2]
+    means = torch.cat([columns.mean(2), torch.ones(5, 1, dtype=x.dtype)], dim=1)
+    reduce, expand = Conv2dLayer("c", conv, "reduce"), Conv2dLayer("c", conv)
+    a, a_count = reduce.a_moment(x)
+    torch.testing.assert_close(a, positions * means.T @ means, rtol=1e-12, atol=1e-10)
+    assert a_count == expand.a_moment(x)[1] == 5
+    grad = torch.randn_like(conv(x))
+    g, g_count = reduce.g_moment(grad)
+    summed = grad.sum((2, 3))
+    torch.testing.assert_close(g, summed.T @ summed, rtol=1e-12, atol=1e-10)
+    assert g_count == expand.g_moment(grad)[1] == 5 * positions
+    assert not torch.allclose(a, expand.a_moment(x)[0])  # a different approximation, not expand again
+
+
+def test_an_unknown_conv_approximation_is_refused() -> None:
+    from kfac.layers import Conv2dLayer
+
+    with pytest.raises(ValueError, match="expand"):
+        Conv2dLayer("c", nn.Conv2d(1, 1, 3), "average")

@@ -63,9 +63,11 @@ def _with_ones(rows: torch.Tensor, bias: bool) -> torch.Tensor:
 
 
 def reference_factors(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, conv: str = "expand"
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """(A, G) per layer from the textbook definitions, one example at a time."""
+    """(A, G) per layer from the textbook definitions, one example at a time; ``conv`` 'reduce' takes a
+    convolution's positions as K-FAC-reduce does (Eschenhagen et al. 2023), in hpcdl's scale: A = |T|/N Σₙ āₙāₙᵀ
+    with āₙ the mean patch, G = 1/(N|T|) Σₙ ḡₙḡₙᵀ with ḡₙ the gradient summed over positions."""
     inputs: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
 
@@ -101,9 +103,14 @@ def reference_factors(
     for name in modules:
         a = torch.stack(a_rows[name])  # (N, positions, in)
         g = torch.stack(g_rows[name])  # (N, positions, out)
-        # A: sum over positions, mean over examples; G: mean over examples and positions (KFC).
-        big_a = torch.einsum("npi,npj->ij", a, a) / n
-        big_g = torch.einsum("npi,npj->ij", g, g) / (n * g.shape[1])
+        positions = g.shape[1]
+        if conv == "reduce" and isinstance(modules[name], nn.Conv2d):
+            a_mean, g_sum = a.mean(1), g.sum(1)
+            big_a = positions * a_mean.T @ a_mean / n
+            big_g = g_sum.T @ g_sum / (n * positions)
+        else:  # A: sum over positions, mean over examples; G: mean over examples and positions (KFC)
+            big_a = torch.einsum("npi,npj->ij", a, a) / n
+            big_g = torch.einsum("npi,npj->ij", g, g) / (n * positions)
         factors[name] = (big_a, big_g)
     return factors
 
@@ -185,6 +192,21 @@ def test_conv_without_bias_matches_dense_solve() -> None:
     assert conv.a_dim == 2 * 9
     want = dense_solve(*factors["conv"], raw["conv"], 0.01)
     assert rel_err(grad_matrix(conv.module), want) < TOL
+
+
+@pytest.mark.parametrize("conv_bias", [True, False])
+def test_conv_reduce_matches_dense_solve(conv_bias: bool) -> None:
+    model = _model("conv", conv_bias=conv_bias)
+    x, y = _data("conv", 5, seed=3)
+    factors = reference_factors(model, x, y, conv="reduce")
+    raw, pre = _precondition_once(model, x, y, damping=0.01, conv_approximation="reduce")
+    expand = reference_factors(model, x, y)
+    for i, layer in enumerate(pre.layers):
+        big_a, big_g = factors[layer.name]
+        assert rel_err(pre.a_factors[i], big_a) < TOL, layer.name
+        assert rel_err(pre.g_factors[i], big_g) < TOL, layer.name
+        assert rel_err(grad_matrix(layer.module), dense_solve(big_a, big_g, raw[layer.name], 0.01)) < TOL
+    assert rel_err(factors["conv"][0], expand["conv"][0]) > 1e-2  # reduce is another approximation
 
 
 @pytest.mark.parametrize("kind", ["mlp", "conv"])
