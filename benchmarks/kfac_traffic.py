@@ -43,7 +43,7 @@ from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
 from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT
 from kfac.assignment import assign_work
-from kfac.comm import Communicator, Group, Handle, default_communicator
+from kfac.comm import Communicator, Group, Handle, chunk_overlaps, default_communicator
 from kfac.factors import upper_size
 from kfac.layers import find_layers
 from kfac.preconditioner import share_by
@@ -62,19 +62,24 @@ FP32 = 4
 
 
 class _CountingGroup(Group):
-    """A group whose collectives add (payload bytes this rank hands over, one round) to the tally of their kind."""
+    """A group whose collectives add (payload bytes this rank hands over, one round) to the tally of their kind.
+
+    A share by scatter is one round of two collectives: the alltoall opens it, the allgather of chunks that
+    follows it adds its bytes to that round."""
 
     def __init__(self, inner: Group, tally: dict[str, list[int]]) -> None:
         super().__init__(inner.ranks)
         self._inner, self._tally = inner, tally
+        self._scatter_open = False  # an alltoall was counted; the next allgather is the same round's second half
 
-    def _count(self, tensor: Tensor, name: str) -> None:
+    def _count(self, tensor: Tensor, name: str, new_round: bool = True) -> None:
         kind = name.split(".")[1]  # kfac.decompositions, kfac.directions
         self._tally[kind][0] += tensor.numel() * tensor.element_size()
-        self._tally[kind][1] += 1
+        self._tally[kind][1] += new_round
 
     def allgather_async(self, tensor: Tensor, sizes: Sequence[int], name: str) -> Handle:
-        self._count(tensor, name)
+        self._count(tensor, name, new_round=not self._scatter_open)
+        self._scatter_open = False
         return self._inner.allgather_async(tensor, sizes, name)
 
     def wait_gathered(self, handle: Handle) -> list[Tensor]:
@@ -86,6 +91,15 @@ class _CountingGroup(Group):
 
     def wait_sum(self, handle: Handle) -> Tensor:
         return self._inner.wait_sum(handle)
+
+    def alltoall_async(self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                       name: str) -> Handle:
+        self._count(tensor, name)
+        self._scatter_open = True
+        return self._inner.alltoall_async(tensor, send_splits, recv_splits, name)
+
+    def wait_alltoall(self, handle: Handle) -> Tensor:
+        return self._inner.wait_alltoall(handle)
 
 
 class CountingCommunicator(Communicator):
@@ -178,11 +192,17 @@ def member_parts(layers: Layers, world: int, fraction: float) -> dict[str, list[
 
 
 def handed_elements(parts: Sequence[int], member: int) -> int:
-    """What ``member`` (an index into ``parts``) hands to the one collective that shares ``parts``: its own part to
-    an allgather, or the whole zero-padded buffer (in int32 words of fp32 elements) to a sum (kfac's share_by)."""
+    """What ``member`` (an index into ``parts``) hands to the collectives that share ``parts`` (kfac's share_by):
+    its own part to an allgather; the whole zero-padded buffer (in int32 words of fp32 elements) to a sum; its own
+    part to scatter's alltoall, then one equal chunk, ceil(Σ / W), to its allgather."""
     if len(parts) < 2:
         return 0
-    return parts[member] if share_by(parts) == "allgather" else sum(parts)
+    rule = share_by(parts)
+    if rule == "allgather":
+        return parts[member]
+    if rule == "scatter":
+        return parts[member] + chunk_overlaps(parts)[1]
+    return sum(parts)
 
 
 def kfac_round_bytes(layers: Layers, world: int, fraction: float, rank: int = 0) -> dict[str, int]:
@@ -222,7 +242,8 @@ def per_step_bytes(layers: Layers, world: int, fraction: float, factor_every: in
 #   NCCL (GPUs): broadcast = a pipelined ring (p-1 hops of latency, the bytes once); allgather = ring over parts
 #     padded to the largest; allreduce = ring.
 # "broadcasts": K-FAC before one collective per group: every member of a group broadcasts its part in turn
-# (a member without one still broadcasts one number); "one collective": kfac's share_by (allgather or sum).
+# (a member without one still broadcasts one number); "one collective": kfac's share_by (allgather, sum, or
+# scatter: an alltoall then an allgather of equal chunks).
 
 BACKENDS = ("mpi", "nccl")
 DESIGNS = ("broadcasts", "one collective")
@@ -239,15 +260,23 @@ def broadcast_seconds(model: AlphaBeta, nbytes: float, ranks: int, backend: str 
     return min(tree, scatter_allgather)
 
 
-def share_seconds(model: AlphaBeta, parts_bytes: Sequence[float], design: str, backend: str = "mpi") -> float:
-    """Seconds to give every member of one group every other member's part."""
+def share_seconds(model: AlphaBeta, parts_bytes: Sequence[float], design: str, backend: str = "mpi",
+                  element_bytes: int = FP32) -> float:
+    """Seconds to give every member of one group every other member's part (``element_bytes`` a shared element:
+    kfac's share_by decides in elements). Scatter is a pairwise-exchange alltoall (p-1 steps; the link of the
+    largest part's owner carries it), then a ring allgather of p equal chunks."""
     p = len(parts_bytes)
     if p < 2:
         return 0.0
     if design == "broadcasts":
         return sum(broadcast_seconds(model, max(FP32, n), p, backend) for n in parts_bytes)
-    if share_by([int(n) for n in parts_bytes]) == "allgather":
+    rule = share_by([int(n) // element_bytes for n in parts_bytes])
+    if rule == "allgather":
         return (p - 1) * (model.alpha + max(parts_bytes) / model.bandwidth)
+    if rule == "scatter":
+        chunk_bytes = chunk_overlaps([int(n) // element_bytes for n in parts_bytes])[1] * element_bytes
+        alltoall = (p - 1) * model.alpha + max(parts_bytes) / model.bandwidth
+        return alltoall + (p - 1) * (model.alpha + chunk_bytes / model.bandwidth)
     return model.ring_seconds(sum(parts_bytes), p)
 
 
@@ -260,7 +289,8 @@ def step_seconds(model: AlphaBeta, layers: Layers, world: int, fraction: float, 
     --kfac-factor-precision bf16, whose exact counts, 2 per layer, take one small allreduce more: recursive
     doubling, the latency-bound algorithm MPI and NCCL's tree use at that size)."""
     factors = kfac_round_bytes(layers, world, fraction)["factors"] // FP32 * factor_bytes
-    shared = {kind: max(share_seconds(model, [n * share_bytes for n in parts], design, backend) for parts in groups)
+    shared = {kind: max(share_seconds(model, [n * share_bytes for n in parts], design, backend, share_bytes)
+                        for parts in groups)
               for kind, groups in member_parts(layers, world, fraction).items()}
     counts = 0.0
     if factor_bytes != FP32 and world > 1:
@@ -375,9 +405,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         for handle in handles:
             hvd.synchronize(handle)
 
+    overlaps, chunk = chunk_overlaps(parts)
+    chunk_buffer = torch.zeros(chunk)
+
     def one_collective() -> None:  # the sharing now: kfac's share_by for these parts
-        if share_by(parts) == "allgather":
+        rule = share_by(parts)
+        if rule == "allgather":
             hvd.synchronize(hvd.allgather_async(mine, name="kfac.decompositions"))
+        elif rule == "scatter":
+            splits = torch.tensor(overlaps[rank], dtype=torch.int32)
+            hvd.synchronize(hvd.alltoall_async(mine, splits=splits, name="kfac.decompositions"))
+            hvd.synchronize(hvd.allgather_async(chunk_buffer, name="kfac.decompositions.chunks"))
         else:
             hvd.synchronize(hvd.allreduce_async_(gathered.view(torch.int32), name="kfac.decompositions",
                                                  op=hvd.Sum))

@@ -1,9 +1,10 @@
 """The collectives K-FAC needs, for one process or for a Horovod job.
 
 Two kinds of operation, all asynchronous: a sum-allreduce over all ranks (the factor statistics,
-started during backward), and inside a group of ranks an allgather or a sum-allreduce (each member's
-decompositions, or its preconditioned gradients, to every other member: one collective per group and
-phase, whatever the group's size; the preconditioner picks which by the payloads' balance). Groups
+started during backward), and inside a group of ranks an allgather, a sum-allreduce, or an alltoall
+followed by an allgather of equal chunks (each member's decompositions, or its preconditioned
+gradients, to every other member: one or two collectives per group and phase, whatever the group's
+size; the preconditioner picks which by the payloads' balance). Groups
 come from :meth:`Communicator.groups`, which every rank calls with the same partition of the ranks
 at construction time. Every rank issues its collectives in the same order, which NCCL requires and
 Horovod tolerates.
@@ -50,6 +51,17 @@ class Group(ABC):
     def wait_sum(self, handle: Handle) -> Tensor:
         """Finish a group allreduce and return the summed tensor."""
 
+    @abstractmethod
+    def alltoall_async(self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                       name: str) -> Handle:
+        """Start an alltoallv: this rank sends the next ``send_splits[j]`` elements of its 1-D ``tensor`` to
+        member j and receives ``recv_splits[k]`` elements from member k (both in group order, zero allowed,
+        known beforehand: no sizes travel)."""
+
+    @abstractmethod
+    def wait_alltoall(self, handle: Handle) -> Tensor:
+        """Finish an alltoallv: what every member sent this rank, concatenated in group order."""
+
 
 class Communicator(ABC):
     rank: int = 0
@@ -83,6 +95,13 @@ class _SoloGroup(Group):
         return tensor
 
     def wait_sum(self, handle: Handle) -> Tensor:
+        return handle
+
+    def alltoall_async(self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                       name: str) -> Handle:
+        return tensor
+
+    def wait_alltoall(self, handle: Handle) -> Tensor:
         return handle
 
 
@@ -128,6 +147,21 @@ class _HorovodGroup(Group):
         self._hvd.synchronize(hvd_handle)
         return tensor
 
+    def alltoall_async(self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                       name: str) -> Handle:
+        # bfloat16 travels as its int16 bits, as in the allgather; the splits are element counts along dim 0.
+        bits = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+        splits = torch.tensor(list(send_splits), dtype=torch.int32)
+        hvd_handle = self._hvd.alltoall_async(bits, splits=splits, name=name, process_set=self._process_set)
+        return hvd_handle, sum(recv_splits), tensor.dtype
+
+    def wait_alltoall(self, handle: Handle) -> Tensor:
+        hvd_handle, expected, dtype = handle
+        output, _received_splits = self._hvd.synchronize(hvd_handle)
+        if output.numel() != expected:
+            raise RuntimeError(f"alltoall received {output.numel()} elements, the splits promised {expected}")
+        return output.view(dtype)
+
 
 class _MpiGroup(Group):
     """A group as an mpi4py sub-communicator; tensors go through host memory."""
@@ -163,6 +197,22 @@ class _MpiGroup(Group):
         if host is not tensor:
             tensor.copy_(host)
         return tensor
+
+    def alltoall_async(self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                       name: str) -> Handle:
+        host = tensor.detach().contiguous().cpu()
+        out = torch.empty(sum(recv_splits), dtype=host.dtype)
+        if host.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same bits as int16
+            send, recv = host.view(torch.int16).numpy(), out.view(torch.int16).numpy()
+        else:
+            send, recv = host.numpy(), out.numpy()
+        request = self._comm.Ialltoallv((send, list(send_splits)), (recv, list(recv_splits)))
+        return request, out, tensor.device
+
+    def wait_alltoall(self, handle: Handle) -> Tensor:
+        request, out, device = handle
+        request.Wait()
+        return out.to(device)
 
 
 class HorovodCommunicator(Communicator):
@@ -231,6 +281,26 @@ def default_communicator() -> Communicator:
     if hvd.size() == 1:
         return SingleProcess()
     return HorovodCommunicator(hvd)
+
+
+def chunk_overlaps(sizes: Sequence[int]) -> tuple[list[list[int]], int]:
+    """How members' parts meet equal chunks: (``overlaps[i][j]``, the elements of member i's part in chunk j; C).
+
+    The parts, concatenated in member order (T elements), are cut into W = len(sizes) chunks of
+    C = ceil(T / W) elements; chunk j is elements [j·C, (j+1)·C) of the total, so the last chunks are
+    shorter or empty (their holders pad them with zeros to C). Row i is what member i sends to each
+    member in the alltoall that hands member j chunk j; column j is what member j receives from each.
+    """
+    width = len(sizes)
+    total = sum(sizes)
+    chunk = -(-total // width) if width else 0
+    overlaps: list[list[int]] = []
+    start = 0
+    for size in sizes:
+        end = start + size
+        overlaps.append([max(0, min(end, (j + 1) * chunk) - max(start, j * chunk)) for j in range(width)])
+        start = end
+    return overlaps, chunk
 
 
 def tensors_to_buffer(tensors: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work, auto_fraction
 from kfac.capture import LayerCapture
-from kfac.comm import Communicator, buffer_to_tensors, default_communicator, tensors_to_buffer
+from kfac.comm import Communicator, buffer_to_tensors, chunk_overlaps, default_communicator, tensors_to_buffer
 from kfac.decompose import EigenJob, Recoveries, Results, decompose_eigen
 from kfac.factors import BatchStatistics, masked_running_averages, upper_size
 from kfac.layers import KFACLayer, SkipSpec, find_layers
@@ -193,7 +193,8 @@ class KFACPreconditioner:
         # Host seconds per phase (PHASES), for the trainer's step breakdown and benchmarks; on a GPU the
         # time to launch the work, not to finish it, unless the caller synchronises.
         self.timings: dict[str, float] = defaultdict(float)
-        # Collectives issued, by kind ("kfac.factors", "kfac.decompositions", "kfac.directions").
+        # Collectives issued, by kind ("kfac.factors", "kfac.decompositions", "kfac.directions"); a share by
+        # scatter is two (an alltoall, then an allgather).
         self.collectives: dict[str, int] = defaultdict(int)
         self._open_phases: list[float] = []  # per open phase, the seconds of the phases nested in it
         # Decompositions that needed a recovery, by kind (solve.RECOVERIES), on the rank that computed them.
@@ -723,7 +724,7 @@ class KFACPreconditioner:
         return cached[1]
 
     def _share_directions(self, grads: dict[int, Tensor], directions: dict[int, Tensor]) -> None:
-        """Each layer's grad worker in this receiver block sends its direction to the block (one allgather)."""
+        """Each layer's grad worker in this receiver block sends its direction to the block (one share)."""
         block = self._receiver_block
         if len(block.ranks) == 1 or not self.layers:
             return
@@ -739,17 +740,20 @@ class KFACPreconditioner:
                 directions[i] = tensor
 
     def _gather_from_each(self, group: Any, name: str, payloads: dict[int, tuple]) -> dict[int, list[Tensor]]:
-        """Every member of ``group`` sends its tensors to the others in one collective; returns what each sent.
+        """Every member of ``group`` sends its tensors to the others in one collective (or scatter's two);
+        returns what each sent.
 
         ``payloads[member]`` is (shapes, this rank's tensors if it is the member else None, dtype);
         the shapes are known on every rank, so a member with nothing to send adds nothing to the
         payload. With ``comm_dtype`` set the payload travels in that precision and is widened back to
-        ``dtype`` on arrival. The collective is an allgather when the members' payloads are balanced;
-        when a few members own most of it (ResNet-50's 54 layers on 1,024 ranks), an allgather, whose
-        ring carries the largest part through every hop, costs up to W times more than needed, so each
-        member writes its part into its own slot of a zeroed buffer and the group sums it as int32 words
-        (one nonzero word plus zeros is that word: exact for every dtype), at twice the bytes of a
-        balanced allgather.
+        ``dtype`` on arrival. :func:`share_by` picks how. An allgather when the members' payloads are
+        balanced; when a few members own most of it (ResNet-50's 54 layers on 1,024 ranks), an allgather,
+        whose ring carries the largest part through every hop, costs up to W times more than needed, so
+        either each member writes its part into its own slot of a zeroed buffer and the group sums it as
+        int32 words (one nonzero word plus zeros is that word: exact for every dtype), at twice the bytes
+        of a balanced allgather, or (scatter) an alltoall hands member j the j-th of W equal chunks of the
+        concatenated payload and an allgather of the chunks gives everyone all of it: max + Σ bytes a link
+        for two collectives. All three only move bits, so they give the same result bit for bit.
         """
         device = self.layers[0].device
         dtype = next(iter(payloads.values()))[2]
@@ -757,18 +761,24 @@ class KFACPreconditioner:
         sizes = [sum(torch.Size(shape).numel() for shape in payloads[m][0]) for m in group.ranks]
         shapes, tensors, _ = payloads[self.comm.rank]
         mine = tensors_to_buffer(tensors, wire, device) if shapes else torch.empty(0, dtype=wire, device=device)
+        rule = share_by(sizes, self.share_rule)
+        me = group.ranks.index(self.comm.rank)
         with self._timed("sharing"):
-            if share_by(sizes, self.share_rule) == "allgather":
+            if rule == "allgather":
                 parts = group.wait_gathered(group.allgather_async(mine, sizes, name))
-            else:
+            elif rule == "sum":
                 total = sum(sizes)
                 words = -(-total * mine.element_size() // 4)  # the payload as whole int32 words
                 slots = torch.zeros(words * 4 // mine.element_size(), dtype=wire, device=device)
-                start = sum(sizes[: group.ranks.index(self.comm.rank)])
+                start = sum(sizes[:me])
                 slots[start : start + mine.numel()] = mine
                 summed = group.wait_sum(group.allreduce_sum_async(slots.view(torch.int32), name))
                 parts = list(summed.view(wire)[:total].split(sizes))
-        self.collectives[name] += 1
+            elif rule == "scatter":
+                parts = _scatter_then_gather(group, mine, sizes, me, name)
+            else:
+                raise ValueError(f"unknown sharing rule {rule!r}")
+        self.collectives[name] += 1 if rule != "scatter" else 2 if sum(sizes) else 0
         received = {}
         for member, part in zip(group.ranks, parts, strict=True):
             member_shapes = payloads[member][0]
@@ -792,15 +802,45 @@ class KFACPreconditioner:
                 self._open_phases[-1] += elapsed
 
 
-def share_by(sizes: Sequence[int], rule: str = "auto") -> str:
-    """'allgather' or 'sum' for parts of these sizes (the same answer on every rank).
+SHARING_RULES = ("allgather", "sum", "scatter")
+# What scatter's second collective costs beyond its bytes (a launch, Horovod's negotiation), in elements a link
+# carries meanwhile: scatter is picked only where it saves more than this (256 KiB of fp32) over the others.
+SCATTER_OVERHEAD_ELEMENTS = 1 << 16
 
-    A ring allgather(v) moves the largest part through each of the W-1 hops, W·max bytes a link; a sum
-    of zero-padded slots moves 2·Σ bytes. ``rule`` 'auto' takes the cheaper; 'allgather' or 'sum' force one.
+
+def share_by(sizes: Sequence[int], rule: str = "auto") -> str:
+    """'allgather', 'sum' or 'scatter' for parts of these sizes (elements; the same answer on every rank).
+
+    Elements a link carries, W members: a ring allgather(v) moves the largest part through each of the
+    W-1 hops, W·max; a sum of zero-padded slots, 2·Σ; scatter (an alltoall to W equal chunks, then an
+    allgather of the chunks), max + Σ plus SCATTER_OVERHEAD_ELEMENTS for its second collective. ``rule``
+    'auto' takes the cheapest (a tie goes to the one collective, allgather before sum); any of
+    SHARING_RULES forces it.
     """
     if rule != "auto":
+        if rule not in SHARING_RULES:
+            raise ValueError(f"rule must be 'auto' or one of {SHARING_RULES}, got {rule!r}")
         return rule
-    return "allgather" if len(sizes) * max(sizes, default=0) <= 2 * sum(sizes) else "sum"
+    largest, total = max(sizes, default=0), sum(sizes)
+    costs = {"allgather": len(sizes) * largest, "sum": 2 * total,
+             "scatter": largest + total + SCATTER_OVERHEAD_ELEMENTS}
+    return min(costs, key=lambda kind: costs[kind])  # the first of equals: dicts keep their order
+
+
+def _scatter_then_gather(group: Any, mine: Tensor, sizes: Sequence[int], me: int, name: str) -> list[Tensor]:
+    """Every member's part on every member (member ``me`` sends ``mine``): an alltoall hands member j the
+    j-th of W equal chunks of the concatenated parts (chunk_overlaps), an allgather of the chunks, padded
+    with zeros to equal length, brings them all to everyone, who cuts the parts back out."""
+    overlaps, chunk = chunk_overlaps(sizes)
+    total = sum(sizes)
+    if total == 0:  # every member knows the sizes: nothing travels
+        return [mine.new_empty(0) for _ in sizes]
+    received = group.wait_alltoall(group.alltoall_async(mine, overlaps[me], [row[me] for row in overlaps], name))
+    padded = mine.new_zeros(chunk)
+    padded[: received.numel()] = received
+    # A name of its own: Horovod keys its negotiation cache by name, and the alltoall's differs in kind.
+    chunks = group.wait_gathered(group.allgather_async(padded, [chunk] * len(sizes), f"{name}.chunks"))
+    return list(torch.cat(chunks)[:total].split(list(sizes)))
 
 
 def examples_per_pass(total: int, rank: int, world: int, passes: int) -> list[int]:

@@ -10,7 +10,8 @@ same order, for every group of a partition, including those it is not in.
 :meth:`TorchCommunicator.groups` does so and keeps them for later preconditioners of the job.
 
 Gloo and NCCL gather equal lengths only, so an allgather of members' tensors of different sizes
-pads each to the longest, gathers, and slices every member's own length back out.
+pads each to the longest, gathers, and slices every member's own length back out. Their alltoall
+(``all_to_all_single``) takes uneven splits, as an MPI alltoallv does.
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ class _TorchGroup(Group):
         work, tensor = handle
         work.wait()
         return tensor
+
+    def alltoall_async(self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                       name: str) -> Handle:
+        out = tensor.new_empty(sum(recv_splits))
+        work = dist.all_to_all_single(out, tensor.reshape(-1).contiguous(), list(recv_splits), list(send_splits),
+                                      group=self._group, async_op=True)
+        return work, out
+
+    def wait_alltoall(self, handle: Handle) -> Tensor:
+        work, out = handle
+        work.wait()
+        return out
 
 
 class TorchCommunicator(Communicator):

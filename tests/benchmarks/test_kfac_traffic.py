@@ -27,7 +27,8 @@ def traffic() -> ModuleType:
 
 
 class LoopbackGroup(Group):
-    """This rank's group: a gather returns zeros for the other members' parts, a sum changes nothing."""
+    """This rank's group: a gather returns zeros for the other members' parts, a sum changes nothing, an alltoall
+    brings zeros."""
 
     def __init__(self, ranks: Sequence[int], rank: int) -> None:
         super().__init__(ranks)
@@ -43,6 +44,13 @@ class LoopbackGroup(Group):
         return tensor
 
     def wait_sum(self, handle: Handle) -> torch.Tensor:
+        return handle
+
+    def alltoall_async(self, tensor: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                       name: str) -> Handle:
+        return tensor.new_zeros(sum(recv_splits))
+
+    def wait_alltoall(self, handle: Handle) -> torch.Tensor:
         return handle
 
 
@@ -95,12 +103,17 @@ def test_at_scale_the_ring_terms_follow_the_alpha_beta_model(traffic: ModuleType
     # the gradients' ring: the bandwidth term hardly grows, the latency term does
     assert large["gradients"] > small["gradients"]
     assert large["gradients"] < 2 * small["gradients"]
-    # ResNet-50's 54 layers on 1,024 ranks: a few owners, so one sum of zero-padded slots beats both the broadcasts
-    # (NCCL's ring broadcast pays W-1 hop latencies for each of the 1,024 members) and a ring allgatherv
+    # ResNet-50's 54 layers on 1,024 ranks: a few owners, so scatter (an alltoall to equal chunks, then their ring
+    # allgather) beats the broadcasts (NCCL's ring broadcast pays W-1 hop latencies for each of the 1,024 members),
+    # a ring allgatherv and the sum of zero-padded slots
     old = traffic.step_seconds(net, layers, 1024, 1.0, 1, 1, "broadcasts", "nccl")
     assert large["decompositions"] < old["decompositions"] / 5
-    assert large["decompositions"] == pytest.approx(net.ring_seconds(sum(
-        traffic.member_parts(layers, 1024, 1.0)["decompositions"][0]) * 4, 1024))
+    parts = traffic.member_parts(layers, 1024, 1.0)["decompositions"][0]
+    assert traffic.share_by(parts) == "scatter"
+    chunk = -(-sum(parts) // 1024) * 4
+    assert large["decompositions"] == pytest.approx(
+        1023 * net.alpha + max(parts) * 4 / net.bandwidth + 1023 * (net.alpha + chunk / net.bandwidth))
+    assert large["decompositions"] < net.ring_seconds(sum(parts) * 4, 1024)
 
 
 def test_share_seconds_price_each_design_as_its_algorithm(traffic: ModuleType) -> None:
@@ -108,6 +121,17 @@ def test_share_seconds_price_each_design_as_its_algorithm(traffic: ModuleType) -
     balanced, lopsided = [1e6] * 4, [4e6, 0, 0, 0]
     assert traffic.share_seconds(net, balanced, "one collective") == pytest.approx(3 * (10e-6 + 1e-3))  # ring gather
     assert traffic.share_seconds(net, lopsided, "one collective") == pytest.approx(net.ring_seconds(4e6, 4))  # sum
+    # two large owners of eight: scatter, a pairwise alltoall (the largest part leaves its owner) then a ring
+    # allgather of eight equal chunks of Σ / 8
+    two = [4e6, 4e6, 0, 0, 0, 0, 0, 0]
+    assert traffic.share_seconds(net, two, "one collective") == pytest.approx(7 * 10e-6 + 4e6 / 1e9
+                                                                               + 7 * (10e-6 + 1e6 / 1e9))
+    # share_by decides in elements: 100 kB parts are 25 Ki fp32 elements (too few to pay for scatter's second
+    # collective: the sum) but 50 Ki bfloat16 ones (scatter)
+    small = [1e5, 1e5, 0, 0, 0, 0, 0, 0]
+    assert traffic.share_seconds(net, small, "one collective") == pytest.approx(net.ring_seconds(2e5, 8))
+    assert traffic.share_seconds(net, small, "one collective", element_bytes=2) == pytest.approx(
+        7 * 10e-6 + 1e5 / 1e9 + 7 * (10e-6 + 2.5e4 / 1e9))
     # broadcasts: one per member, a member with nothing still sends one number
     assert traffic.share_seconds(net, lopsided, "broadcasts", "nccl") == pytest.approx(
         4 * 3 * 10e-6 + (4e6 + 3 * 4) / 1e9)

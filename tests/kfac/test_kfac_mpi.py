@@ -506,6 +506,80 @@ def test_groups_gather_what_mpi_allgatherv_gathers(monkeypatch: pytest.MonkeyPat
     assert_all_ranks(not problems, "; ".join(problems))
 
 
+def _alltoall_splits(size: int) -> list[list[int]]:
+    """splits[r][j]: what rank r sends rank j; uneven, some zero, and rank 1 sends nothing at all."""
+    return [[0 if r == 1 else (r + 2 * j) % 3 for j in range(size)] for r in range(size)]
+
+
+@needs_horovod
+def test_groups_exchange_what_mpi_alltoallv_exchanges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both group kinds (Horovod process sets, mpi4py sub-communicators) against MPI's own Alltoallv, with a
+    member that sends nothing and a bfloat16 payload."""
+    from mpi4py import MPI
+
+    hvd = _horovod()
+    rank, size = hvd.rank(), hvd.size()
+    from kfac.comm import HorovodCommunicator as Comm
+
+    splits = _alltoall_splits(size)
+    send, recv = splits[rank], [splits[k][rank] for k in range(size)]
+    mine = torch.arange(sum(send), dtype=torch.float64) + 100 * rank
+    want = torch.zeros(sum(recv), dtype=torch.float64)
+    MPI.COMM_WORLD.Alltoallv((mine.numpy(), send), (want.numpy(), recv))
+    problems = []
+    for kind in ("horovod", "mpi4py"):
+        with monkeypatch.context() as patch:
+            if kind == "mpi4py":
+                patch.setattr(Comm, "_process_sets", lambda self, partition: None)
+                group = Comm(hvd)._mpi_group([tuple(range(size))], tuple(range(size)))
+            else:
+                group = Comm(hvd).groups([tuple(range(size))])
+            for dtype in (torch.float64, torch.bfloat16):
+                got = group.wait_alltoall(group.alltoall_async(mine.to(dtype), send, recv,
+                                                               f"test.alltoall.{kind}.{dtype}"))
+                if got.dtype != dtype or not torch.equal(got, want.to(dtype)):
+                    problems.append(f"{kind} {dtype}: {got.tolist()} != {want.tolist()}")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+def _payload(member: int, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """What ``member`` sends, known on every rank (seeded by the member): no two elements alike."""
+    g = torch.Generator().manual_seed(7 + member)
+    return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for shape in shapes]
+
+
+def test_every_sharing_rule_moves_the_same_bits(dp: DataParallel) -> None:
+    """_gather_from_each by allgather, sum and scatter hands every rank exactly what each member sent (through the
+    wire's precision), for fp64, fp32 and a bfloat16 wire, with members that send nothing, a total below the
+    group's size and one dominant member; scatter counts as two collectives."""
+    size, rank = dp.size, dp.rank
+    pre = KFACPreconditioner(_model(), communicator=dp.communicator(), skip_layers=["extra"], **SETTINGS)
+    group = pre.comm.groups([tuple(range(size))])
+    layouts = {
+        "uneven": {m: [] if m == 1 else [(m + 1, 3), (2,)] for m in range(size)},
+        "total below W": {m: [(1,)] if m == 0 else [] for m in range(size)},
+        "one dominant": {m: [(40, 7), (3,)] if m == size - 1 else [(1,)] if m == 0 else [] for m in range(size)},
+    }
+    problems = []
+    for dtype, wire in ((torch.float64, None), (torch.float32, None), (torch.float32, torch.bfloat16)):
+        pre.comm_dtype = wire
+        for label, shapes in layouts.items():
+            sent = {m: _payload(m, shapes[m], dtype) for m in range(size)}
+            want = {m: [t.to(wire or dtype).to(dtype) for t in sent[m]] for m in range(size)}
+            payloads = {m: (shapes[m], sent[m] if m == rank else None, dtype) for m in range(size)}
+            for rule in ("allgather", "sum", "scatter"):
+                pre.share_rule = rule
+                before = pre.collectives["test.share"]
+                got = pre._gather_from_each(group, "test.share", payloads)
+                issued = pre.collectives["test.share"] - before
+                same = all(len(got[m]) == len(want[m]) and all(
+                    g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+                    for g, w in zip(got[m], want[m], strict=True)) for m in range(size))
+                if not same or issued != (2 if rule == "scatter" else 1):
+                    problems.append(f"{dtype} wire {wire} {label} {rule}: equal {same}, {issued} collectives")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
 def test_factor_examples_on_n_ranks_equal_one_rank_accumulating_n_passes(dp: DataParallel) -> None:
     """factor_examples is the step's budget over ranks and passes: N ranks taking their shares equal one process
     whose N accumulated passes are the N ranks' shards (the shares of 6 on 4 ranks: 2, 2, 1, 1)."""
@@ -528,12 +602,12 @@ def test_factor_examples_on_n_ranks_equal_one_rank_accumulating_n_passes(dp: Dat
                      f"against one process with {size} passes: {err:.1e}; against all examples: {differs:.1e}")
 
 
-@pytest.mark.parametrize("rule", ["allgather", "sum"])
+@pytest.mark.parametrize("rule", ["allgather", "sum", "scatter"])
 def test_both_sharing_collectives_equal_the_broadcasts_bit_for_bit(rule: str, dp: DataParallel,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decompositions (every fraction) and preconditioned gradients (fraction < 1), shared by one collective per
-    group, the zero-padded sum (for unbalanced parts) or the allgather, give exactly the parameters that one MPI
-    broadcast per group member gives (fp64)."""
+    """Decompositions (every fraction) and preconditioned gradients (fraction < 1), shared per group by the
+    allgather, the zero-padded sum or scatter (an alltoall then an allgather of equal chunks), give exactly the
+    parameters that one MPI broadcast per group member gives (fp64)."""
     problems = []
     for fraction in _fractions(dp.size):
         with monkeypatch.context() as patch:
@@ -557,9 +631,21 @@ def _with_rule(init, rule: str):
 
 
 def test_share_by_takes_the_cheaper_collective() -> None:
+    from kfac.preconditioner import SCATTER_OVERHEAD_ELEMENTS as extra
     from kfac.preconditioner import share_by
 
     assert share_by([10, 10, 10, 10]) == "allgather"  # balanced: W·max = Σ
     assert share_by([100, 0, 0, 0]) == "sum"  # one owner: W·max = 4Σ > 2Σ
     assert share_by([10, 10, 0, 0]) == "allgather"  # W·max = 2Σ: a tie goes to the gather
     assert share_by([100, 0, 0, 0], "allgather") == "allgather"
+    assert share_by([0, 0, 0, 0]) == "allgather"  # nothing to share: the gather sends nothing
+    # a few large owners: max + Σ beats 2Σ and W·max once the saving pays for scatter's second collective
+    big = 4 * extra
+    assert share_by([big, big, 0, 0, 0, 0, 0, 0]) == "scatter"  # 8·big, 4·big, 3·big + extra
+    assert share_by([100, 100, 0, 0, 0, 0, 0, 0]) == "sum"  # too small to pay for a second collective
+    assert share_by([big, extra - 1, 0, 0, 0, 0, 0, 0]) == "sum"  # saves Σ - max < extra over the sum
+    assert share_by([big, extra + 1, 0, 0, 0, 0, 0, 0]) == "scatter"
+    assert share_by([big] * 8) == "allgather"  # balanced: W·max = Σ < max + Σ
+    assert share_by([1, 0], "scatter") == "scatter"
+    with pytest.raises(ValueError, match="rule"):
+        share_by([1, 0], "reduce")

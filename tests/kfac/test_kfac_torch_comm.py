@@ -67,3 +67,19 @@ def test_nothing_to_gather_is_no_collective(comm) -> None:
     group = comm.groups([tuple(range(comm.size))])
     got = group.wait_gathered(group.allgather_async(torch.empty(0), [0] * comm.size, "none"))
     assert_all_ranks([g.numel() for g in got] == [0] * comm.size)
+
+
+def test_alltoall_of_uneven_splits_equals_mpi_alltoallv(comm) -> None:
+    """Splits differ by pair, some are zero and rank 1 sends nothing at all; bfloat16 too (Gloo's all_to_all)."""
+    splits = [[0 if r == 1 else (r + 2 * j) % 3 for j in range(comm.size)] for r in range(comm.size)]
+    send, recv = splits[comm.rank], [splits[k][comm.rank] for k in range(comm.size)]
+    mine = torch.arange(sum(send), dtype=torch.float64) + 100 * comm.rank
+    want = np.zeros(sum(recv))
+    mpi().Alltoallv((mine.numpy(), send), (want, recv))
+    group = comm.groups([tuple(range(comm.size))])
+    problems = []
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        got = group.wait_alltoall(group.alltoall_async(mine.to(dtype), send, recv, "a"))
+        if got.dtype != dtype or not torch.equal(got, torch.from_numpy(want).to(dtype)):
+            problems.append(f"{dtype}: {got.tolist()} != {want.tolist()}")
+    assert_all_ranks(not problems, "; ".join(problems))
