@@ -126,12 +126,12 @@ def test_share_seconds_price_each_design_as_its_algorithm(traffic: ModuleType) -
     two = [4e6, 4e6, 0, 0, 0, 0, 0, 0]
     assert traffic.share_seconds(net, two, "one collective") == pytest.approx(7 * 10e-6 + 4e6 / 1e9
                                                                                + 7 * (10e-6 + 1e6 / 1e9))
-    # share_by decides in elements: 100 kB parts are 25 Ki fp32 elements (too few to pay for scatter's second
-    # collective: the sum) but 50 Ki bfloat16 ones (scatter)
-    small = [1e5, 1e5, 0, 0, 0, 0, 0, 0]
-    assert traffic.share_seconds(net, small, "one collective") == pytest.approx(net.ring_seconds(2e5, 8))
+    # share_by decides in elements: two 200 kB parts are 50,000 fp32 elements each (scatter would save fewer than
+    # SCATTER_OVERHEAD_ELEMENTS over the sum) but 100,000 bfloat16 ones (it saves more)
+    small = [2e5, 2e5, 0, 0, 0, 0, 0, 0]
+    assert traffic.share_seconds(net, small, "one collective") == pytest.approx(net.ring_seconds(4e5, 8))
     assert traffic.share_seconds(net, small, "one collective", element_bytes=2) == pytest.approx(
-        7 * 10e-6 + 1e5 / 1e9 + 7 * (10e-6 + 2.5e4 / 1e9))
+        7 * 10e-6 + 2e5 / 1e9 + 7 * (10e-6 + 5e4 / 1e9))
     # broadcasts: one per member, a member with nothing still sends one number
     assert traffic.share_seconds(net, lopsided, "broadcasts", "nccl") == pytest.approx(
         4 * 3 * 10e-6 + (4e6 + 3 * 4) / 1e9)
