@@ -199,8 +199,8 @@ def test_conv_reduce_matches_dense_solve(conv_bias: bool) -> None:
     model = _model("conv", conv_bias=conv_bias)
     x, y = _data("conv", 5, seed=3)
     factors = reference_factors(model, x, y, conv="reduce")
+    expand = reference_factors(model, x, y)  # before K-FAC's hooks are on the model
     raw, pre = _precondition_once(model, x, y, damping=0.01, conv_approximation="reduce")
-    expand = reference_factors(model, x, y)
     for i, layer in enumerate(pre.layers):
         big_a, big_g = factors[layer.name]
         assert rel_err(pre.a_factors[i], big_a) < TOL, layer.name
