@@ -170,13 +170,18 @@ class _MpiGroup(Group):
         super().__init__(ranks)
         self._comm = comm
 
-    def allgather_async(self, tensor: Tensor, sizes: Sequence[int], name: str) -> Handle:
+    @staticmethod
+    def _host_buffers(tensor: Tensor, received: int) -> tuple[Any, Any, Tensor]:
+        """numpy views to send ``tensor`` and receive ``received`` elements of its dtype, and the receiving
+        tensor; numpy has no bfloat16, so bf16 moves as the same bits in int16."""
         host = tensor.detach().contiguous().cpu()
-        out = torch.empty(sum(sizes), dtype=host.dtype)
-        if host.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same bits as int16
-            send, recv = host.view(torch.int16).numpy(), out.view(torch.int16).numpy()
-        else:
-            send, recv = host.numpy(), out.numpy()
+        out = torch.empty(received, dtype=host.dtype)
+        if host.dtype == torch.bfloat16:
+            return host.view(torch.int16).numpy(), out.view(torch.int16).numpy(), out
+        return host.numpy(), out.numpy(), out
+
+    def allgather_async(self, tensor: Tensor, sizes: Sequence[int], name: str) -> Handle:
+        send, recv, out = self._host_buffers(tensor, sum(sizes))
         request = self._comm.Iallgatherv(send, (recv, list(sizes)))
         return request, out, list(sizes), tensor.device
 
@@ -200,12 +205,7 @@ class _MpiGroup(Group):
 
     def alltoall_async(self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                        name: str) -> Handle:
-        host = tensor.detach().contiguous().cpu()
-        out = torch.empty(sum(recv_splits), dtype=host.dtype)
-        if host.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same bits as int16
-            send, recv = host.view(torch.int16).numpy(), out.view(torch.int16).numpy()
-        else:
-            send, recv = host.numpy(), out.numpy()
+        send, recv, out = self._host_buffers(tensor, sum(recv_splits))
         request = self._comm.Ialltoallv((send, list(send_splits)), (recv, list(recv_splits)))
         return request, out, tensor.device
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 # it when it starts), so K-FAC uses Horovod process sets for its rank groups; without it K-FAC falls
 # back to mpi4py sub-communicators, tested below as well.
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -475,6 +476,18 @@ def test_bf16_factor_sums_carry_counts_bf16_cannot_hold() -> None:
     assert_all_ranks(not problems, "; ".join(problems))
 
 
+def _world_groups(hvd: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Any]]:
+    """The whole world as each kind of K-FAC group under Horovod: a process set, and an mpi4py sub-communicator
+    (what K-FAC falls back to without dynamic process sets)."""
+    from kfac.comm import HorovodCommunicator as Comm
+
+    world = tuple(range(hvd.size()))
+    yield "horovod", Comm(hvd).groups([world])
+    with monkeypatch.context() as patch:
+        patch.setattr(Comm, "_process_sets", lambda self, partition: None)
+        yield "mpi4py", Comm(hvd)._mpi_group([world], world)
+
+
 @needs_horovod
 def test_groups_gather_what_mpi_allgatherv_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both group kinds (Horovod process sets, mpi4py sub-communicators) against MPI's own Allgatherv, with a
@@ -483,7 +496,6 @@ def test_groups_gather_what_mpi_allgatherv_gathers(monkeypatch: pytest.MonkeyPat
 
     hvd = _horovod()
     rank, size = hvd.rank(), hvd.size()
-    from kfac.comm import HorovodCommunicator as Comm
 
     sizes = [0 if r == 1 else r + 2 for r in range(size)]
     mine = torch.arange(sizes[rank], dtype=torch.float64) + 100 * rank
@@ -491,18 +503,12 @@ def test_groups_gather_what_mpi_allgatherv_gathers(monkeypatch: pytest.MonkeyPat
     want = torch.zeros(sum(sizes), dtype=torch.float64)
     MPI.COMM_WORLD.Allgatherv(mine.numpy(), (want.numpy(), counts))
     problems = []
-    for kind in ("horovod", "mpi4py"):
-        with monkeypatch.context() as patch:
-            if kind == "mpi4py":
-                patch.setattr(Comm, "_process_sets", lambda self, partition: None)
-                group = Comm(hvd)._mpi_group([tuple(range(size))], tuple(range(size)))
-            else:
-                group = Comm(hvd).groups([tuple(range(size))])
-            for dtype in (torch.float64, torch.bfloat16):
-                parts = group.wait_gathered(group.allgather_async(mine.to(dtype), sizes, f"test.gather.{kind}.{dtype}"))
-                got = torch.cat(parts).to(torch.float64)
-                if [p.numel() for p in parts] != sizes or not torch.equal(got, want.to(dtype).to(torch.float64)):
-                    problems.append(f"{kind} {dtype}: {got.tolist()} != {want.tolist()}")
+    for kind, group in _world_groups(hvd, monkeypatch):
+        for dtype in (torch.float64, torch.bfloat16):
+            parts = group.wait_gathered(group.allgather_async(mine.to(dtype), sizes, f"test.gather.{kind}.{dtype}"))
+            got = torch.cat(parts).to(torch.float64)
+            if [p.numel() for p in parts] != sizes or not torch.equal(got, want.to(dtype).to(torch.float64)):
+                problems.append(f"{kind} {dtype}: {got.tolist()} != {want.tolist()}")
     assert_all_ranks(not problems, "; ".join(problems))
 
 
@@ -519,7 +525,6 @@ def test_groups_exchange_what_mpi_alltoallv_exchanges(monkeypatch: pytest.Monkey
 
     hvd = _horovod()
     rank, size = hvd.rank(), hvd.size()
-    from kfac.comm import HorovodCommunicator as Comm
 
     splits = _alltoall_splits(size)
     send, recv = splits[rank], [splits[k][rank] for k in range(size)]
@@ -527,18 +532,12 @@ def test_groups_exchange_what_mpi_alltoallv_exchanges(monkeypatch: pytest.Monkey
     want = torch.zeros(sum(recv), dtype=torch.float64)
     MPI.COMM_WORLD.Alltoallv((mine.numpy(), send), (want.numpy(), recv))
     problems = []
-    for kind in ("horovod", "mpi4py"):
-        with monkeypatch.context() as patch:
-            if kind == "mpi4py":
-                patch.setattr(Comm, "_process_sets", lambda self, partition: None)
-                group = Comm(hvd)._mpi_group([tuple(range(size))], tuple(range(size)))
-            else:
-                group = Comm(hvd).groups([tuple(range(size))])
-            for dtype in (torch.float64, torch.bfloat16):
-                got = group.wait_alltoall(group.alltoall_async(mine.to(dtype), send, recv,
-                                                               f"test.alltoall.{kind}.{dtype}"))
-                if got.dtype != dtype or not torch.equal(got, want.to(dtype)):
-                    problems.append(f"{kind} {dtype}: {got.tolist()} != {want.tolist()}")
+    for kind, group in _world_groups(hvd, monkeypatch):
+        for dtype in (torch.float64, torch.bfloat16):
+            got = group.wait_alltoall(group.alltoall_async(mine.to(dtype), send, recv,
+                                                           f"test.alltoall.{kind}.{dtype}"))
+            if got.dtype != dtype or not torch.equal(got, want.to(dtype)):
+                problems.append(f"{kind} {dtype}: {got.tolist()} != {want.tolist()}")
     assert_all_ranks(not problems, "; ".join(problems))
 
 
