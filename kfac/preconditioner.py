@@ -774,11 +774,9 @@ class KFACPreconditioner:
                 slots[start : start + mine.numel()] = mine
                 summed = group.wait_sum(group.allreduce_sum_async(slots.view(torch.int32), name))
                 parts = list(summed.view(wire)[:total].split(sizes))
-            elif rule == "scatter":
+            else:  # scatter: an alltoall and an allgather, or nothing when there is nothing to share
                 parts = _scatter_then_gather(group, mine, sizes, me, name)
-            else:
-                raise ValueError(f"unknown sharing rule {rule!r}")
-        self.collectives[name] += 1 if rule != "scatter" else 2 if sum(sizes) else 0
+        self.collectives[name] += (2 if sum(sizes) else 0) if rule == "scatter" else 1
         received = {}
         for member, part in zip(group.ranks, parts, strict=True):
             member_shapes = payloads[member][0]
