@@ -95,6 +95,10 @@ SMALL_KFAC = dict(factors=10, inverse=100, damping=KFAC_DAMPING, kl_clip=0.001) 
 _PRESET = parse_config(["--kfac-preset", "large-batch"])  # what --kfac-preset large-batch sets
 LARGE_KFAC = dict(factors=_PRESET.kfac_factor_update_freq, inverse=_PRESET.kfac_inv_update_freq,
                   damping=_PRESET.kfac_damping, kl_clip=_PRESET.kfac_kl_clip)
+# What a results file records of the preset it ran (meta["kfac_preset"]), so that its runs stay named by the
+# preset of their time when the preset changes; "fraction" is absent from files of fraction 1's time.
+RECORDED_PRESET = dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum,
+                       fraction=_PRESET.kfac_grad_worker_fraction)
 # What --kfac-preset large-batch set before it took every step's factors from 512 examples (results files
 # without meta["kfac_preset"] were run with it).
 EARLIER_PRESET_FLAGS = ["--kfac", "--kfac-inv-update-freq", "5", "--kfac-factor-update-freq", "5",
@@ -710,41 +714,55 @@ def selected(source: str, read: Callable[[str], dict[str, Any]]) -> list[Outcome
 
 
 def outcomes_of(results: dict[str, Any]) -> list[Outcome]:
-    """The runs of a results file; hpcdl K-FAC runs at other settings than :func:`kfac_settings`'s are
-    named by them (damping, KL clip, decompositions every N steps, a warm-up ramp)."""
+    """The runs of a results file; hpcdl K-FAC runs at other settings than :func:`kfac_settings`'s (or the preset
+    of their time's) are named by them (damping, KL clip, decompositions every N steps, a warm-up ramp)."""
+    recorded = results.get("meta", {}).get("kfac_preset")
     outcomes = []
     for r in results["runs"]:
         command, method = r.get("command", "").split(), r["method"]
         if method == "kfac" and "hpcdl.train" in command:
-            # a file without meta["kfac_preset"] was run in the earlier preset's time: named against it
-            earlier = "kfac_preset" not in results.get("meta", {}) and r["batch"] > 512
+            then = preset_of_their_time(recorded) if r["batch"] > 512 else None
             flags = command
-            if earlier and "large-batch" in command:  # the preset's flag meant the earlier preset's values then
+            if then is not None and "large-batch" in command:  # the preset's flag meant its values of then
                 at = command.index("large-batch")
-                flags = command[:at - 1] + EARLIER_PRESET_FLAGS + command[at + 1:]
-            method = kfac_label(flags, r["batch"], earlier)
+                flags = command[:at - 1] + then + command[at + 1:]
+            method = kfac_label(flags, r["batch"], then, earlier=recorded is None and r["batch"] > 512)
         cell = Cell(method, r["batch"], r["lr"], r["seed"], r.get("warmup"))
         outcomes.append(Outcome(cell, r["returncode"], r["epochs"],
                                 r.get("wall_seconds", 0.0), command, r.get("error", "")))
     return outcomes
 
 
+def preset_of_their_time(recorded: dict[str, Any] | None) -> list[str] | None:
+    """The flags --kfac-preset large-batch stood for when a results file was written (its meta["kfac_preset"];
+    none: the earlier preset's), or None when that is today's preset (or the record is empty)."""
+    if recorded is None:
+        return list(EARLIER_PRESET_FLAGS)
+    values = {**RECORDED_PRESET, "fraction": 1.0, **recorded} if recorded else RECORDED_PRESET
+    if values == RECORDED_PRESET:
+        return None
+    examples = [] if values["factor_examples"] is None else ["--kfac-factor-examples", str(values["factor_examples"])]
+    return ["--kfac", "--kfac-factor-update-freq", str(values["factors"]),
+            "--kfac-inv-update-freq", str(values["inverse"]), "--kfac-damping", repr(values["damping"]),
+            "--kfac-kl-clip", repr(values["kl_clip"]), *examples, "--momentum", repr(values["momentum"]),
+            "--kfac-grad-worker-fraction", str(values["fraction"])]
+
+
 # What a K-FAC run's label names when it differs from the study's own settings for its batch.
-LABELS = {"kfac_factor_examples": "stats of {} examples", "momentum": "momentum {:g}", "kfac_damping": "d {:g}",
-          "kfac_kl_clip": "clip {:g}", "kfac_inv_update_freq": "inv every {:g}",
-          "kfac_factor_update_freq": "factors every {:g}", "kfac_factor_decay": "decay {:g}", "weight_decay": "wd {:g}",
-          "kfac_grad_worker_fraction": "fraction {:g}"}
+LABELS = {"kfac_factor_examples": "stats of {} examples", "momentum": "momentum {}", "kfac_damping": "d {}",
+          "kfac_kl_clip": "clip {}", "kfac_inv_update_freq": "inv every {}",
+          "kfac_factor_update_freq": "factors every {}", "kfac_factor_decay": "decay {}", "weight_decay": "wd {}",
+          "kfac_grad_worker_fraction": "fraction {}"}
 
 
-def kfac_label(command: Sequence[str], batch: int, earlier: bool = False) -> str:
+def kfac_label(command: Sequence[str], batch: int, preset_flags: Sequence[str] | None = None,
+               earlier: bool = False) -> str:
     """"kfac" (or "kfac, earlier preset"), plus what an hpcdl K-FAC run's settings (its command, parsed by
-    hpcdl.train's own parser) have apart from the study's at ``batch``: the preset above 512, the batch-128
-    study's settings up to it, or the earlier preset's (``earlier``)."""
+    hpcdl.train's own parser) have apart from the study's at ``batch``: the preset above 512 (``preset_flags``:
+    what it stood for in the run's time, when not today's), the batch-128 study's settings up to it."""
     config = parse_config(list(command[command.index("hpcdl.train") + 1:]))
-    if earlier:
-        reference_flags = list(EARLIER_PRESET_FLAGS)
-    elif batch > 512:
-        reference_flags = ["--kfac-preset", "large-batch"]
+    if batch > 512:
+        reference_flags = list(preset_flags) if preset_flags is not None else ["--kfac-preset", "large-batch"]
     else:
         small = kfac_settings(batch)
         reference_flags = ["--kfac", "--kfac-factor-update-freq", str(small["factors"]),
@@ -755,7 +773,7 @@ def kfac_label(command: Sequence[str], batch: int, earlier: bool = False) -> str
     for name, text in LABELS.items():
         value = getattr(config, name)
         if value != getattr(reference, name):
-            parts.append(text.format("all" if value is None else value))
+            parts.append(text.format("all" if value is None else value if isinstance(value, str) else f"{value:g}"))
     if config.warmup_start_factor not in (None, 1.0):
         parts.append(f"ramp from {config.warmup_start_factor:g}x")
     return " ".join(parts)
@@ -859,7 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epochs=args.epochs, warmup_epochs=args.warmup_epochs, dataset=args.dataset, model=args.model, jobs=args.jobs,
         threads=args.threads, load_before=load, max_steps=args.max_steps, damping=args.damping, kl_clip=args.kl_clip,
         evals_per_epoch=args.evals_per_epoch, ranks=args.ranks, vcluster=args.vcluster, backend=args.backend,
-        kfac_preset=dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum),
+        kfac_preset=RECORDED_PRESET,
         argv=sys.argv[1:] if argv is None else list(argv), planned=len(cells))
     if kept:  # the kept runs' own provenance (argv, load, seconds) stays beside this run's
         meta["kept_from"] = json.loads(outputs.output_file(args.out, ".json").read_text()).get("meta", {})

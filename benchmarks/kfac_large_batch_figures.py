@@ -141,9 +141,9 @@ def _by_method(*sources: str) -> dict[str, Outcome]:
     return {o.cell.method: o for o in outcomes(*sources)}
 
 
-def _rerun_ratio() -> str:
+def _rerun_ratio(name: str = RERUN) -> str:
     """K-FAC's steps and training seconds to 98.5 % against Muon's in the rerun (seed 0, one machine)."""
-    runs = _by_method(RERUN)
+    runs = _by_method(name)
     kfac, muon = runs["kfac"].to_target(0.985), runs["muon"].to_target(0.985)
     assert kfac is not None and muon is not None
     return (f"{times(kfac[1] / muon[1])} Muon's ({kfac[0]} steps, {kfac[1]:.0f} s against {muon[0]} steps, "
@@ -161,6 +161,18 @@ def _rerun_steps() -> str:
 def _steps_to_985(outcome: Outcome) -> str:
     hit = outcome.to_target(0.985)
     return "not reached" if hit is None else str(hit[0])
+
+
+def _rerun_verdict(name: str = "kfac_large_batch_rerun_amortized") -> str:
+    """The one-host verdict of a rerun: the most accurate method and the first to 98.5 %, with K-FAC's figures."""
+    runs = _by_method(name)
+    best = max(runs.values(), key=lambda o: o.final_accuracy or 0.0)
+    reached = {method: hit for method, o in runs.items() if (hit := o.to_target(0.985)) is not None}
+    first = min(reached, key=lambda method: reached[method][1])  # by training seconds
+    kfac = runs["kfac"]
+    return (f"the most accurate: {NAMES[best.cell.method]} ({percent(best.final_accuracy or 0.0)}); "
+            f"the first to 98.5 %: {NAMES[first]}; K-FAC against Muon: {_rerun_ratio(name)}, final "
+            f"{percent(kfac.final_accuracy or 0.0)} against {percent(runs['muon'].final_accuracy or 0.0)}")
 
 
 def _rerun_finals() -> str:
@@ -235,11 +247,6 @@ def _two_nodes() -> str:
             f"host (1 rank; medians over {seeds} seeds of each seed's ratio)")
 
 
-def _two_nodes_short() -> str:
-    other, ratio, _, _ = _kfac_against("kfac_large_batch_2nodes")
-    return f"{times(ratio)} {NAMES[other]}'s"
-
-
 def _two_nodes_steps() -> str:
     """Seconds per step of each method on 2 nodes and on one host (medians over seeds)."""
     parts = []
@@ -258,8 +265,8 @@ def _two_by_one(name: str = "kfac_large_batch_2x1") -> str:
             f"({times(step['kfac'] / step[other])}); time to 98.5 %: {times(ratio)} {NAMES[other]}'s ({seeds} seeds)")
 
 
-def _two_by_one_short() -> str:
-    other, ratio, _, step = _kfac_against("kfac_large_batch_2x1")
+def _two_by_one_short(name: str = "kfac_large_batch_2x1_amortized") -> str:
+    other, ratio, _, step = _kfac_against(name)
     return f"{times(ratio)} {NAMES[other]}'s time, its step {times(step['kfac'] / step[other])}"
 
 
@@ -299,6 +306,42 @@ def _two_by_one_reduce() -> str:
             f"{1000 * step['reduce']:.0f} against {1000 * step['expand']:.0f} ms a step, final "
             f"{percent(_median_final(runs['reduce']))} against {percent(_median_final(runs['expand']))} "
             f"(medians of {len(runs['reduce'])} seeds)")
+
+
+def _one_host_halved() -> str:
+    """Steps to 98.5 % (per seed) and median final accuracy on one host of K-FAC with the preset's earlier values,
+    with only its decompositions every 2nd step, and with only its statistics from 256 examples."""
+    parts = []
+    for label, name in (("the earlier values", "kfac_large_batch_1host"),
+                        ("decompositions every 2nd step", "kfac_large_batch_1host_inv2"),
+                        ("statistics of 256 examples", "kfac_large_batch_1host_stats256")):
+        runs = sorted((o for o in outcomes(name) if o.cell.method.startswith("kfac")), key=lambda o: o.cell.seed)
+        steps = "/".join(_steps_to_985(o) for o in runs)
+        parts.append(f"{label}: {steps} steps to 98.5 %, final {percent(_median_final(runs))}")
+    return f"{'; '.join(parts)} (seeds {'/'.join(str(o.cell.seed) for o in runs)})"
+
+
+# The cells run with both of the preset's values: today's file beside the earlier one.
+PRESET_PAIRS = (("kfac_large_batch_2x1_amortized", "kfac_large_batch_2x1"),
+                ("kfac_large_batch_2x1_amortized_torch", "kfac_large_batch_2x1_torch"),
+                ("kfac_large_batch_2nodes_amortized", "kfac_large_batch_2nodes"),
+                ("kfac_large_batch_2nodes_amortized_torch", "kfac_large_batch_2nodes_torch"),
+                ("kfac_large_batch_rerun_amortized", RERUN))
+
+
+def _presets_steps() -> str:
+    """K-FAC's steps to 98.5 % summed over every run of the cells run with both of the preset's values, and the
+    range of its final accuracies, today's values against the earlier ones."""
+    parts = []
+    for side in (0, 1):
+        runs = [o for pair in PRESET_PAIRS for o in outcomes(pair[side]) if o.cell.method == "kfac"]
+        hits = [o.to_target(0.985) for o in runs]
+        assert all(hits), "every K-FAC run of these cells reached 98.5 %"
+        finals = [o.final_accuracy or 0.0 for o in runs]
+        parts.append((sum(hit[0] for hit in hits if hit), f"{percent(min(finals))}-{percent(max(finals))}"))
+    (now, now_range), (then, then_range) = parts
+    return (f"K-FAC took {now} steps to 98.5 % in all with today's values against {then} with the earlier ones, "
+            f"and ended at {now_range} against {then_range}")
 
 
 def _one_host_ratio() -> str:
@@ -353,12 +396,17 @@ FIGURES = {
     "lb.tune8192.first": lambda: _tune_first(8192),
     "lb.rerun.seconds": _rerun_seconds, "lb.rerun.ratio": _rerun_ratio, "lb.rerun.steps": _rerun_steps,
     "lb.rerun.finals": _rerun_finals, "lb.resnet.verdict": _resnet_verdict,
-    "lb.2nodes.ratio": _two_nodes, "lb.2nodes.short": _two_nodes_short,
+    "lb.2nodes.ratio": _two_nodes, "lb.2nodes.earlier": lambda: _two_by_one("kfac_large_batch_2nodes"),
     "lb.2nodes.steps": _two_nodes_steps, "lb.2nodes.fraction": _two_nodes_fraction,
-    "lb.2x1.verdict": _two_by_one, "lb.2x1.short": _two_by_one_short, "lb.2x1.bf16": _two_by_one_bf16,
-    "lb.2x1.torch": lambda: _two_by_one("kfac_large_batch_2x1_torch"),
-    "lb.2nodes.torch": lambda: _two_by_one("kfac_large_batch_2nodes_torch"),
+    "lb.2x1.verdict": lambda: _two_by_one("kfac_large_batch_2x1_amortized"), "lb.2x1.short": _two_by_one_short,
+    "lb.2x1.torch": lambda: _two_by_one("kfac_large_batch_2x1_amortized_torch"),
+    "lb.2x1.earlier": _two_by_one, "lb.2x1.earlier.torch": lambda: _two_by_one("kfac_large_batch_2x1_torch"),
+    "lb.2x1.bf16": _two_by_one_bf16, "lb.rerun.amortized": _rerun_verdict,
+    "lb.2nodes.earlier.torch": lambda: _two_by_one("kfac_large_batch_2nodes_torch"),
+    "lb.2nodes.amortized": lambda: _two_by_one("kfac_large_batch_2nodes_amortized"),
+    "lb.2nodes.torch": lambda: _two_by_one("kfac_large_batch_2nodes_amortized_torch"),
+    "lb.2nodes.amortized.short": lambda: _two_by_one_short("kfac_large_batch_2nodes_amortized"),
     "lb.2x1.bf16factors": _two_by_one_bf16_factors,
     "lb.2x1.reduce": _two_by_one_reduce,
-    "lb.1host.ratio": _one_host_ratio,
+    "lb.1host.ratio": _one_host_ratio, "lb.1host.halved": _one_host_halved, "lb.presets.steps": _presets_steps,
 }

@@ -37,13 +37,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # What ``--kfac-preset`` changes, over the dataset's preset (given flags win). large-batch: K-FAC on, with
 # the settings measured at a global batch of 4096 on MNIST (benchmarks/results/kfac_large_batch.md): factors
-# (the default) and decompositions every step, the factors' statistics from 512 examples per pass (which
-# keeps a step's cost near 1.1x SGD's), damping 0.003, a KL clip ten times the default's, and
-# momentum 0.5 (a preconditioned step needs less of it than SGD's 0.9).
+# every step (the default) from 256 examples dealt over the ranks, decompositions every 2nd step, the
+# gradient-worker fraction that moves the fewest bytes (auto), damping 0.003, a KL clip ten times the
+# default's, and momentum 0.5 (a preconditioned step needs less of it than SGD's 0.9). Halving the examples and
+# the decompositions kept the steps to 98.5 % and cut what a step's K-FAC work costs on every rank
+# (benchmarks/results/kfac_large_batch_modern.md, "2 nodes x 1 rank").
 KFAC_PRESETS: dict[str, dict[str, Any]] = {
     "none": {},
-    "large-batch": dict(kfac=True, kfac_inv_update_freq=1, kfac_factor_examples=512, kfac_damping=0.003,
-                        kfac_kl_clip=0.01, momentum=0.5),
+    "large-batch": dict(kfac=True, kfac_inv_update_freq=2, kfac_factor_examples=256, kfac_grad_worker_fraction="auto",
+                        kfac_damping=0.003, kfac_kl_clip=0.01, momentum=0.5),
 }
 # Flags renamed to read like kfac-pytorch's (inv/factor update frequency, a kfac_ prefix, an on/off switch of
 # their own): the old name still parses, with a one-line note, and a checkpoint saved under it still resumes.

@@ -43,8 +43,8 @@ def test_every_reduced_run_is_a_valid_hpcdl_train_command(study: Any, tmp_path: 
             assert config.kfac_preset == "large-batch" and "--kfac-damping" not in command
             assert "--kfac-kl-clip" not in command
             assert "--momentum" not in command  # the preset's own 0.5
-            assert (config.kfac_inv_update_freq, config.kfac_factor_examples, config.kfac_damping, config.kfac_kl_clip,
-                    config.momentum) == (1, 512, 0.003, 0.01, 0.5)
+            assert (config.kfac_inv_update_freq, config.kfac_factor_examples, config.kfac_grad_worker_fraction,
+                    config.kfac_damping, config.kfac_kl_clip, config.momentum) == (2, 256, "auto", 0.003, 0.01, 0.5)
         else:
             assert config.momentum == 0.9
         # test accuracy 4 times an epoch: every 4 steps of 14 at 4096, every 117 of 468 at 128
@@ -53,7 +53,7 @@ def test_every_reduced_run_is_a_valid_hpcdl_train_command(study: Any, tmp_path: 
             inverse_every[cell.method, cell.batch] = (config.kfac_inv_update_freq, config.kfac_factor_update_freq)
         if cell.method in ("sgd", "lamb", "lars"):
             assert config.optimizer == cell.method
-    assert inverse_every == {("kfac", 4096): (1, 1), ("kfac", 128): (100, 10),  # (inverse, factors)
+    assert inverse_every == {("kfac", 4096): (2, 1), ("kfac", 128): (100, 10),  # (inverse, factors)
                              ("kfac-pytorch-native", 4096): (10, 1), ("kfac-pytorch-native", 128): (100, 10)}
 
 
@@ -101,6 +101,13 @@ def test_kfac_runs_are_named_by_what_differs_from_the_preset_of_their_time(study
     assert labels([], now) == ["kfac"]
     assert labels(["--momentum", "0.9", "--kfac-factor-examples", "4096"], now) == [
         "kfac stats of 4096 examples momentum 0.9"]
+    assert labels(["--kfac-grad-worker-fraction", "0.5"], now) == ["kfac fraction 0.5"]
+    # a file of the preset's earlier values (fraction 1's time: no "fraction" recorded) names its runs against them
+    inv1 = dict(kfac_preset=dict(factors=1, inverse=1, damping=0.003, kl_clip=0.01, factor_examples=512, momentum=0.5))
+    assert labels([], inv1) == ["kfac"]
+    assert labels(["--kfac-inv-update-freq", "2"], inv1) == ["kfac inv every 2"]
+    assert labels(["--kfac-grad-worker-fraction", "auto"], inv1) == ["kfac fraction auto"]  # a word, not a number
+    assert labels(["--kfac-inv-update-freq", "1"], now) == ["kfac inv every 1"]  # today's preset: every 2nd step
     assert labels([], {}) == ["kfac, earlier preset"]  # a file from before meta["kfac_preset"]
     assert labels(["--kfac-damping", "1"], {}) == ["kfac, earlier preset d 1"]
     assert labels(["--damping", "1"], {}) == ["kfac, earlier preset d 1"]  # a file written under the old name

@@ -33,7 +33,8 @@ def test_the_preset_turns_kfac_on_and_changes_only_what_it_lists() -> None:
     plain, preset = parse_config([]), parse_config(["--kfac-preset", "large-batch"])
     assert not plain.kfac and preset.kfac  # on
     assert (preset.kfac_inv_update_freq, preset.kfac_factor_update_freq, preset.kfac_factor_examples,
-            preset.kfac_damping, preset.kfac_kl_clip, preset.momentum) == (1, 1, 512, 0.003, 0.01, 0.5)
+            preset.kfac_grad_worker_fraction, preset.kfac_damping, preset.kfac_kl_clip, preset.momentum) == (
+        2, 1, 256, "auto", 0.003, 0.01, 0.5)
     defaults = dataclasses.asdict(TrainConfig())
     for name, value in KFAC_PRESETS["large-batch"].items():
         assert defaults[name] != value, f"the preset repeats the default of {name}"
@@ -46,7 +47,9 @@ def test_given_flags_win_over_the_preset_and_the_dataset_preset_stays() -> None:
                            "--kfac-inv-update-freq", "5", "--momentum", "0.9"])
     assert (config.kfac_damping, config.kfac_inv_update_freq, config.momentum, config.kfac_kl_clip) == (
         0.3, 5, 0.9, 0.01)
-    assert parse_config(["--kfac-preset", "large-batch", "--kfac-inv-update-freq", "10"]).kfac_factor_examples == 512
+    assert parse_config(["--kfac-preset", "large-batch", "--kfac-inv-update-freq", "10"]).kfac_factor_examples == 256
+    given = parse_config(["--kfac-preset", "large-batch", "--kfac-grad-worker-fraction", "0.5"])
+    assert given.kfac_grad_worker_fraction == 0.5
     assert config.model == "mnist_cnn" and config.weight_decay == 5e-4  # mnist's preset under it
     assert parse_config(["--kfac-preset", "large-batch", "--kfac-factor-update-freq", "3"]).kfac_factor_update_freq == 3
 
@@ -62,4 +65,5 @@ def test_the_preconditioner_built_from_the_preset_carries_its_values() -> None:
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
     pre = build_preconditioner(config, model, lambda *_: 0.2, None)
     assert (pre.inv_update_freq, pre.factor_update_freq, pre.factor_examples, pre.damping, pre.kl_clip) == (
-        1, 1, 512, 0.003, 0.01)
+        2, 1, 256, 0.003, 0.01)
+    assert pre.grad_worker_fraction == 1.0  # auto on one rank: fraction 1, the only one there is
