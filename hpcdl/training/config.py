@@ -39,9 +39,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 # the settings measured at a global batch of 4096 on MNIST (benchmarks/results/kfac_large_batch.md): factors
 # every step (the default) from 256 examples dealt over the ranks, decompositions every 2nd step, the
 # gradient-worker fraction that moves the fewest bytes (auto), damping 0.003, a KL clip ten times the
-# default's, and momentum 0.5 (a preconditioned step needs less of it than SGD's 0.9). Halving the examples and
-# the decompositions kept the steps to 98.5 % and cut what a step's K-FAC work costs on every rank
-# (benchmarks/results/kfac_large_batch_modern.md, "2 nodes x 1 rank").
+# default's, and momentum 0.5 (a preconditioned step needs less of it than SGD's 0.9). Each halving alone kept
+# the one-host steps to 98.5 %, and together they take what does not divide over ranks (the largest
+# decomposition, the wait for it) out of half the steps (benchmarks/results/kfac_large_batch_modern.md).
 KFAC_PRESETS: dict[str, dict[str, Any]] = {
     "none": {},
     "large-batch": dict(kfac=True, kfac_inv_update_freq=2, kfac_factor_examples=256, kfac_grad_worker_fraction="auto",
