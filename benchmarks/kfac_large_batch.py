@@ -99,6 +99,10 @@ LARGE_KFAC = dict(factors=_PRESET.kfac_factor_update_freq, inverse=_PRESET.kfac_
 # preset of their time when the preset changes; "fraction" is absent from files of fraction 1's time.
 RECORDED_PRESET = dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum,
                        fraction=_PRESET.kfac_grad_worker_fraction)
+# The preset's values before its statistics went to 256 examples and its decompositions to every 2nd step at
+# fraction auto: what the study's "earlier preset" runs and traces ran.
+BEFORE_HALVING = dict(factors=1, inverse=1, damping=0.003, kl_clip=0.01, factor_examples=512, momentum=0.5,
+                      fraction=1.0)
 # What --kfac-preset large-batch set before it took every step's factors from 512 examples (results files
 # without meta["kfac_preset"] were run with it).
 EARLIER_PRESET_FLAGS = ["--kfac", "--kfac-inv-update-freq", "5", "--kfac-factor-update-freq", "5",
@@ -739,8 +743,11 @@ def preset_of_their_time(recorded: dict[str, Any] | None) -> list[str] | None:
     if recorded is None:
         return list(EARLIER_PRESET_FLAGS)
     values = {**RECORDED_PRESET, "fraction": 1.0, **recorded} if recorded else RECORDED_PRESET
-    if values == RECORDED_PRESET:
-        return None
+    return None if values == RECORDED_PRESET else preset_flags(values)
+
+
+def preset_flags(values: dict[str, Any]) -> list[str]:
+    """hpcdl.train's flags for the preset's values as a results file records them (RECORDED_PRESET's keys)."""
     examples = [] if values["factor_examples"] is None else ["--kfac-factor-examples", str(values["factor_examples"])]
     return ["--kfac", "--kfac-factor-update-freq", str(values["factors"]),
             "--kfac-inv-update-freq", str(values["inverse"]), "--kfac-damping", repr(values["damping"]),

@@ -257,7 +257,7 @@ def _two_nodes_steps() -> str:
     return "; ".join(parts)
 
 
-def _two_by_one(name: str = "kfac_large_batch_2x1") -> str:
+def _two_by_one(name: str) -> str:
     """2 virtual nodes x 1 rank (1 thread each, 1 Gbit/s): K-FAC's step over Muon's and its training seconds to
     98.5 % over Muon's (medians over seeds of per-seed ratios), the same settings and seeds one run at a time."""
     other, ratio, seeds, step = _kfac_against(name)
@@ -265,7 +265,7 @@ def _two_by_one(name: str = "kfac_large_batch_2x1") -> str:
             f"({times(step['kfac'] / step[other])}); time to 98.5 %: {times(ratio)} {NAMES[other]}'s ({seeds} seeds)")
 
 
-def _two_by_one_short(name: str = "kfac_large_batch_2x1_amortized") -> str:
+def _two_by_one_short(name: str) -> str:
     other, ratio, _, step = _kfac_against(name)
     return f"{times(ratio)} {NAMES[other]}'s time, its step {times(step['kfac'] / step[other])}"
 
@@ -398,9 +398,11 @@ FIGURES = {
     "lb.rerun.finals": _rerun_finals, "lb.resnet.verdict": _resnet_verdict,
     "lb.2nodes.ratio": _two_nodes, "lb.2nodes.earlier": lambda: _two_by_one("kfac_large_batch_2nodes"),
     "lb.2nodes.steps": _two_nodes_steps, "lb.2nodes.fraction": _two_nodes_fraction,
-    "lb.2x1.verdict": lambda: _two_by_one("kfac_large_batch_2x1_amortized"), "lb.2x1.short": _two_by_one_short,
+    "lb.2x1.verdict": lambda: _two_by_one("kfac_large_batch_2x1_amortized"),
+    "lb.2x1.short": lambda: _two_by_one_short("kfac_large_batch_2x1_amortized"),
     "lb.2x1.torch": lambda: _two_by_one("kfac_large_batch_2x1_amortized_torch"),
-    "lb.2x1.earlier": _two_by_one, "lb.2x1.earlier.torch": lambda: _two_by_one("kfac_large_batch_2x1_torch"),
+    "lb.2x1.earlier": lambda: _two_by_one("kfac_large_batch_2x1"),
+    "lb.2x1.earlier.torch": lambda: _two_by_one("kfac_large_batch_2x1_torch"),
     "lb.2x1.bf16": _two_by_one_bf16, "lb.rerun.amortized": _rerun_verdict,
     "lb.2nodes.earlier.torch": lambda: _two_by_one("kfac_large_batch_2nodes_torch"),
     "lb.2nodes.amortized": lambda: _two_by_one("kfac_large_batch_2nodes_amortized"),

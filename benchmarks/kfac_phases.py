@@ -9,9 +9,9 @@
 Three runs one after another, one thread per rank, each of --steps steps with --profile-steps on its last
 two: K-FAC with the large-batch preset (256 factor examples a step dealt over the ranks, decompositions every
 2nd step, fraction auto), K-FAC with the preset's earlier values (512 examples, decompositions every step,
-fraction 1: EARLIER_PRESET), and Muon at its tuned rate. Each run's summary.json phases (per rank) go to
-<out>.json and a stacked bar per rank to <out>.png (hpcdl.plot --phases); the traces stay in the runs'
-folders under --keep (default: removed).
+fraction 1: kfac_large_batch.BEFORE_HALVING), and Muon at its tuned rate. Each run's summary.json phases (per
+rank) go to <out>.json and a stacked bar per rank to <out>.png (hpcdl.plot --phases); the traces stay in the
+runs' folders under --keep (default: removed).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from figures import results, table
+from kfac_large_batch import BEFORE_HALVING, preset_flags
 from studies import finish_train, start_train
 
 from hpcdl.persistence import outputs
@@ -33,16 +34,13 @@ from hpcdl.tools.plot import plot_phases
 from hpcdl.training.config import default_backend
 
 GLOBAL_BATCH = 4096
-# The large-batch preset's values before its decompositions went to every 2nd step and its statistics to 256
-# examples (config.KFAC_PRESETS): the step they cost is this study's "before".
-EARLIER_PRESET = ["--kfac-factor-examples", "512", "--kfac-inv-update-freq", "1", "--kfac-grad-worker-fraction", "1"]
 RATES = {"kfac": 0.4, "muon": 0.02}  # the tuned peak rates of the large-batch study (kfac_large_batch.REDUCED_LRS)
 
 
 def runs(ranks: int) -> dict[str, list[str]]:
     kfac = ["--optimizer", "sgd", "--kfac-preset", "large-batch", "--warmup-start-factor", "1.0",
             "--base-lr", repr(RATES["kfac"] / ranks)]
-    return {"K-FAC": kfac, "K-FAC, earlier preset": [*kfac, *EARLIER_PRESET],
+    return {"K-FAC": kfac, "K-FAC, earlier preset": [*kfac, *preset_flags(BEFORE_HALVING)],
             "Muon": ["--optimizer", "muon", "--momentum", "0.9", "--base-lr", repr(RATES["muon"] / ranks)]}
 
 
