@@ -367,6 +367,15 @@ def batch_launch(words: list[str], options: argparse.Namespace, exports: dict[st
                   [f"{note}, requeue near the limit: {'on' if requeue else 'off'}"], requeue)
 
 
+def check_srun_mpi(plugin: str, tasks: str) -> None:
+    """srun --mpi=none gives the ranks no MPI wiring: each task would start a world of its own, rank 0 of 1, and
+    train alone. Refused unless the job has exactly one task (in a dry run outside a job the count is unknown)."""
+    if plugin == "none" and tasks != "1":
+        count = f"the {tasks} tasks" if tasks else "the tasks"
+        raise LaunchError(f"--mpi none: srun would start {count} without MPI's wiring, each alone as rank 0 of 1; "
+                          "use pmix (Open MPI, the default) or pmi2 (MPICH family)")
+
+
 def slurm_command(options: argparse.Namespace, entry_args: list[str], machine: Machine) -> Launch:
     """launch/slurm.sbatch's command: srun in front of each rank's words."""
     env = machine.env
@@ -376,6 +385,7 @@ def slurm_command(options: argparse.Namespace, entry_args: list[str], machine: M
     cpus = env.get("SLURM_CPUS_PER_TASK", "")
     threads = options.threads or cpus or "1"
     rank = rank_command(settings, machine.root, env, machine.which)
+    check_srun_mpi(options.mpi, env.get("SLURM_NTASKS", ""))
     # srun's PMIx starts Open MPI ranks; its PMI-2 is what MPICH-family builds speak.
     if options.mpi.startswith("pmix"):
         check_image_mpi(settings.image, "openmpi", f"srun --mpi={options.mpi}")
