@@ -16,7 +16,6 @@ import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import figures
 from figures import table

@@ -384,8 +384,8 @@ def slurm_command(options: argparse.Namespace, entry_args: list[str], machine: M
     # srun does not pass the job's --cpus-per-task on to the step by itself (Slurm >= 22.05): say it.
     cpus = env.get("SLURM_CPUS_PER_TASK", "")
     threads = options.threads or cpus or "1"
-    rank = rank_command(settings, machine.root, env, machine.which)
     check_srun_mpi(options.mpi, env.get("SLURM_NTASKS", ""))
+    rank = rank_command(settings, machine.root, env, machine.which)
     # srun's PMIx starts Open MPI ranks; its PMI-2 is what MPICH-family builds speak.
     if options.mpi.startswith("pmix"):
         check_image_mpi(settings.image, "openmpi", f"srun --mpi={options.mpi}")
@@ -459,6 +459,7 @@ def modules_to_load(script: str, options: argparse.Namespace, env: Mapping[str, 
     """The first step of every launch: the checks that need nothing loaded, and the modules to load."""
     if script == "slurm":
         check_batch_job(options, env, "submit with 'sbatch launch/slurm.sbatch ...'")
+        check_srun_mpi(options.mpi, env.get("SLURM_NTASKS", ""))
     elif script == "frontera-rtx":
         check_batch_job(options, env, "submit with 'sbatch -A PROJECT launch/frontera-rtx.sbatch ...' or run it "
                                       "inside idev")

@@ -41,7 +41,8 @@ def test_dry_run_checks_every_step_of_every_run_and_passes(tmp_path: Path) -> No
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
     for step in ("A0 carried wheels", "A0 Open MPI", "A0 mpi4py", "A1 loop fp32 / amp / amp+cl", "A2 --amp auto",
-                 "A4 loader", "B1 Horovod with NCCL", "B2 train", "B3 K-FAC", "B4 allreduce", "B5 Horovod+NCCL vs NCCL DDP",
+                 "A4 loader", "B1 Horovod with NCCL", "B2 train", "B3 K-FAC", "B4 allreduce",
+                 "B5 Horovod+NCCL vs NCCL DDP",
                  "C1 doctor", "C2 CUDA tests", "C3 2 ranks on 1 GPU", "C4 1 rank bound", "C5 loop --compile"):
         assert re.search(rf"{re.escape(step)}.*dry-run ok", summary), step
     count = int(re.search(r"C2 CUDA tests \((\d+)\)", summary).group(1))  # type: ignore[union-attr]

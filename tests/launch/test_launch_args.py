@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -424,7 +425,8 @@ def test_every_hpcdl_train_option_still_goes_to_hpcdl_train(script: str) -> None
 
 def slurm_plan(argv: list[str], bin_dir: Path, tasks: str) -> Launch:
     env = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": tasks} if tasks else {}
-    options, entry_args = launch_args.split_words(launch_args.parser_for("slurm", env), argv, env)
+    options, entry_args = launch_args.split_words(launch_args.parser_for("slurm", env),
+                                                  [*argv, "--python", sys.executable], env)
     machine = FakeMachine(env=env, path=str(bin_dir), cores=8, root="/repo", gpus=0)
     return launch_plan.plan("slurm", options, entry_args, machine)
 

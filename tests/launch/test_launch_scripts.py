@@ -686,7 +686,8 @@ def test_a_spooled_copy_finds_the_repository_from_the_path_sbatch_was_given(tmp_
 
 
 @pytest.mark.parametrize(("script", "args", "extra", "message"), [
-    (MPIRUN_SH, ["--dryrun", "-np", "2"], {}, "'--dryrun' is not an option of launch/mpirun.sh: did you mean --dry-run?"),
+    (MPIRUN_SH, ["--dryrun", "-np", "2"], {},
+     "'--dryrun' is not an option of launch/mpirun.sh: did you mean --dry-run?"),
     (MPIRUN_SH, ["-np2"], {}, "-np2: write the count as a word of its own, -np 2"),
     (MPIRUN_SH, ["--thread", "2"], {}, "did you mean --threads?"),
     (SLURM_SBATCH, ["--mpi", "none"], {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, "--mpi none: srun would start the 2"),
