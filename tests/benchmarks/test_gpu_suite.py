@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ def test_the_k_fac_step_is_skipped_while_its_script_is_absent_and_called_as_agre
     result = dry_run(root, tmp_path / "there", "--run", "A")
     assert result.returncode == 0, result.stdout[-2000:]
     words = calls.read_text().split()
-    assert words[0] == "--out" and words[1].endswith("/results/kfac_gpu") and words[2:] == ["--budget", "40",
+    assert words[0] == "--out" and words[1].endswith("/results/kfac_gpu") and words[2:] == ["--budget", "35",
                                                                                           "--dry-run"]
     assert re.search(r"A3 K-FAC.*dry-run ok", (tmp_path / "there" / "summary.txt").read_text())
 
@@ -104,3 +105,24 @@ def test_each_run_fits_a_device_call_and_the_guide_gives_each_call_room() -> Non
     for run, budget in budgets.items():
         assert budget <= 300 and budget + 20 <= calls[run] <= 600, run
     assert 60 + sum(calls.values()) <= 15 * 60
+
+
+def test_a_real_run_records_each_step_stops_at_its_budget_and_says_what_is_missing(tmp_path: Path) -> None:
+    """The real run's bookkeeping, on this CPU machine: no wheelhouse (said in one line), the benchmarks fail
+    (no GPU) and are recorded with their logs, the steps past the budget are skipped, and every file the device
+    tool hands back is there and readable after the run."""
+    out, scratch, empty = tmp_path / "out", tmp_path / "scratch", tmp_path / "whl"
+    empty.mkdir()
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(REPO / ".venv" / "bin" / "python"), "HPCDL_GPU_SCRATCH":
+           str(scratch), "HPCDL_WHEELHOUSE": str(empty), "HPCDL_GPU_SUITE_BUDGET": "20"}
+    result = subprocess.run(["bash", str(SUITE), "--run", "A"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    steps = {s["step"]: s["status"] for s in json.loads((out / "summary.json").read_text())["steps"]}
+    assert steps["A0 carried wheels"].startswith(f"FAILED: no wheelhouse in {empty}")
+    assert steps["A4 loader, nvJPEG vs libjpeg-turbo"] == "skipped (budget spent)"
+    failed = [status for status in steps.values() if status.startswith("FAILED rc=")]
+    assert failed and all(re.search(r"; logs/\w+\.log\)$", status) for status in failed), failed
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert "logs/setup.log" in tar.getnames()
+    assert re.search(r"run A: its steps' limits add up to \d+ s, over its 20 s budget", result.stdout)
