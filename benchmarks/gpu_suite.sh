@@ -214,7 +214,8 @@ check_log() {
 }
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_ALLOW_RUN_AS_ROOT=1 PRTE_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export PYTHONUNBUFFERED=1 MAKEFLAGS="-j$(nproc)"
+MAKEFLAGS="-j$(nproc)"
+export PYTHONUNBUFFERED=1 MAKEFLAGS
 if [ $DRY_RUN = 1 ]; then
   PY="${PYTHON:-$ROOT/.venv/bin/python}"
   [ -x "$PY" ] || PY="$(command -v python3)"
@@ -260,7 +261,7 @@ setup() {
 }
 
 # Horovod with NCCL: the carried wheel of this machine's key, else built from the carried sdist and handed
-# back in $OUT/horovod-<key>/ in 15 MB parts (`make_gpu_wheelhouse.sh --add-horovod FILES_AT` adds it).
+# back in $OUT/horovod/ in 15 MB parts (`make_gpu_wheelhouse.sh --add-horovod FILES_AT` adds it).
 horovod_build() {
   set -e
   local build_env key wheel src build
@@ -273,18 +274,25 @@ horovod_build() {
     src="$(find "$build" -maxdepth 1 -type d -name 'horovod-*' | head -n 1)"
     "$PY" scripts/horovod_build.py patch-sdist "$src"
     # cffi and pycparser (Horovod's setup requirements) come from the carried wheels in $SITE.
-    (eval "$build_env" && export MAKEFLAGS="-j$(nproc)" && cd "$src" &&
+    (eval "$build_env" && MAKEFLAGS="-j$(nproc)" && export MAKEFLAGS && cd "$src" &&
       "$PY" -m pip wheel -q --no-build-isolation --no-deps --no-index . -w "$build/dist")
     wheel="$(find "$build/dist" -name 'horovod-*.whl' | head -n 1)"
-    mkdir -p "$OUT/horovod-$key"
-    split -b 15m "$wheel" "$OUT/horovod-$key/$(basename "$wheel").part-"
-    echo "new Horovod wheel returned in \$OUT/horovod-$key (add it: make_gpu_wheelhouse.sh --add-horovod)"
+    # The device tool hands back at most 8 files of 16 MB, 64 MB in all, named in letters, digits, '.', '_'
+    # and '-' (the key has a '+'): the parts and the key in a file, in $OUT/horovod/.
+    if [ "$(stat -c %s "$wheel")" -le $((56 * 1024 * 1024)) ]; then
+      mkdir -p "$OUT/horovod"
+      printf '%s\n' "$key" >"$OUT/horovod/key.txt"
+      split -b 15m "$wheel" "$OUT/horovod/$(basename "$wheel").part-"
+      echo "new Horovod wheel returned in \$OUT/horovod (add it: make_gpu_wheelhouse.sh --add-horovod FILES_AT)"
+    else
+      echo "the new Horovod wheel is $(du -h "$wheel" | cut -f1): more than the device tool hands back; not returned"
+    fi
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade "$wheel"
   "$PY" -c 'import horovod.torch as h; assert h.nccl_built() and h.mpi_built(); print("Horovod with NCCL and MPI")'
 }
 export -f horovod_build
-export WHL SITE OUT PY
+export WHL SITE OUT PY SCRATCH
 
 # ---------------------------------------------------------------- run A: the loop, --amp auto, K-FAC, the loader
 run_A() {

