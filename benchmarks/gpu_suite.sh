@@ -16,7 +16,7 @@
 #   here:   bash benchmarks/make_gpu_wheelhouse.sh         # fills .whl/ (git-ignored; the device tool carries it)
 #   there:  device run, carry [".whl"], command "bash benchmarks/gpu_suite.sh --run A", timeout_s 270
 #           (B: timeout_s 320, C: 250; call the next within 30 s, while the machine is warm)
-#   here:   .venv/bin/python benchmarks/gpu_figures.py --collect FILES_AT   # results into benchmarks/results/
+#   here:   .venv/bin/python benchmarks/gpu_figures.py --collect FILES_AT --refresh-results  # -> benchmarks/results/
 #   CI:     bash benchmarks/gpu_suite.sh --dry-run [--run A|B|C]
 #
 # docs/gpu.md has the exact device calls and what to do with what comes back. --dry-run prints each run's plan

@@ -43,8 +43,10 @@ if [ "${1:-}" = "--add-horovod" ]; then
   exit 0
 fi
 DIR="${1:-$ROOT/.whl}"
-if [ "$DIR" = "$ROOT/.whl" ] && ! grep -qx '/.whl/' "$ROOT/.git/info/exclude" 2>/dev/null; then
-  echo '/.whl/' >>"$ROOT/.git/info/exclude" # keep it out of git, but let the device tool carry it
+EXCLUDE="$(git -C "$ROOT" rev-parse --path-format=absolute --git-path info/exclude 2>/dev/null || true)"
+if [ "$DIR" = "$ROOT/.whl" ] && [ -n "$EXCLUDE" ] && ! grep -qx '/.whl/' "$EXCLUDE" 2>/dev/null; then
+  mkdir -p "$(dirname "$EXCLUDE")"
+  echo '/.whl/' >>"$EXCLUDE" # keep it out of git, but let the device tool carry it (a worktree's too)
 fi
 # shellcheck source=scripts/versions.env
 source "$ROOT/scripts/versions.env"
