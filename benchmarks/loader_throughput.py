@@ -304,7 +304,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"loader_throughput.py: error: --contenders {' '.join(unknown)}: not among {' '.join(names)}")
         names = args.contenders
 
+    from hpcdl.persistence.atomic import write_text_atomically
     from hpcdl.tools.pack import pack
+
+    output, figure = outputs.output_file(stem, ".json"), outputs.output_file(stem, ".png")
 
     with tempfile.TemporaryDirectory() as scratch:
         root = args.data or Path(scratch)
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
             print(f"workers {workers}: images/s {summary}", flush=True)
+            write_text_atomically(output, json.dumps(report, indent=1) + "\n")  # a run cut short keeps these
         if not args.skip_training:
             workers = max(args.workers)
             step = training_step(device)
@@ -347,9 +351,6 @@ def main(argv: list[str] | None = None) -> None:
                                                             for n in rates if n != "synthetic-device"}}
             summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
             print(f"training, {workers} workers: images/s {summary}", flush=True)
-    from hpcdl.persistence.atomic import write_text_atomically
-
-    output, figure = outputs.output_file(stem, ".json"), outputs.output_file(stem, ".png")
     write_text_atomically(output, json.dumps(report, indent=1) + "\n")
     plot(report, figure)
     print(f"wrote {output} and {figure}")

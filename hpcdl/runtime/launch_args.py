@@ -3,7 +3,8 @@ words are the launcher's, which the entry module's, the host lists, and one help
 
 The rule for the words: everything after the first ``--`` is the entry module's; before it, a
 launcher option is the launcher's wherever it stands (``--epochs 1 -np 2`` is -np for mpirun), and
-every other word goes, in order, to the entry module. Options are matched whole (no abbreviations),
+every other word goes, in order, to the entry module. Options are matched whole: an abbreviation or another
+spelling of one (``--dry``, ``--dryrun``, ``-np2``) is refused in one line rather than handed on,
 and an option that takes a value takes the next word whatever it looks like (``--mpi-args -npernode``).
 Each option is also read from an environment variable; a flag given on the command line wins, and a
 host list given there (-H, --hostfile) replaces one given in the environment.
@@ -192,7 +193,8 @@ WORDS_RULE = """\
 Which words are whose: everything after the first -- goes to the entry module (hpcdl.train
 unless --entry says otherwise). Before it, an option below is the launcher's wherever it stands
 (--epochs 5 --threads 4: --threads is the launcher's), and every other word goes, in order, to the
-entry module. Options are matched whole, never abbreviated; an option's value is the next word,
+entry module. Options are matched whole: an abbreviation or another spelling of one (--dry,
+--dryrun, -np2) is an error, not a word for the entry module. An option's value is the next word,
 whatever it starts with. To give the entry module a word that is also a launcher option (its
 --help, say), put it after --. Each option is also read from the environment variable shown; a
 flag wins."""
@@ -421,10 +423,42 @@ def split_words(parser: argparse.ArgumentParser, argv: Sequence[str],
         else:
             mine.append(word)
             index += 1
+    check_near_misses(parser, mine)
     options, others = parser.parse_known_args(mine)
     if hasattr(options, "hosts"):
         host_lists_from_environment(options, env or {})
     return options, others + words[cut + 1:]
+
+
+def _letters(option: str) -> str:
+    """An option's letters alone: --dry-run, --dryrun, -dry_run and --DRY-RUN are one name."""
+    return option.lstrip("-").replace("-", "").replace("_", "").lower()
+
+
+def check_near_misses(parser: argparse.ArgumentParser, words: Sequence[str]) -> None:
+    """One line and exit 2 for a word before ``--`` that is meant as a launcher option but is not one: an
+    abbreviation (--dry), another spelling (--dryrun, -threads) or -np glued to its count (-np2). Passed on, it
+    would start the job and fail on every rank (or, abbreviated, be taken by the entry module's own parser)."""
+    options = {option for action in parser._actions for option in action.option_strings}
+    longs = sorted(option for option in options if option.startswith("--"))
+    after = "options are matched whole; a word for the entry module that looks like one goes after --"
+    for word in words:
+        name = word.split("=", 1)[0]
+        if not name.startswith("-") or name in options or name == "-":
+            continue
+        if "-np" in options and name.startswith("-np"):
+            rest = name[3:]
+            if rest.isdigit():
+                parser.error(f"{word}: write the count as a word of its own, -np {rest} (mpirun does not read "
+                             f"-np{rest} either)")
+            parser.error(f"'{word}' is not an option of {parser.prog}; mpirun's own options go in "
+                         f'--mpi-args "...", words for the entry module after --')
+        meant = [option for option in sorted(options) if _letters(option) == _letters(name)]
+        if not meant and name.startswith("--") and len(name) > 2:
+            meant = [option for option in longs if option.startswith(name)]
+        if meant:
+            guess = meant[0] if len(meant) == 1 else " or ".join(meant)
+            parser.error(f"'{name}' is not an option of {parser.prog}: did you mean {guess}? ({after})")
 
 
 def host_lists_from_environment(options: argparse.Namespace, env: Mapping[str, str]) -> None:

@@ -367,6 +367,15 @@ def batch_launch(words: list[str], options: argparse.Namespace, exports: dict[st
                   [f"{note}, requeue near the limit: {'on' if requeue else 'off'}"], requeue)
 
 
+def check_srun_mpi(plugin: str, tasks: str) -> None:
+    """srun --mpi=none gives the ranks no MPI wiring: each task would start a world of its own, rank 0 of 1, and
+    train alone. Refused unless the job has exactly one task (in a dry run outside a job the count is unknown)."""
+    if plugin == "none" and tasks != "1":
+        count = f"the {tasks} tasks" if tasks else "the tasks"
+        raise LaunchError(f"--mpi none: srun would start {count} without MPI's wiring, each alone as rank 0 of 1; "
+                          "use pmix (Open MPI, the default) or pmi2 (MPICH family)")
+
+
 def slurm_command(options: argparse.Namespace, entry_args: list[str], machine: Machine) -> Launch:
     """launch/slurm.sbatch's command: srun in front of each rank's words."""
     env = machine.env
@@ -375,6 +384,7 @@ def slurm_command(options: argparse.Namespace, entry_args: list[str], machine: M
     # srun does not pass the job's --cpus-per-task on to the step by itself (Slurm >= 22.05): say it.
     cpus = env.get("SLURM_CPUS_PER_TASK", "")
     threads = options.threads or cpus or "1"
+    check_srun_mpi(options.mpi, env.get("SLURM_NTASKS", ""))
     rank = rank_command(settings, machine.root, env, machine.which)
     # srun's PMIx starts Open MPI ranks; its PMI-2 is what MPICH-family builds speak.
     if options.mpi.startswith("pmix"):
@@ -449,6 +459,7 @@ def modules_to_load(script: str, options: argparse.Namespace, env: Mapping[str, 
     """The first step of every launch: the checks that need nothing loaded, and the modules to load."""
     if script == "slurm":
         check_batch_job(options, env, "submit with 'sbatch launch/slurm.sbatch ...'")
+        check_srun_mpi(options.mpi, env.get("SLURM_NTASKS", ""))
     elif script == "frontera-rtx":
         check_batch_job(options, env, "submit with 'sbatch -A PROJECT launch/frontera-rtx.sbatch ...' or run it "
                                       "inside idev")

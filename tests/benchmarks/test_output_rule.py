@@ -42,6 +42,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "benchmarks/phase_overhead.py": ([], "phase_overhead"),
     "benchmarks/transformer_lm.py": ([], "transformer_lm"),
     "hpcdl/bench/allreduce.py": ([], "allreduce_np1"),
+    "benchmarks/amp_dtype.py": ([], "amp_dtype_cpu"),
+    "benchmarks/gpu_figures.py": (["--collect", "/nonexistent"], "gpu_suite"),  # a folder of the suite's files
 }
 # A second way into a program that writes elsewhere than its main path does.
 EXTRA = [("benchmarks/kfac_large_batch.py", ["--report", str(COMMITTED / "kfac_large_batch_target.json")],
@@ -57,7 +59,7 @@ def stem_args(program: str, stem: str) -> list[str]:
     return ["--output" if "throughput" in program or "deterministic" in program else "--out", stem]
 
 
-STEM_PROGRAMS = [program for program in CASES if program != "benchmarks/network.py"]
+STEM_PROGRAMS = [program for program in CASES if program not in ("benchmarks/network.py", "benchmarks/gpu_figures.py")]
 NO_RESULTS = {
     "hpcdl/bench/probe.py": "prints one JSON line and writes no file",
     # reads the committed results to write the figures marked in README, docs and the studies' notes (its job;

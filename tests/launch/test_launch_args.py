@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,8 @@ def refused(argv: list[str], bin_dir: Path, env: dict[str, str] | None = None) -
     # After --, every word is the entry module's, launcher-like or not.
     (["-np", "2", "--", "--epochs", "3", "--np", "x"], 2, ["--epochs", "3", "--np", "x"]),
     (["-np", "2", "helloworld", "--", "-np", "9"], 2, ["helloworld", "-np", "9"]),
-    # Options match whole: a longer or shorter word is the entry module's.
-    (["-np", "2", "--hostx", "a", "--dry", "--thread", "3"], 2, ["--hostx", "a", "--dry", "--thread", "3"]),
+    # A word that is no spelling or abbreviation of a launcher option is the entry module's.
+    (["-np", "2", "--hostx", "a", "--threadsx", "3"], 2, ["--hostx", "a", "--threadsx", "3"]),
 ])
 def test_launcher_options_anywhere_before_the_separator(argv: list[str], np: int, entry_args: list[str],
                                                         bin_dir: Path) -> None:
@@ -359,3 +360,87 @@ def test_the_options_every_script_takes_have_one_help_text() -> None:
 
     sections = {common_section(script) for script in launch_args.SCRIPTS}
     assert len(sections) == 1 and "--image IMAGE" in sections.pop()
+
+
+# ------------------------------------------------------------------ no abbreviations, no other spellings
+
+
+def refused_words(script: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one 'error: ' line split_words prints (exit 2) for ``argv`` given to ``script``."""
+    with pytest.raises(SystemExit) as stopped:
+        launch_args.split_words(launch_args.parser_for(script, {}), argv, {})
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(("argv", "meant"), [
+    (["--dryrun"], "did you mean --dry-run?"),  # was handed to hpcdl.train: the job started (issue 46)
+    (["--dry"], "did you mean --dry-run?"),
+    (["-np", "2", "--thread", "3"], "did you mean --threads?"),
+    (["-threads", "3"], "did you mean --threads?"),
+    (["--host-file", "hosts.txt"], "did you mean --hostfile?"),
+    (["--epochs", "1", "--DRY_RUN"], "did you mean --dry-run?"),
+    (["--e", "m"], "did you mean --entry or --export?"),
+    (["--over=1"], "did you mean --oversubscribe?"),
+])
+def test_an_abbreviation_or_other_spelling_of_a_launcher_option_is_one_line(
+        argv: list[str], meant: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = refused_words("mpirun", argv, capsys)
+    assert "is not an option of launch/mpirun.sh" in line and meant in line and "after --" in line
+
+
+def test_np_glued_to_its_count_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse read -np2 as -n with the value 'p2' ("got 'p2'"); mpirun does not read -np2 either."""
+    line = refused_words("mpirun", ["-np2", "--epochs", "1"], capsys)
+    assert line == "error: -np2: write the count as a word of its own, -np 2 (mpirun does not read -np2 either)"
+    line = refused_words("mpirun", ["-npernode", "2"], capsys)
+    assert "'-npernode' is not an option of launch/mpirun.sh" in line and "--mpi-args" in line
+
+
+@pytest.mark.parametrize(("script", "argv", "meant"), [
+    ("slurm", ["--srun-arg", "-x"], "--srun-args"),
+    ("slurm", ["--out", "runs/a"], "--output-dir"),  # hpcdl.train would have expanded it, after the job started
+    ("frontera-rtx", ["--launch", "srun"], "--launcher"),
+    ("frontera-rtx", ["--no_resume"], "--no-resume"),
+])
+def test_the_batch_scripts_refuse_abbreviations_too(script: str, argv: list[str], meant: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert f"did you mean {meant}?" in refused_words(script, argv, capsys)
+
+
+@pytest.mark.parametrize("script", ["mpirun", "slurm", "frontera-rtx"])
+def test_every_hpcdl_train_option_still_goes_to_hpcdl_train(script: str) -> None:
+    """The refusal stops at the launcher's own options: no option of hpcdl.train is mistaken for one."""
+    from hpcdl.training.config import build_parser
+
+    parser = launch_args.parser_for(script, {})
+    mine = {option for action in parser._actions for option in action.option_strings}
+    theirs = sorted({option for action in build_parser()._actions for option in action.option_strings} - mine)
+    assert len(theirs) > 50
+    options, entry_args = launch_args.split_words(parser, theirs, {})
+    assert entry_args == theirs
+
+
+def slurm_plan(argv: list[str], bin_dir: Path, tasks: str) -> Launch:
+    env = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": tasks} if tasks else {}
+    options, entry_args = launch_args.split_words(launch_args.parser_for("slurm", env),
+                                                  [*argv, "--python", sys.executable], env)
+    machine = FakeMachine(env=env, path=str(bin_dir), cores=8, root="/repo", gpus=0)
+    return launch_plan.plan("slurm", options, entry_args, machine)
+
+
+@pytest.mark.parametrize(("argv", "env_tasks"), [(["--mpi", "none"], "4"), (["--mpi", "none", "--dry-run"], "")])
+def test_srun_without_mpi_is_refused_where_the_ranks_need_it(argv: list[str], env_tasks: str, bin_dir: Path) -> None:
+    """srun --mpi=none leaves each task a world of its own: 4 single-rank trainings instead of one job."""
+    with pytest.raises(LaunchError) as caught:
+        slurm_plan(argv, bin_dir, env_tasks)
+    message = str(caught.value)
+    assert message.startswith("--mpi none: srun would start") and "pmix" in message and "\n" not in message
+    assert (f"the {env_tasks} tasks" in message) == bool(env_tasks)
+
+
+def test_srun_without_mpi_is_kept_for_one_task_and_pmix_stays_the_default(bin_dir: Path) -> None:
+    assert "--mpi=none" in slurm_plan(["--mpi", "none"], bin_dir, "1").words
+    assert "--mpi=pmix" in slurm_plan([], bin_dir, "4").words

@@ -683,3 +683,24 @@ def test_a_spooled_copy_finds_the_repository_from_the_path_sbatch_was_given(tmp_
     assert result.returncode == 0, result.stderr
     assert command_of(result).endswith(f"{REPO}/.venv/bin/python -m hpcdl.train --output-dir runs/hpcdl-7 --resume "
                                        "--epochs 1") or "python3 -m hpcdl.train" in command_of(result)
+
+
+@pytest.mark.parametrize(("script", "args", "extra", "message"), [
+    (MPIRUN_SH, ["--dryrun", "-np", "2"], {},
+     "'--dryrun' is not an option of launch/mpirun.sh: did you mean --dry-run?"),
+    (MPIRUN_SH, ["-np2"], {}, "-np2: write the count as a word of its own, -np 2"),
+    (MPIRUN_SH, ["--thread", "2"], {}, "did you mean --threads?"),
+    (SLURM_SBATCH, ["--mpi", "none"], {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, "--mpi none: srun would start the 2"),
+    (SLURM_SBATCH, ["--dry", "--mpi", "pmix"], {"SLURM_JOB_ID": "7"}, "did you mean --dry-run?"),
+], ids=["dryrun", "np2", "thread", "mpi-none", "batch-abbreviation"])
+def test_a_mistyped_launcher_option_starts_nothing(script: Path, args: list[str], extra: dict[str, str], message: str,
+                                                   fakes: Path, tmp_path: Path) -> None:
+    """Handed on to hpcdl.train, these started the job (issue 46): now one line, exit 2, and no launcher runs."""
+    started = tmp_path / "started"
+    for launcher in ("mpirun", "srun"):
+        (fakes / launcher).write_text(f'#!/bin/sh\necho "mpirun (Open MPI) 4.1.4"; echo "$0 $*" >>{started}\n')
+        (fakes / launcher).chmod(0o755)
+    result = run(script, *args, env=clean_env(extra, fakes=fakes))
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("[hpcdl] ")]
+    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], (result.returncode, result.stderr)
+    assert not started.exists() or "--version" in started.read_text() and " -np " not in started.read_text()
