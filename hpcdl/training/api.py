@@ -9,16 +9,28 @@ the command line, conflicting ones too.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
-from hpcdl.runtime.errors import run_main
-from hpcdl.training.config import option_name, parse_config
-from hpcdl.training.task import TaskSource, task_label
+from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.training.config import FIELDS, OLD_SWITCH, RENAMED, option_name, parse_config
+from hpcdl.training.task import Task, TaskSource, task_label
 from hpcdl.training.train import TrainResult, train
 
 
 def flags_to_argv(flags: dict[str, Any]) -> list[str]:
-    """Keyword flags -> the command line's words (None leaves a flag out)."""
+    """Keyword flags -> the command line's words (None leaves a flag out). A keyword must be a flag's whole name:
+    argparse would take ``epoch=1`` for ``--epochs`` and call ``lr=0.1`` ambiguous."""
+    known = {*FIELDS, *RENAMED, OLD_SWITCH} - {"task"}
+    unknown = [name for name in flags if name not in known]
+    if unknown:
+        name = unknown[0]
+        if name == "task":
+            raise UsageError("run(task, ...) takes the task as its first argument, not as task=")
+        close = difflib.get_close_matches(name, list(FIELDS), n=3, cutoff=0.5)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        raise UsageError(f"hpcdl.train.run: no flag {name}= ({option_name(name)}){hint}; keywords are the command "
+                         "line's flags written out in full, with _ for -")
     argv: list[str] = []
     for name, value in flags.items():
         option = option_name(name)
@@ -33,6 +45,15 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
     return argv
 
 
+def check_source(task: TaskSource) -> TaskSource:
+    """A Task object is refused before the job starts (hpcdl.training.task.load_task says why)."""
+    if isinstance(task, Task):
+        from hpcdl.training.task import load_task
+
+        load_task(task)  # raises its one line
+    return task
+
+
 def run(task: TaskSource, /, **flags: Any) -> TrainResult:
     """Train ``task`` (a Task, a function returning one, or a ``module:function`` path) on every rank of the job.
 
@@ -40,7 +61,7 @@ def run(task: TaskSource, /, **flags: Any) -> TrainResult:
     input; :func:`main` turns them into the command line's one line and exit status.
     """
     argv = ["--task", task if isinstance(task, str) else task_label(task), *flags_to_argv(flags)]
-    return train(parse_config(argv), None if isinstance(task, str) else task)
+    return train(parse_config(argv), None if isinstance(task, str) else check_source(task))
 
 
 def main(task: TaskSource, /, **flags: Any) -> None:
