@@ -386,12 +386,10 @@ class KFACPreconditioner:
         calls: dict[tuple[int, str], list[int]] = defaultdict(list)
         for i, (_, _, step, call) in restoring["decomposed_from"].items():
             calls[(step, call)].append(i)
-        recoveries = dict(self.eigen_recoveries)  # counted when they were first computed
-        for (step, _), layers in sorted(calls.items()):
-            factors = self._source_factors(restoring["decomposed_from"])
+        factors = self._source_factors(restoring["decomposed_from"])
+        for (step, _), layers in sorted(calls.items()):  # recoveries were counted when first computed: not again
             self._install(layers, self._compute_owned(layers, _value(self.damping, step), factors)[0], {})
             self._sources.update({i: restoring["decomposed_from"][i] for i in layers})
-        self.eigen_recoveries = recoveries
         late = restoring["late_from"]
         if late:
             step = next(iter(late.values()))[2]

@@ -5,7 +5,8 @@ per epoch from ``(seed, epoch)``, cut to whole steps and dealt round-robin, so e
 epoch across ranks and batch ``k`` of an epoch is rebuilt without the batches before it (an exact resume,
 also on another world size with the same global batch). DataLoader workers read the items (``--workers``),
 pinned and copied to the device one batch ahead on CUDA. Items are ``(input, target)`` pairs batched by
-torch's ``default_collate``, or anything the task's ``collate`` turns into an ``(inputs, targets)`` pair. An item must not depend on global random state: workers and ranks would draw
+torch's ``default_collate``, or anything the task's ``collate`` turns into an ``(inputs, targets)``
+pair. An item must not depend on global random state: workers and ranks would draw
 differently; draw from a generator seeded with the item's index instead.
 """
 
@@ -40,7 +41,7 @@ class DatasetPipeline(InputPipeline):
         self.collate = collate
         first = train[0]  # an input's shape where the items are (tensor, target) pairs; else unknown
         pair = isinstance(first, (tuple, list)) and len(first) == 2 and isinstance(first[0], torch.Tensor)
-        self.input_shape = tuple(first[0].shape) if pair else ()  # type: ignore[index]
+        self.input_shape = tuple(first[0].shape) if pair else ()
         self.train_keys, self.test_keys = KeySampler(), KeySampler()
         self.train_loader = self.loader(train, self.train_keys, spec.batch_size)
         self.test_loader = self.loader(test, self.test_keys, spec.test_batch_size)

@@ -27,7 +27,9 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
         name = unknown[0]
         if name == "task":
             raise UsageError("run(task, ...) takes the task as its first argument, not as task=")
-        close = difflib.get_close_matches(name, list(FIELDS), n=3, cutoff=0.5)
+        # what argparse would have taken it for (the flags it begins, or is a word of), then look-alikes
+        close = [f for f in FIELDS if f.startswith(name) or name in f.split("_")][:4] \
+            or difflib.get_close_matches(name, list(FIELDS), n=3, cutoff=0.5)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         raise UsageError(f"hpcdl.train.run: no flag {name}= ({option_name(name)}){hint}; keywords are the command "
                          "line's flags written out in full, with _ for -")

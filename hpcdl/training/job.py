@@ -44,7 +44,15 @@ from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.phases import StepPhases, TraceWindow, parse_profile_steps
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
 from hpcdl.training.scoring import scoring_of
-from hpcdl.training.task import TaskSource, check_first_batch, load_task, one_line, task_data, task_label
+from hpcdl.training.task import (
+    TaskSource,
+    check_first_batch,
+    load_task,
+    one_line,
+    task_data,
+    task_label,
+    task_optimizer,
+)
 
 
 @dataclass
@@ -328,7 +336,10 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         else config.warmup_start_factor
     schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, start_factor), peak_lr,
                           config.warmup_epochs, config.epochs, config.lr_schedule, config.lr_decay)
-    optimizer = backend.wrap_optimizer(build_update_rule(config, model, schedule(0.0)), model, config)
+    rule = build_update_rule(config, model, schedule(0.0))
+    if task is not None:
+        rule = agree(lambda: task_optimizer(rule, task, model))
+    optimizer = backend.wrap_optimizer(rule, model, config)
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     kfac_config = config if task is None else dataclasses.replace(

@@ -254,10 +254,13 @@ def restore(state: TrainState, saved: dict[str, Any], config: TrainConfig, rank:
             raise UsageError(f"the checkpoint in {where} does not fit this model: {one_line(exc)}") from exc
 
     agree(load)
-    for group in state.optimizer.param_groups:  # what may change takes effect on the restored state
-        for name in OPTIMIZER_FIELDS:
-            if name in group:
-                group[name] = getattr(config, name)
+    # A changed flag takes effect on the restored state, in the groups that had the flag's old value (a task's
+    # group of its own, such as no weight decay on norms, keeps its value).
+    for name in OPTIMIZER_FIELDS:
+        old, new = saved["config"].get(name), getattr(config, name)
+        for group in state.optimizer.param_groups:
+            if name in group and old != new and group[name] == old:
+                group[name] = new
     state.progress.load_state_dict(saved["progress"])
     if changes:
         print0("resuming with changed flags: " + "; ".join(changes))

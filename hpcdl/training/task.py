@@ -10,6 +10,7 @@ anything is written), is here; docs/training.md ("Your own model") is the user's
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
 import os
 import sys
@@ -46,7 +47,10 @@ class Task:
     ``kfac_skip``: module names or class names that K-FAC leaves to the optimizer, as ``--kfac-skip-layers``.
     ``collate``: a function from a list of items to an ``(inputs, targets)`` pair of tensors, for items torch's
     ``default_collate`` cannot stack (sequences of different lengths: pad them there) or items of another form
-    (dicts).
+    (dicts). ``param_groups``: a function from the model to torch parameter groups (dicts with ``params`` and
+    options of their own, e.g. ``weight_decay=0.0`` for norms and biases), every trainable parameter in one;
+    ``optimizer_options``: keywords for the ``--optimizer``'s constructor beyond the flags (AdamW's ``betas``).
+    The learning rate is the schedule's in every group.
     """
 
     model: nn.Module
@@ -58,6 +62,8 @@ class Task:
     goal: str | None = None
     kfac_skip: Sequence[str] = ()
     collate: Callable[[list[Any]], tuple[Tensor, Tensor]] | None = None
+    param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None
+    optimizer_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 TaskSource = str | Task | Callable[[], Task]  # --task's path, or (the Python API) a Task or its function
@@ -297,6 +303,33 @@ def as_number(value: Any) -> float | None:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy's scalars are numbers.Real too
         return float(value)
     return None
+
+
+def task_optimizer(rule: torch.optim.Optimizer, task: Task, model: nn.Module) -> torch.optim.Optimizer:
+    """The ``--optimizer`` rule rebuilt over the task's parameter groups and with its options (the flags' values
+    stay the defaults of every group), or ``rule`` itself when the task has neither; bad groups are one line."""
+    if task.param_groups is None and not task.optimizer_options:
+        return rule
+    groups: Any = [{"params": list(model.parameters())}]
+    if task.param_groups is not None:
+        groups = call_user(task.param_groups, "the task's param_groups", model)
+        if not (isinstance(groups, list) and groups and all(isinstance(g, dict) and "params" in g for g in groups)):
+            raise UsageError("the task's param_groups must return a list of dicts, each with 'params'")
+        groups = [{**g, "params": list(g["params"])} for g in groups]
+        grouped = {id(p) for g in groups for p in g["params"]}
+        left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in grouped]
+        if left:
+            raise UsageError(f"the task's param_groups leave out {', '.join(left[:4])}"
+                             f"{f' and {len(left) - 4} more' if len(left) > 4 else ''}: they would never be trained; "
+                             "put every trainable parameter in a group")
+    accepted = inspect.signature(type(rule)).parameters  # defaults may hold more than the constructor takes
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    options = {**{k: v for k, v in rule.defaults.items() if takes_any or k in accepted}, **task.optimizer_options}
+    try:
+        return type(rule)(groups, **options)
+    except Exception as exc:  # the optimizer's own checks raise what they like (betas of one value: IndexError)
+        raise UsageError(f"the task's optimizer options {dict(task.optimizer_options)} or groups do not fit "
+                         f"{type(rule).__name__} ({type(exc).__name__}: {one_line(exc)})") from None
 
 
 def task_data(task: Task, spec: DataSpec, rank: int, size: int, device: torch.device) -> DatasetPipeline:

@@ -113,7 +113,8 @@ def train_job(job: Job) -> TrainResult:
     summary = summarise(job)
     if progress.stop_reason in runstate.FINAL_REASONS:  # an interrupted run has no summary until it finishes
         write_results(lambda: job.record.write_summary(summary), job.comm, job.output_dir)
-        print0(f"hpcdl: finished: {runstate.closing_words(config, progress)}; summary in {job.output_dir / 'summary.json'}")
+        print0(f"hpcdl: finished: {runstate.closing_words(config, progress)}; "
+               f"summary in {job.output_dir / 'summary.json'}")
     if not summary["replicas_identical"]:
         raise RuntimeError("ranks ended with different parameters: the allreduce did not keep replicas in sync")
     exit_code = 0 if progress.stop_reason in runstate.FINAL_REASONS else trainer.stop.exit_code(progress.stop_reason)

@@ -42,6 +42,8 @@ def test_a_kfac_run_stopped_between_inverse_updates_resumes_bit_identically(case
     assert stop < FINAL and stop % 4 != 0, (stop, stopped.tail())  # between inverse updates
     resumed = run_job(ranks, run_dir, *flags, "--resume", timeout=300)
     assert resumed.rc == 0, resumed.tail()
+    assert f"hpcdl: finished: --max-steps {FINAL} reached at step {FINAL}; best " in resumed.out, resumed.tail()
+    assert f"summary in {run_dir / 'summary.json'}" in resumed.out
 
     final, expected = load_checkpoint(run_dir, FINAL), load_checkpoint(tmp_path / "whole", FINAL)
     assert same_weights(final["model"], expected["model"]), case

@@ -233,3 +233,19 @@ def test_kfac_skip_names_must_match_a_module() -> None:
     names = [name for name, _ in model.named_modules() if name]
     check_skip_names(model, [names[0], "conv2d", type(model).__name__.upper()])
     refused(lambda: check_skip_names(model, [names[0], "fc9"]), "--kfac-skip-layers fc9: no module of the model")
+
+
+def test_task_parameter_groups_and_options_reach_the_optimizer_and_must_cover_every_parameter() -> None:
+    from examples.own_model import task as own_task
+    from hpcdl.training.task import task_optimizer
+
+    task = own_task()
+    rule = torch.optim.AdamW(task.model.parameters(), lr=0.01, weight_decay=0.3)
+    built = task_optimizer(rule, task, task.model)
+    assert [g["weight_decay"] for g in built.param_groups] == [0.05, 0.0]
+    assert all(g["betas"] == (0.9, 0.95) and g["lr"] == 0.01 for g in built.param_groups)
+    assert sum(len(g["params"]) for g in built.param_groups) == len(list(task.model.parameters()))
+    task.param_groups = lambda model: [{"params": [model.model.head.weight]}]
+    refused(lambda: task_optimizer(rule, task, task.model), "param_groups leave out model.body.1.weight")
+    task.param_groups, task.optimizer_options = None, {"betas": (0.9,)}
+    refused(lambda: task_optimizer(rule, task, task.model), "do not fit AdamW")
