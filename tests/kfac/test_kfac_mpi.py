@@ -15,6 +15,7 @@ from __future__ import annotations
 # it when it starts), so K-FAC uses Horovod process sets for its rank groups; without it K-FAC falls
 # back to mpi4py sub-communicators, tested below as well.
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,6 +71,12 @@ class TorchAveraging:
 
     def step(self) -> None:
         self.base.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.base.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.base.load_state_dict(state)
 
 
 class DataParallel:
@@ -680,7 +687,7 @@ def test_a_resume_between_inverse_updates_is_exact_and_loads_on_one_rank(dp: Dat
     model, optimizer, pre = built()
     _steps(dp, model, optimizer, pre, range(stop))
     saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-             "optimizer": optimizer.state_dict(), "kfac": pre.state_dict()}
+             "optimizer": copy.deepcopy(optimizer.state_dict()), "kfac": pre.state_dict()}  # momentum: live
     held = [None if d is None else [t.clone() for side in d for t in side] for d in pre._decompositions]
     _steps(dp, model, optimizer, pre, range(stop, total))
 
