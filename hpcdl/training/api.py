@@ -1,4 +1,4 @@
-"""The Python API for your own script under mpirun: ``hpcdl.train.run(task, epochs=5, kfac=True, ...)``.
+"""The Python API for your own script under mpirun: ``hpcdl.train.run(make_task, epochs=5, kfac=True, ...)``.
 
 Its stable surface (docs/training.md, "Your own model"): :func:`run`, :func:`main`, and from
 :mod:`hpcdl.training.task` the :class:`~hpcdl.training.task.Task` dataclass and
@@ -14,7 +14,7 @@ from typing import Any
 
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.training.config import FIELDS, OLD_SWITCH, RENAMED, option_name, parse_config
-from hpcdl.training.task import Task, TaskSource, task_label
+from hpcdl.training.task import Task, TaskSource, load_task, task_label
 from hpcdl.training.train import TrainResult, train
 
 
@@ -47,23 +47,17 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
     return argv
 
 
-def check_source(task: TaskSource) -> TaskSource:
-    """A Task object is refused before the job starts (hpcdl.training.task.load_task says why)."""
-    if isinstance(task, Task):
-        from hpcdl.training.task import load_task
-
-        load_task(task)  # raises its one line
-    return task
-
-
 def run(task: TaskSource, /, **flags: Any) -> TrainResult:
-    """Train ``task`` (a Task, a function returning one, or a ``module:function`` path) on every rank of the job.
+    """Train ``task`` (a function returning a Task, or a ``module:function`` path) on every rank of the job. A Task
+    object is refused (:func:`~hpcdl.training.task.load_task` says why).
 
     Call it on every rank. Raises :class:`hpcdl.runtime.errors.JobError` subclasses (one-line messages) for bad
     input; :func:`main` turns them into the command line's one line and exit status.
     """
+    if isinstance(task, Task):
+        load_task(task)  # raises its one line, before anything starts
     argv = ["--task", task if isinstance(task, str) else task_label(task), *flags_to_argv(flags)]
-    return train(parse_config(argv), None if isinstance(task, str) else check_source(task))
+    return train(parse_config(argv), None if isinstance(task, str) else task)
 
 
 def main(task: TaskSource, /, **flags: Any) -> None:
