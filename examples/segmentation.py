@@ -1,6 +1,6 @@
 """Segmentation on generated images, a task that is not classification: which pixels belong to a rectangle.
 
-    mpirun -np 2 python -m hpcdl.train --task examples.segmentation:task --kfac
+    mpirun -np 2 .venv/bin/python -m hpcdl.train --task examples.segmentation:task --kfac --output-dir runs/segmentation
 
 Each 1x16x16 image holds a bright rectangle in noise; the target is its mask. The model is a small
 fully convolutional network with two output channels per pixel; the loss is the per-pixel

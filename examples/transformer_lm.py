@@ -1,7 +1,7 @@
 """A small transformer language model on text that ships with Python: the source of the stdlib's ``textwrap``.
 
-    mpirun -np 2 python -m hpcdl.train --task examples.transformer_lm:task --optimizer adamw --base-lr 0.001
-    mpirun -np 2 python -m hpcdl.train --task examples.transformer_lm:task --kfac
+    mpirun -np 2 .venv/bin/python -m hpcdl.train --task examples.transformer_lm:task --optimizer adamw --base-lr 0.001 --output-dir runs/lm
+    mpirun -np 2 .venv/bin/python -m hpcdl.train --task examples.transformer_lm:task --kfac --output-dir runs/lm-kfac
 
 A character-level GPT (Radford et al.'s decoder: pre-norm blocks of causal self-attention and an MLP).
 Its attention is written with nn.Linear projections, so K-FAC preconditions every projection, MLP and

@@ -231,7 +231,7 @@ def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = (),
     """
     layers: list[KFACLayer] = []
     grouped: list[str] = []
-    plain: list[str] = []
+    others: list[tuple[str, nn.Module]] = []
     attention = [name for name, module in model.named_modules() if isinstance(module, nn.MultiheadAttention)]
     for name, module in model.named_modules():
         if _matches(name, module, skip_layers):
@@ -239,7 +239,7 @@ def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = (),
         modelled = isinstance(module, (nn.Linear, nn.Conv2d)) and not _inside(name, attention)
         if not modelled:
             if any(p.requires_grad for p in module.parameters(recurse=False)):
-                plain.append(f"{name or 'the model'} ({type(module).__name__})")
+                others.append((name, module))
             continue
         if not module.weight.requires_grad:
             continue
@@ -253,9 +253,24 @@ def find_layers(model: nn.Module, skip_layers: Sequence[SkipSpec] = (),
     if grouped:  # one warning for all of them: a MobileNet has dozens
         warnings.warn(f"K-FAC skips {len(grouped)} grouped or depthwise convolution(s), left to the optimizer as "
                       f"they are: {_first_few(grouped)}", stacklevel=2)
+    # A weight tied to a preconditioned layer's (a GPT's embedding and output layer) is that layer's parameter:
+    # K-FAC preconditions it through that layer, and the module sharing it is said to, not listed as plain.
+    owner = {id(layer.module.weight): layer.name for layer in layers}
+    plain: list[str] = []
+    tied: list[str] = []
+    for name, module in others:
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        label = f"{name or 'the model'} ({type(module).__name__})"
+        if all(id(p) in owner for p in own):
+            tied.append(f"{name or 'the model'}'s weight is {owner[id(own[0])]}'s")
+        else:
+            plain.append(label)
     if plain:
         warnings.warn(f"K-FAC leaves {len(plain)} layer(s) it does not model to the optimizer's plain step: "
                       f"{_first_few(plain)}", stacklevel=2)
+    if tied:
+        warnings.warn(f"K-FAC preconditions tied weights through the layer it models: {_first_few(tied)} "
+                      "(the whole gradient, the other use's part included, with that layer's factors)", stacklevel=2)
     return layers
 
 

@@ -38,6 +38,9 @@ from kfac.precision import ieee_fp32
 from kfac.workers import map_largest_first
 
 Schedule = float | Callable[[int], float]
+# The factors (A, G) one layer's decompositions were computed from, the step, and which call of that step
+# ("now", "first" or "late": the layers one call decomposed are batched together).
+Source = tuple[Tensor | None, Tensor | None, int, str]
 # The payload precisions offered for what K-FAC shares by allgather: bfloat16 has float32's exponent range
 # (eigenvalues cannot overflow as in float16).
 COMM_DTYPES = (None, torch.bfloat16)
@@ -203,6 +206,11 @@ class KFACPreconditioner:
         self._skipped_updates: Tensor | None = None  # on the device: layer factor updates left out
         self._pending: tuple[list[int], Future, Any] | None = None  # late decompositions in flight
         self._late_runner: ThreadPoolExecutor | None = None
+        # Per layer, the factors its installed decompositions were computed from, with the step and call that
+        # computed them (Source); and those of the late decompositions in flight. A checkpoint saves them.
+        self._sources: dict[int, Source] = {}
+        self._late_sources: dict[int, Source] = {}
+        self._restoring: dict[str, dict[int, Source]] | None = None  # loaded, recomputed at the next step()
         self._side_stream: Any = None
 
         self.layers: list[KFACLayer] = find_layers(model, skip_layers, conv_approximation)
@@ -267,6 +275,8 @@ class KFACPreconditioner:
         that are not finite are left out all the same.
         """
         step = self.steps
+        if self._restoring is not None:
+            self._restore_decompositions()
         if step % self.factor_update_freq == 0:
             with self._timed("factors"):
                 self._update_factors(step, found_inf)
@@ -276,8 +286,10 @@ class KFACPreconditioner:
             if self.a_factors[i] is not None and (step % self.inv_update_freq == 0 or not self._decomposed[i])
         ]
         if stale:
+            first = [i for i in stale if not self._decomposed[i]]
             with self._timed("decompositions"):
                 self._update_decompositions(stale, step)
+            self._note_sources(stale, first, step)
         with self._timed("precondition"), ieee_fp32():
             self._precondition(step)
         self.steps += 1
@@ -290,38 +302,106 @@ class KFACPreconditioner:
         return {"eigen_recoveries": dict(self.eigen_recoveries), "skipped_factor_updates": skipped}
 
     def state_dict(self) -> dict[str, Any]:
-        """Running factors, step count and recovery counters; decompositions are recomputed after loading."""
+        """What the next step needs: the running factors, the step count, and the factors the installed (and
+        the pending late) decompositions were computed from, so that loading recomputes those decompositions
+        bit for bit instead of from the running factors (which would change the preconditioner until the next
+        inverse update). Every rank holds all factors, so any rank's state is complete, and it loads onto any
+        world size and grad worker fraction. Local: no collective."""
+        copies: dict[int, Tensor] = {}  # a factor that is also a source is saved once
+
+        def copy(tensor: Tensor | None) -> Tensor | None:
+            if tensor is None:
+                return None
+            if id(tensor) not in copies:
+                copies[id(tensor)] = tensor.detach().clone()
+            return copies[id(tensor)]
+
+        def sources(held: dict[int, Source]) -> dict[int, tuple[Tensor | None, Tensor | None, int, str]]:
+            return {i: (copy(a), copy(g), step, call) for i, (a, g, step, call) in sorted(held.items())}
+
         return {
             "steps": self.steps,
             "layers": [layer.name for layer in self.layers],
-            "a_factors": [None if f is None else f.detach().clone() for f in self.a_factors],
-            "g_factors": [None if f is None else f.detach().clone() for f in self.g_factors],
+            "a_factors": [copy(f) for f in self.a_factors],
+            "g_factors": [copy(f) for f in self.g_factors],
+            "decomposed_from": sources(self._sources),
+            "late_from": sources(self._late_sources),
             "eigen_recoveries": dict(self.eigen_recoveries),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the decompositions are recomputed from their saved factors at the next
+        ``step()`` (a collective every rank reaches). A state without them (saved before they were kept) has its
+        decompositions recomputed from the running factors, which continues exactly only from an inverse update."""
         names = [layer.name for layer in self.layers]
         if list(state["layers"]) != names:
             raise ValueError(f"K-FAC state is for layers {list(state['layers'])}, this model has {names}")
-        for i, layer in enumerate(self.layers):
-            for factors, key, dim in (
-                (self.a_factors, "a_factors", layer.a_dim),
-                (self.g_factors, "g_factors", layer.g_dim),
-            ):
-                saved = state[key][i]
-                if saved is not None and tuple(saved.shape) != (dim, dim):
-                    raise ValueError(
-                        f"K-FAC state for {layer.name}: {key} has shape {tuple(saved.shape)}, expected {(dim, dim)}"
-                    )
-                device = layer.device
-                factors[i] = None if saved is None else saved.detach().to(device=device, dtype=layer.dtype).clone()
+        loaded: dict[int, Tensor] = {}  # one tensor here for one saved twice
+
+        def restored(saved: Tensor | None, i: int, key: str) -> Tensor | None:
+            if saved is None:
+                return None
+            layer = self.layers[i]
+            dim = layer.a_dim if key == "A" else layer.g_dim
+            if tuple(saved.shape) != (dim, dim):
+                raise ValueError(f"K-FAC state for {layer.name}: {key} factor has shape {tuple(saved.shape)}, "
+                                 f"expected {(dim, dim)}")
+            if id(saved) not in loaded:
+                loaded[id(saved)] = saved.detach().to(device=layer.device, dtype=layer.dtype).clone()
+            return loaded[id(saved)]
+
+        for i in range(len(self.layers)):
+            self.a_factors[i] = restored(state["a_factors"][i], i, "A")
+            self.g_factors[i] = restored(state["g_factors"][i], i, "G")
+        self._restoring = {
+            key: {int(i): (restored(a, int(i), "A"), restored(g, int(i), "G"), int(step), str(call))
+                  for i, (a, g, step, call) in state.get(key, {}).items()}
+            for key in ("decomposed_from", "late_from")
+        }
         self.steps = int(state["steps"])
         self.eigen_recoveries.update(state.get("eigen_recoveries", {}))
         self._discard_pending()  # late decompositions of the old factors are of no use now
         self._decompositions = [None] * len(self.layers)
         self._decomposed = [False] * len(self.layers)
+        self._sources, self._late_sources = {}, {}
         self._denominators.clear()
         self._batches = []
+
+    def _note_sources(self, stale: list[int], first: list[int], step: int) -> None:
+        """Record which factors the decompositions this step installed (or started late) come from."""
+        if not self.late_decompositions:
+            self._sources.update({i: (self.a_factors[i], self.g_factors[i], step, "now") for i in stale})
+            return
+        self._sources.update({i: (self.a_factors[i], self.g_factors[i], step, "first") for i in first})
+        if step % self.inv_update_freq == 0:  # the pending ones were installed; the rest started late
+            self._sources.update(self._late_sources)
+            self._late_sources = {i: (self.a_factors[i], self.g_factors[i], step, "late")
+                                  for i in stale if i not in first}
+
+    def _restore_decompositions(self) -> None:
+        """Recompute the loaded decompositions from their saved factors, layers in the groups that computed them
+        (so that batched decompositions are batched alike), and restart the late ones that were in flight."""
+        assert self._restoring is not None
+        restoring, self._restoring = self._restoring, None
+        calls: dict[tuple[int, str], list[int]] = defaultdict(list)
+        for i, (_, _, step, call) in restoring["decomposed_from"].items():
+            calls[(step, call)].append(i)
+        factors = self._source_factors(restoring["decomposed_from"])
+        for (step, _), layers in sorted(calls.items()):  # recoveries were counted when first computed: not again
+            self._install(layers, self._compute_owned(layers, _value(self.damping, step), factors)[0], {})
+            self._sources.update({i: restoring["decomposed_from"][i] for i in layers})
+        late = restoring["late_from"]
+        if late:
+            step = next(iter(late.values()))[2]
+            self._start_late(sorted(late), _value(self.damping, step), self._source_factors(late))
+            self._late_sources = dict(late)
+
+    def _source_factors(self, sources: dict[int, Source]) -> tuple[list, list]:
+        a: list[Tensor | None] = [None] * len(self.layers)
+        g: list[Tensor | None] = [None] * len(self.layers)
+        for i, (a_i, g_i, _, _) in sources.items():
+            a[i], g[i] = a_i, g_i
+        return a, g
 
     def remove_hooks(self) -> None:
         """Detach from the model (its forward and backward no longer feed the factors)."""

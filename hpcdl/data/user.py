@@ -5,13 +5,14 @@ per epoch from ``(seed, epoch)``, cut to whole steps and dealt round-robin, so e
 epoch across ranks and batch ``k`` of an epoch is rebuilt without the batches before it (an exact resume,
 also on another world size with the same global batch). DataLoader workers read the items (``--workers``),
 pinned and copied to the device one batch ahead on CUDA. Items are ``(input, target)`` pairs batched by
-torch's ``default_collate``. An item must not depend on global random state: workers and ranks would draw
+torch's ``default_collate``, or anything the task's ``collate`` turns into an ``(inputs, targets)``
+pair. An item must not depend on global random state: workers and ranks would draw
 differently; draw from a generator seeded with the item's index instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ class DatasetPipeline(InputPipeline):
     """A user's training and evaluation datasets, sharded over ranks exactly as hpcdl's own."""
 
     def __init__(self, spec: DataSpec, rank: int, size: int, device: torch.device, *,
-                 train: Dataset, test: Dataset) -> None:
+                 train: Dataset, test: Dataset, collate: Callable[[list[Any]], Any] | None = None) -> None:
         for name, data in (("training", train), ("evaluation", test)):
             if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
                 raise UsageError(f"the {name} dataset is not map-style (an IterableDataset cannot be sharded "
@@ -37,8 +38,10 @@ class DatasetPipeline(InputPipeline):
         check_enough(self.train_samples, size, spec.batch_size)
         self.steps_per_epoch = steps_per_epoch(self.train_samples, size, spec.batch_size)
         self.num_classes = 0  # a task's outputs are its own business
-        first = train[0]
-        self.input_shape = tuple(first[0].shape) if isinstance(first[0], torch.Tensor) else ()  # type: ignore
+        self.collate = collate
+        first = train[0]  # an input's shape where the items are (tensor, target) pairs; else unknown
+        pair = isinstance(first, (tuple, list)) and len(first) == 2 and isinstance(first[0], torch.Tensor)
+        self.input_shape = tuple(first[0].shape) if pair else ()
         self.train_keys, self.test_keys = KeySampler(), KeySampler()
         self.train_loader = self.loader(train, self.train_keys, spec.batch_size)
         self.test_loader = self.loader(test, self.test_keys, spec.test_batch_size)
@@ -47,6 +50,8 @@ class DatasetPipeline(InputPipeline):
         workers = self.spec.workers
         options: dict[str, Any] = dict(num_workers=workers, persistent_workers=workers > 0, batch_size=batch_size,
                                        sampler=keys, pin_memory=self.device.type == "cuda")
+        if self.collate is not None:
+            options["collate_fn"] = self.collate
         if workers > 0:
             options["prefetch_factor"] = 4
         return DataLoader(data, **options)

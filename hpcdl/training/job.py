@@ -44,7 +44,15 @@ from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.phases import StepPhases, TraceWindow, parse_profile_steps
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
 from hpcdl.training.scoring import scoring_of
-from hpcdl.training.task import TaskSource, check_first_batch, load_task, task_data, task_label
+from hpcdl.training.task import (
+    TaskSource,
+    check_first_batch,
+    load_task,
+    one_line,
+    task_data,
+    task_label,
+    task_optimizer,
+)
 
 
 @dataclass
@@ -164,6 +172,19 @@ def horovod_timeline(config: TrainConfig, world_size: int) -> Any:
     return hvd
 
 
+def check_skip_names(model: nn.Module, names: list[str]) -> None:
+    """A --kfac-skip-layers (or Task.kfac_skip) name must match a module of the model, by name (or a name it
+    is inside of) or by class name (case-insensitive), as K-FAC matches them: a typo would skip nothing, silently."""
+    modules = list(model.named_modules())
+    classes = {type(module).__name__.lower() for _, module in modules}
+    unmatched = [name for name in names if name.lower() not in classes
+                 and not any(m == name or m.startswith(name + ".") for m, _ in modules)]
+    if unmatched:
+        shown = ", ".join(m for m, _ in modules[1:9]) + (", ..." if len(modules) > 9 else "")
+        raise UsageError(f"--kfac-skip-layers {' '.join(unmatched)}: no module of the model has this name or class "
+                         f"(its modules: {shown or 'none'})")
+
+
 def refuse_earlier_checkpoints(path: Path, is_root: bool) -> None:
     """A new run must not mix its checkpoints with an earlier run's (the earlier ones would be pruned as its own)."""
     if is_root and checkpoint_files.list_checkpoints(checkpoint_files.checkpoint_dir(path)):
@@ -181,7 +202,7 @@ def try_one_batch(model: nn.Module, data: InputPipeline, config: TrainConfig, de
     except RuntimeError as exc:
         raise UsageError(
             f"--model {config.model} cannot take {config.dataset}'s {'x'.join(map(str, data.input_shape))} images "
-            f"({str(exc).splitlines()[0]}); choose a model made for this input size (e.g. resnet20-110 or "
+            f"({one_line(exc)}); choose a model made for this input size (e.g. resnet20-110 or "
             f"{'digits_cnn' if data.input_shape[-1] <= 16 else 'resnet18'})") from exc
     finally:
         model.train()
@@ -290,15 +311,20 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         data = agree(lambda: build_pipeline(spec, me.rank, me.size, me.device))
         model = agree(lambda: build_model(config.model, data.num_classes, data.input_shape[0])).to(me.device)
     else:
-        data = agree(lambda: task_data(task, spec, me.rank, me.size, me.device))
         model = task.model.to(me.device)
+        # Before the pipeline and the broadcast: what the model, loss or metrics cannot take is one line, and a
+        # lazy module gets its parameters (the same on every rank, drawn after the seed) before they are sent.
+        agree(lambda: check_first_batch(task, model, me.device))
+        data = agree(lambda: task_data(task, spec, me.rank, me.size, me.device))
+    if config.kfac:
+        agree(lambda: check_skip_names(model, [*config.kfac_skip_layers, *(task.kfac_skip if task else ())]))
     backend = backends.for_config(config, me.size)
     backend.broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
     channels_last = channels_last_wanted and is_convolutional(model)
     if channels_last:  # before the optimizer exists, so that its state is made in the same layout
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    agree(lambda: try_one_batch(model, data, config, me.device) if task is None
-          else check_first_batch(task, model, me.device))
+    if task is None:
+        agree(lambda: try_one_batch(model, data, config, me.device))
 
     compiled = (compile_and_warm_up(model, data, spec, me.device, amp_dtype, config.batches_per_allreduce)
                 if config.compile else model)
@@ -310,7 +336,10 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         else config.warmup_start_factor
     schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, start_factor), peak_lr,
                           config.warmup_epochs, config.epochs, config.lr_schedule, config.lr_decay)
-    optimizer = backend.wrap_optimizer(build_update_rule(config, model, schedule(0.0)), model, config)
+    rule = build_update_rule(config, model, schedule(0.0))
+    if task is not None:
+        rule = agree(lambda: task_optimizer(rule, task, model))
+    optimizer = backend.wrap_optimizer(rule, model, config)
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     kfac_config = config if task is None else dataclasses.replace(

@@ -45,6 +45,7 @@ from hpcdl.persistence.checkpointer import Checkpointer, Stateful, load_parts, s
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import StorageError, UsageError, agree, rank0_then_all
 from hpcdl.training.config import TrainConfig, current_names, option_name
+from hpcdl.training.task import one_line
 
 FORMAT = "hpcdl.train checkpoint"
 FORMAT_VERSION = 2
@@ -202,6 +203,26 @@ def target_reached(best: dict[str, Any], target: float) -> bool:
     return value is not None and (value >= target if best.get("goal") == "max" else value <= target)
 
 
+def limit_flags(config: TrainConfig) -> str:
+    """The flags that let a finished run train further: a task's target is --target-metric (it refuses
+    --target-accuracy), a built-in model's --target-accuracy."""
+    target = "--target-metric" if config.task is not None else "--target-accuracy"
+    return f"--epochs, --max-steps or {target}"
+
+
+def closing_words(config: TrainConfig, progress: Progress) -> str:
+    """Why a finished run stopped, and its best evaluation, for the run's last line."""
+    limit = {"epochs": f"--epochs {config.epochs} reached", "max_steps": f"--max-steps {config.max_steps} reached",
+             "target_accuracy": f"--target-accuracy {config.target_accuracy} reached",
+             "target_metric": f"--target-metric {config.target_metric} reached"}.get(
+        str(progress.stop_reason), str(progress.stop_reason))
+    best = progress.best
+    if best.get("value") is None:
+        return f"{limit} at step {progress.global_step}"
+    return (f"{limit} at step {progress.global_step}; best {best['metric']} {best['value']:.4g} at step "
+            f"{best['step']}")
+
+
 def describe_limit(reason: str, config: TrainConfig, progress: Progress) -> str:
     """The flag behind a :func:`finished` reason, for the line that says a run trains no further."""
     if reason == "target_metric":
@@ -230,13 +251,16 @@ def restore(state: TrainState, saved: dict[str, Any], config: TrainConfig, rank:
         try:
             load_parts(parts, saved)
         except (RuntimeError, ValueError, KeyError) as exc:
-            raise UsageError(f"the checkpoint in {where} does not fit this model: {str(exc).splitlines()[0]}") from exc
+            raise UsageError(f"the checkpoint in {where} does not fit this model: {one_line(exc)}") from exc
 
     agree(load)
-    for group in state.optimizer.param_groups:  # what may change takes effect on the restored state
-        for name in OPTIMIZER_FIELDS:
-            if name in group:
-                group[name] = getattr(config, name)
+    # A changed flag takes effect on the restored state, in the groups that had the flag's old value (a task's
+    # group of its own, such as no weight decay on norms, keeps its value).
+    for name in OPTIMIZER_FIELDS:
+        old, new = saved["config"].get(name), getattr(config, name)
+        for group in state.optimizer.param_groups:
+            if name in group and old != new and group[name] == old:
+                group[name] = new
     state.progress.load_state_dict(saved["progress"])
     if changes:
         print0("resuming with changed flags: " + "; ".join(changes))

@@ -59,7 +59,7 @@ class TaskScoring(Scoring):
 
     def __init__(self, task: Task) -> None:
         self.loss, self.metrics = task.loss, dict(task.metrics)
-        self.best_key, self.goal = f"test_{task.best}", task.goal
+        self.best_key, self.goal = f"test_{task.best}", task.goal or "min"  # a checked task has its goal
         self.train_accuracy = "accuracy" in self.metrics
 
     def line(self, train_loss: float, train_accuracy: float, test: dict[str, float]) -> str:

@@ -10,10 +10,12 @@ anything is written), is here; docs/training.md ("Your own model") is the user's
 from __future__ import annotations
 
 import importlib
+import inspect
+import numbers
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,6 +28,8 @@ from hpcdl.runtime.errors import UsageError
 
 Metric = Callable[[Tensor, Tensor], Any]  # (outputs, targets) -> the batch's mean of a per-example number
 GOALS = ("min", "max")
+# A metric is recorded as test_<name>; a metric named "loss" would replace the task's own test_loss.
+RESERVED_METRICS = ("loss",)
 
 
 @dataclass
@@ -39,7 +43,14 @@ class Task:
     ``test_<name>`` (the loss is always reported, as ``test_loss``). ``best`` names what decides the best
     evaluation and ``--target-metric``: ``"loss"`` or a metric's name, improving towards ``goal`` (min or max).
     A metric named ``accuracy`` is also computed on the training batches (``train_accuracy``).
+    ``goal`` may be left out only where ``best`` is the loss (min); a metric's direction is the task's to say.
     ``kfac_skip``: module names or class names that K-FAC leaves to the optimizer, as ``--kfac-skip-layers``.
+    ``collate``: a function from a list of items to an ``(inputs, targets)`` pair of tensors, for items torch's
+    ``default_collate`` cannot stack (sequences of different lengths: pad them there) or items of another form
+    (dicts). ``param_groups``: a function from the model to torch parameter groups (dicts with ``params`` and
+    options of their own, e.g. ``weight_decay=0.0`` for norms and biases), every trainable parameter in one;
+    ``optimizer_options``: keywords for the ``--optimizer``'s constructor beyond the flags (AdamW's ``betas``).
+    The learning rate is the schedule's in every group.
     """
 
     model: nn.Module
@@ -48,8 +59,11 @@ class Task:
     loss: Callable[[Tensor, Tensor], Tensor]
     metrics: Mapping[str, Metric] = field(default_factory=dict)
     best: str = "loss"
-    goal: str = "min"
+    goal: str | None = None
     kfac_skip: Sequence[str] = ()
+    collate: Callable[[list[Any]], tuple[Tensor, Tensor]] | None = None
+    param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None
+    optimizer_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 TaskSource = str | Task | Callable[[], Task]  # --task's path, or (the Python API) a Task or its function
@@ -65,6 +79,10 @@ def import_function(spec: str, flag: str) -> Callable[..., Any]:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise UsageError(f"{flag} takes package.module:function (got {spec!r})")
+    if module_name.endswith(".py") or "/" in module_name:
+        dotted = module_name.removesuffix(".py").strip("./").replace("/", ".")
+        raise UsageError(f"{flag} takes a module's name, not a file's: write {dotted}:{attribute} (run from the "
+                         f"folder that holds it, or put that folder on PYTHONPATH)")
     look_in_the_working_folder_last()
     try:
         module = importlib.import_module(module_name)
@@ -88,9 +106,15 @@ def look_in_the_working_folder_last() -> None:
         sys.path.append(here)
 
 
-def one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+def one_line(exc: BaseException | str) -> str:
+    """An exception's message on one line: its first line, and where that ends in a colon (torch's "Error(s) in
+    loading state_dict for Net:") the detail after it, the following lines joined."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return " ".join(lines[:4]) + (" ..." if len(lines) > 4 else "")
+    return lines[0]
 
 
 def call_user(function: Callable[..., Any], what: str, *args: Any) -> Any:
@@ -104,9 +128,14 @@ def call_user(function: Callable[..., Any], what: str, *args: Any) -> Any:
 
 
 def load_task(source: TaskSource) -> Task:
-    """The checked Task of ``--task`` (a ``module:function`` path), of a function, or a Task as it is."""
+    """The checked Task of ``--task`` (a ``module:function`` path) or of a function (called after the seed is set).
+
+    A Task object is refused: its model was built before the run set ``--seed``, so the run could neither start
+    from the seed's weights it records nor start afresh when run twice (it would continue the first run's)."""
     if isinstance(source, Task):
-        return check_task(source, "the task")
+        raise UsageError("hpcdl.train.run takes the function that returns the Task (run(make_task, ...)), not a Task "
+                         "object: its model was built before --seed was set, so a run could not start from the "
+                         "seed's weights, and a second run would continue the first one's")
     if isinstance(source, str):
         function, what = import_function(source, "--task"), f"--task {source}"
     else:
@@ -136,12 +165,21 @@ def check_task(task: Any, what: str) -> Task:
     bad = [name for name, metric in task.metrics.items() if not callable(metric)]
     if bad:
         raise UsageError(f"{what}: the metric(s) {', '.join(bad)} are not functions")
+    clashes = [name for name in task.metrics if name in RESERVED_METRICS]
+    if clashes:
+        raise UsageError(f"{what}: a metric may not be named {clashes[0]!r}: test_{clashes[0]} is the task's own "
+                         "loss in the records (and in the choice of best); rename the metric")
     if task.best != "loss" and task.best not in task.metrics:
         raise UsageError(f"{what}: Task.best {task.best!r} is neither 'loss' nor one of its metrics "
                          f"({', '.join(task.metrics) or 'none'})")
-    if task.goal not in GOALS:
+    if task.goal is None and task.best != "loss":
+        raise UsageError(f"{what}: Task.best {task.best!r} names a metric: say which way it improves, "
+                         "goal='max' (e.g. accuracy) or goal='min' (e.g. an error)")
+    if task.goal is not None and task.goal not in GOALS:
         raise UsageError(f"{what}: Task.goal must be 'min' or 'max' (got {task.goal!r})")
-    return task
+    if task.collate is not None and not callable(task.collate):
+        raise UsageError(f"{what}: Task.collate is a {type(task.collate).__name__}, not a function")
+    return replace(task, goal=task.goal or "min")
 
 
 def check_dataset(data: Any, what: str) -> None:
@@ -163,61 +201,137 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def first_batch(task: Task) -> tuple[Tensor, Tensor]:
-    """Two training examples collated as the loop's batches are: ``(inputs, targets)`` tensors, or one line."""
-    examples = [task.train_data[i] for i in range(min(2, len(task.train_data)))]  # type: ignore[arg-type]
-    for example in examples:
-        if not (isinstance(example, (tuple, list)) and len(example) == 2):
-            raise UsageError(f"the task's train_data items are {type(example).__name__}s; each must be an "
-                             "(input, target) pair")
+def first_batch(task: Task, split: str = "train_data") -> tuple[Tensor, Tensor]:
+    """Two examples of ``split`` collated as the loop's batches are: ``(inputs, targets)`` tensors, or one line."""
+    data = getattr(task, split)
+    examples = [data[i] for i in range(min(2, len(data)))]
+    if task.collate is None:
+        for example in examples:
+            if isinstance(example, Mapping):
+                raise UsageError(f"the task's {split} items are dicts (keys {', '.join(map(str, example))}); hpcdl "
+                                 "takes (input, target) pairs: give Task.collate, a function from a list of items to "
+                                 "(inputs, targets) tensors, or return the pair from __getitem__")
+            if not (isinstance(example, (tuple, list)) and len(example) == 2):
+                raise UsageError(f"the task's {split} items are {type(example).__name__}s; each must be an "
+                                 "(input, target) pair (or give Task.collate)")
+    collate = task.collate or default_collate
     try:
-        inputs, targets = default_collate(examples)
+        batch = collate(examples)
     except Exception as exc:
-        raise UsageError(f"the task's train_data items cannot be batched ({one_line(exc)})") from None
+        fix = "" if task.collate is not None else (
+            ": items of different shapes need Task.collate, a function from a list of items to (inputs, targets) "
+            "tensors that pads them to the longest")
+        raise UsageError(f"the task's {split} items cannot be batched ({type(exc).__name__}: {one_line(exc)}){fix}") \
+            from None
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise UsageError(f"the task's collate returns a {type(batch).__name__}; it must return (inputs, targets)")
+    inputs, targets = batch
     for name, value in (("input", inputs), ("target", targets)):
         if not isinstance(value, Tensor):
-            raise UsageError(f"the task's train_data {name}s batch to a {type(value).__name__}; hpcdl takes tensors "
+            raise UsageError(f"the task's {split} {name}s batch to a {type(value).__name__}; hpcdl takes tensors "
                              "(or numbers)")
     return inputs, targets
 
 
-def check_first_batch(task: Task, model: nn.Module, device: torch.device, amp: Any = None) -> None:
-    """Run model, loss and metrics once on a first batch, so that what cannot take it fails with one line naming
-    the shapes, before any rank trains."""
+def check_first_batch(task: Task, model: nn.Module, device: torch.device) -> None:
+    """Run a batch of the training data and one of the evaluation data through collation, model, loss and metrics,
+    so that what cannot take them fails with one line naming the shapes before any rank trains (and before an
+    epoch is lost to an evaluation that cannot run); then find parameters the loss does not depend on.
+
+    Run before the parameters are broadcast: a lazy module (nn.LazyLinear) gets its parameters here."""
+    for split in ("train_data", "eval_data"):
+        inputs, targets = (t.to(device) for t in first_batch(task, split))
+        shapes = f"inputs {describe(inputs)}, targets {describe(targets)}"
+        where = "a first batch" if split == "train_data" else "an evaluation batch"
+        try:
+            with torch.no_grad():
+                outputs = model.eval()(inputs)
+        except Exception as exc:
+            raise UsageError(f"the task's model cannot take {where} of {shapes} "
+                             f"({type(exc).__name__}: {one_line(exc)})") from None
+        finally:
+            model.train()
+        if not isinstance(outputs, Tensor):
+            raise UsageError(f"the task's model returns a {type(outputs).__name__} for {shapes}; hpcdl needs one "
+                             "tensor (a model returning (logits, loss): wrap it, see examples/wrapped_outputs.py)")
+        shapes += f", outputs {describe(outputs)}"
+        loss = call_user(task.loss, f"the task's loss on {where} of {shapes}", outputs.float(), targets)
+        if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+            raise UsageError(f"the task's loss returns {describe(loss)} for {where} of {shapes}; it must be the "
+                             "batch's mean as a scalar floating-point tensor")
+        for name, metric in task.metrics.items():
+            value = call_user(metric, f"the task's metric {name!r} on {where} of {shapes}", outputs.float(), targets)
+            if as_number(value) is None:
+                raise UsageError(f"the task's metric {name!r} returns {describe(value)} for {where} of {shapes}, "
+                                 "not a number (a scalar tensor, int or float)")
+    unused = unused_parameters(task, model, device)
+    if unused:
+        more = f" and {len(unused) - 4} more" if len(unused) > 4 else ""
+        raise UsageError(f"the task's loss does not depend on the parameter(s) {', '.join(unused[:4])}{more} on a "
+                         "first batch: several ranks cannot tell them from ones they wait for (torch's DDP fails, "
+                         "Horovod zero-fills them), so one rank and many would train differently; freeze them "
+                         "(requires_grad_(False)) or leave them out of the model")
+
+
+def unused_parameters(task: Task, model: nn.Module, device: torch.device) -> list[str]:
+    """The trainable parameters a training-mode forward and loss of a first batch do not reach. The model's
+    buffers (BatchNorm statistics) and the random state are put back, so the check changes nothing."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        return []
     inputs, targets = (t.to(device) for t in first_batch(task))
-    shapes = f"inputs {describe(inputs)}, targets {describe(targets)}"
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
-        with torch.no_grad():
-            outputs = model.eval()(inputs)
-    except Exception as exc:
-        raise UsageError(f"the task's model cannot take a first batch of {shapes} "
-                         f"({type(exc).__name__}: {one_line(exc)})") from None
+        loss = task.loss(model(inputs).float(), targets)
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
     finally:
-        model.train()
-    if not isinstance(outputs, Tensor):
-        raise UsageError(f"the task's model returns a {type(outputs).__name__} for {shapes}; hpcdl needs a tensor")
-    shapes += f", outputs {describe(outputs)}"
-    loss = call_user(task.loss, f"the task's loss on a first batch of {shapes}", outputs.float(), targets)
-    if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.is_floating_point()):
-        raise UsageError(f"the task's loss returns {describe(loss)} for a first batch of {shapes}; it must be the "
-                         "batch's mean as a scalar floating-point tensor")
-    for name, metric in task.metrics.items():
-        value = call_user(metric, f"the task's metric {name!r} on a first batch of {shapes}", outputs.float(), targets)
-        number = as_number(value)
-        if number is None:
-            raise UsageError(f"the task's metric {name!r} returns {describe(value)} for a first batch of {shapes}, "
-                             "not a number (a scalar tensor, int or float)")
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+    return [name for (name, _), grad in zip(named, grads, strict=True) if grad is None]
 
 
 def as_number(value: Any) -> float | None:
     """A metric's value as a float, or None when it is not one number."""
     if isinstance(value, Tensor):
         return float(value) if value.numel() == 1 and not value.is_complex() else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy's scalars are numbers.Real too
         return float(value)
     return None
 
 
+def task_optimizer(rule: torch.optim.Optimizer, task: Task, model: nn.Module) -> torch.optim.Optimizer:
+    """The ``--optimizer`` rule rebuilt over the task's parameter groups and with its options (the flags' values
+    stay the defaults of every group), or ``rule`` itself when the task has neither; bad groups are one line."""
+    if task.param_groups is None and not task.optimizer_options:
+        return rule
+    groups: Any = [{"params": list(model.parameters())}]
+    if task.param_groups is not None:
+        groups = call_user(task.param_groups, "the task's param_groups", model)
+        if not (isinstance(groups, list) and groups and all(isinstance(g, dict) and "params" in g for g in groups)):
+            raise UsageError("the task's param_groups must return a list of dicts, each with 'params'")
+        groups = [{**g, "params": list(g["params"])} for g in groups]
+        grouped = {id(p) for g in groups for p in g["params"]}
+        left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in grouped]
+        if left:
+            raise UsageError(f"the task's param_groups leave out {', '.join(left[:4])}"
+                             f"{f' and {len(left) - 4} more' if len(left) > 4 else ''}: they would never be trained; "
+                             "put every trainable parameter in a group")
+    accepted = inspect.signature(type(rule)).parameters  # defaults may hold more than the constructor takes
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    options = {**{k: v for k, v in rule.defaults.items() if takes_any or k in accepted}, **task.optimizer_options}
+    try:
+        return type(rule)(groups, **options)
+    except Exception as exc:  # the optimizer's own checks raise what they like (betas of one value: IndexError)
+        raise UsageError(f"the task's optimizer options {dict(task.optimizer_options)} or groups do not fit "
+                         f"{type(rule).__name__} ({type(exc).__name__}: {one_line(exc)})") from None
+
+
 def task_data(task: Task, spec: DataSpec, rank: int, size: int, device: torch.device) -> DatasetPipeline:
     """The task's datasets through hpcdl's sharded order (:mod:`hpcdl.data.user`)."""
-    return DatasetPipeline(spec, rank, size, device, train=task.train_data, test=task.eval_data)
+    return DatasetPipeline(spec, rank, size, device, train=task.train_data, test=task.eval_data, collate=task.collate)

@@ -64,7 +64,7 @@ def train_job(job: Job) -> TrainResult:
         if reached is not None and reached == progress.stop_reason:
             print0(f"hpcdl: run {job.resumed['run_id']} in {job.output_dir} already finished "
                    f"(stopped by {progress.stop_reason} after {progress.epochs_completed} epoch(s)); nothing to "
-                   "do. Raise --epochs, --max-steps or --target-accuracy to train further.")
+                   f"do. Raise {runstate.limit_flags(config)} to train further.")
             return TrainResult(state.model, {"stop_reason": progress.stop_reason, "already_finished": True})
         if reached is not None:
             print0(f"hpcdl: run {job.resumed['run_id']} in {job.output_dir} is at step {progress.global_step} "
@@ -113,6 +113,8 @@ def train_job(job: Job) -> TrainResult:
     summary = summarise(job)
     if progress.stop_reason in runstate.FINAL_REASONS:  # an interrupted run has no summary until it finishes
         write_results(lambda: job.record.write_summary(summary), job.comm, job.output_dir)
+        print0(f"hpcdl: finished: {runstate.closing_words(config, progress)}; "
+               f"summary in {job.output_dir / 'summary.json'}")
     if not summary["replicas_identical"]:
         raise RuntimeError("ranks ended with different parameters: the allreduce did not keep replicas in sync")
     exit_code = 0 if progress.stop_reason in runstate.FINAL_REASONS else trainer.stop.exit_code(progress.stop_reason)

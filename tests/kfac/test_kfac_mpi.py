@@ -15,6 +15,7 @@ from __future__ import annotations
 # it when it starts), so K-FAC uses Horovod process sets for its rank groups; without it K-FAC falls
 # back to mpi4py sub-communicators, tested below as well.
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,6 +71,12 @@ class TorchAveraging:
 
     def step(self) -> None:
         self.base.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.base.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.base.load_state_dict(state)
 
 
 class DataParallel:
@@ -648,3 +655,57 @@ def test_share_by_takes_the_cheaper_collective() -> None:
     assert share_by([1, 0], "scatter") == "scatter"
     with pytest.raises(ValueError, match="rule"):
         share_by([1, 0], "reduce")
+
+
+def _steps(dp: DataParallel, model: nn.Module, optimizer: Any, pre: KFACPreconditioner, steps: range) -> None:
+    for step in steps:
+        x, y = _batch(step, PER_RANK * dp.size)
+        shard = slice(dp.rank * PER_RANK, (dp.rank + 1) * PER_RANK)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[shard]), y[shard]).backward()
+        optimizer.synchronize()
+        pre.step()
+        with optimizer.skip_synchronize():
+            optimizer.step()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["now", "late"])
+def test_a_resume_between_inverse_updates_is_exact_and_loads_on_one_rank(dp: DataParallel, late: bool) -> None:
+    """With fraction 1/world each rank holds only its layers' decompositions, yet any rank's state is complete:
+    stopped after step 3 (inverse updates every 2nd step) and resumed on the same ranks, the run ends bit-identical
+    to the one never stopped; loaded on one process, the state gives each layer the decomposition its grad worker
+    held, bit for bit."""
+    stop, total = 3, 6
+
+    def built() -> tuple[nn.Module, Any, KFACPreconditioner]:
+        model = _model()
+        optimizer = dp.optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+        pre = KFACPreconditioner(model, grad_worker_fraction=1.0 / dp.size, skip_layers=["extra"],
+                                 communicator=dp.communicator(), late_decompositions=late, **SETTINGS)
+        return model, optimizer, pre
+
+    model, optimizer, pre = built()
+    _steps(dp, model, optimizer, pre, range(stop))
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+             "optimizer": copy.deepcopy(optimizer.state_dict()), "kfac": pre.state_dict()}  # momentum: live
+    held = [None if d is None else [t.clone() for side in d for t in side] for d in pre._decompositions]
+    _steps(dp, model, optimizer, pre, range(stop, total))
+
+    single = KFACPreconditioner(_model(), skip_layers=["extra"], communicator=SingleProcess(),
+                                late_decompositions=late, **SETTINGS)
+    single.load_state_dict(saved["kfac"])
+    single._restore_decompositions()  # what its next step() does first
+    problems = []
+    for i, mine in enumerate(held):
+        if mine is not None and not all(torch.equal(a, b) for a, b in
+                                        zip(mine, [t for side in single._decompositions[i] for t in side], strict=True)):
+            problems.append(f"{pre.layers[i].name}: the decomposition restored on one process differs")
+
+    model2, optimizer2, pre2 = built()
+    model2.load_state_dict(saved["model"])
+    optimizer2.load_state_dict(saved["optimizer"])
+    pre2.load_state_dict(saved["kfac"])
+    _steps(dp, model2, optimizer2, pre2, range(stop, total))
+    if not torch.equal(_flat(model2), _flat(model)):
+        problems.append(f"resumed at step {stop}: {_rel(_flat(model2), _flat(model)):.1e} off the run never stopped")
+    assert_all_ranks(not problems, "; ".join(problems))

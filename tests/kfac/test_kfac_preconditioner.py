@@ -45,27 +45,45 @@ def _train(model, optimizer, pre, steps, start=0, use_side=False):
         optimizer.step()
 
 
-def test_state_dict_round_trip_continues_exactly_from_an_inverse_update_boundary() -> None:
-    """Factors and step count round-trip; decompositions are recomputed from them at the next step,
-    so a checkpoint taken just before an inverse-update step resumes exactly."""
-    model, optimizer, pre = _setup()  # inv_update_freq=2
-    _train(model, optimizer, pre, 4)
+def _stop_and_resume(stop: int, total: int, **kwargs) -> tuple[nn.Module, nn.Module]:
+    """The model after ``total`` steps uninterrupted, and after a save at ``stop`` loaded into fresh objects."""
+    model, optimizer, pre = _setup(**kwargs)
+    _train(model, optimizer, pre, stop)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(), "kfac": pre.state_dict()}, buffer)
-    _train(model, optimizer, pre, 3, start=4)
-
+    _train(model, optimizer, pre, total - stop, start=stop)
     buffer.seek(0)
-    saved = torch.load(buffer)
-    model2, optimizer2, pre2 = _setup(seed=1)
+    saved = torch.load(buffer, weights_only=True)
+    model2, optimizer2, pre2 = _setup(seed=1, **kwargs)
     model2.load_state_dict(saved["model"])
     optimizer2.load_state_dict(saved["opt"])
     pre2.load_state_dict(saved["kfac"])
-    assert pre2.steps == 4
-    for a, b in zip(saved["kfac"]["a_factors"], pre2.a_factors, strict=False):
-        assert (a is None and b is None) or torch.equal(a, b)
-    _train(model2, optimizer2, pre2, 3, start=4)
-    for p, q in zip(model.parameters(), model2.parameters(), strict=False):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8)
+    assert pre2.steps == stop
+    _train(model2, optimizer2, pre2, total - stop, start=stop)
+    return model, model2
+
+
+@pytest.mark.parametrize("stop", [3, 4, 5])  # the next step an inverse update (every 3rd), one or two after it
+@pytest.mark.parametrize("kwargs", [{}, {"late_decompositions": True}, {"method": "inverse"},
+                                    {"factor_update_freq": 2, "late_decompositions": True}],
+                         ids=["eigen", "late", "inverse", "factors-every-2nd-late"])
+def test_a_resume_at_any_step_ends_bit_identical(stop: int, kwargs: dict) -> None:
+    """The state holds the factors the installed (and pending late) decompositions came from, so a resume
+    between inverse updates uses the same decompositions as the run never stopped, to the last bit."""
+    model, model2 = _stop_and_resume(stop, 11, inv_update_freq=3, **kwargs)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_state_without_the_decompositions_sources_still_loads() -> None:
+    """A state saved before the sources were kept recomputes from the running factors (exact at an inverse update)."""
+    model, optimizer, pre = _setup()
+    _train(model, optimizer, pre, 4)
+    state = pre.state_dict()
+    del state["decomposed_from"], state["late_from"]
+    fresh = _setup(seed=1)[2]
+    fresh.load_state_dict(state)
+    assert fresh.steps == 4 and not any(fresh._decomposed)
 
 
 def test_loading_state_for_another_model_is_refused() -> None:

@@ -37,3 +37,27 @@ def test_a_training_job_prints_it_as_one_line_on_rank_0(tmp_path) -> None:
     said = [line for line in (job.out + job.err).splitlines() if "K-FAC skips" in line]
     assert len(said) == 1 and said[0].startswith("hpcdl: UserWarning: K-FAC skips 17 grouped or depthwise"), said
     assert "warnings.warn" not in job.err
+
+
+class TiedLM(nn.Module):
+    """nanoGPT's tying: the embedding's weight is the output layer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(10, 8)
+        self.ln = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 10, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+
+def test_a_tied_weight_is_said_to_be_preconditioned_through_the_layer_k_fac_models() -> None:
+    """The line used to list wte among the layers left to the plain step, though its weight is lm_head's."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        layers = find_layers(TiedLM())
+    assert [layer.name for layer in layers] == ["lm_head"]
+    messages = [str(w.message) for w in said]
+    plain = [m for m in messages if "plain step" in m]
+    assert plain == ["K-FAC leaves 1 layer(s) it does not model to the optimizer's plain step: ln (LayerNorm)"]
+    assert any("preconditions tied weights through the layer it models: wte's weight is lm_head's" in m
+               for m in messages), messages

@@ -92,3 +92,108 @@ def ragged_data() -> Task:
     task = tiny_regression()
     task.train_data = Unbatchable()
     return task
+
+
+# ---- what users bring that the first-batch check must see (issue 46)
+
+class DictItems(Dataset):
+    """Items as dicts, the Hugging Face way."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"x": torch.full((4,), float(index)), "y": torch.tensor([float(index)])}
+
+
+def dict_items() -> Task:
+    task = tiny_regression()
+    task.train_data = task.eval_data = DictItems()
+    return task
+
+
+def dict_items_collated() -> Task:
+    task = dict_items()
+    task.collate = lambda items: (torch.stack([i["x"] for i in items]), torch.stack([i["y"] for i in items]))
+    return task
+
+
+class Ragged(Dataset):
+    """Sequences of lengths 1-4 and their sums: batched only by padding."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(index)
+        x = torch.randn(1 + index % 4, generator=g)
+        return x, x.sum().reshape(1)
+
+
+def pad(items: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    inputs = torch.zeros(len(items), 4)
+    for row, (x, _) in enumerate(items):
+        inputs[row, : len(x)] = x
+    return inputs, torch.stack([y for _, y in items])
+
+
+def padded_sequences() -> Task:
+    data = Ragged()
+    return Task(model=nn.Linear(4, 1), train_data=data, eval_data=data, loss=F.mse_loss, collate=pad)
+
+
+def lazy_model() -> Task:
+    """nn.LazyLinear: parameters exist only after a first forward."""
+    task = tiny_regression()
+    task.model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 1))
+    return task
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 1)
+        self.unused = nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.used(x)
+
+
+def unused_parameter() -> Task:
+    task = tiny_regression()
+    task.model = WithUnused()
+    return task
+
+
+def unused_parameter_frozen() -> Task:
+    task = unused_parameter()
+    task.model.unused.requires_grad_(False)  # type: ignore[union-attr]
+    return task
+
+
+def eval_data_mismatch() -> Task:
+    """Training data the model takes; evaluation data of another width."""
+    task = tiny_regression()
+    task.eval_data = TensorDataset(torch.zeros(8, 3), torch.zeros(8, 1))
+    return task
+
+
+def metric_named_loss() -> Task:
+    task = tiny_regression()
+    task.metrics = {"loss": lambda outputs, targets: (outputs - targets).abs().mean()}
+    return task
+
+
+def best_metric_without_goal() -> Task:
+    task = tiny_regression()
+    task.metrics = {"accuracy": lambda outputs, targets: ((outputs - targets).abs() < 0.5).float().mean()}
+    task.best = "accuracy"
+    return task
+
+
+def numpy_metric() -> Task:
+    import numpy
+
+    task = tiny_regression()
+    task.metrics = {"error": lambda outputs, targets: numpy.float32((outputs - targets).abs().mean().item())}
+    return task

@@ -91,3 +91,16 @@ def test_every_limit_of_the_flags_counts_whichever_the_run_stopped_at(flags: dic
 def test_the_loop_pauses_where_a_limit_or_an_evaluation_may_fall(step: int, in_epoch: int, max_steps: int | None,
                                                                  eval_every: int | None, pause: bool) -> None:
     assert pause_after(step, in_epoch, 22, max_steps, eval_every) is pause
+
+
+def test_a_finished_run_names_the_flags_of_its_kind_and_its_summary() -> None:
+    """A task's finished run is raised by --target-metric (it refuses --target-accuracy, which was named)."""
+    from hpcdl.training.runstate import closing_words, limit_flags
+
+    assert limit_flags(TrainConfig()) == "--epochs, --max-steps or --target-accuracy"
+    task = dataclasses.replace(TrainConfig(), task="tests.support.tasks:tiny_regression")
+    assert limit_flags(task) == "--epochs, --max-steps or --target-metric"
+    progress = Progress(epochs_completed=2, global_step=44, stop_reason="epochs",
+                        best={"metric": "test_iou", "goal": "max", "value": 0.8125, "step": 22})
+    assert closing_words(dataclasses.replace(task, epochs=2), progress) == \
+        "--epochs 2 reached at step 44; best test_iou 0.8125 at step 22"

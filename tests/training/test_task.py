@@ -54,7 +54,13 @@ FIRST_BATCH_ROWS = {
                                                       "float32, targets (2, 1) float32", "RuntimeError"]),
     "loss not a scalar": ("loss_not_scalar", ["the task's loss returns (2, 1) float32", "outputs (2, 1) float32"]),
     "metric not a number": ("metric_not_a_number", ["metric 'errors' returns (2, 1) float32", "not a number"]),
-    "items that cannot be batched": ("ragged_data", ["train_data items cannot be batched"]),
+    "items that cannot be batched": ("ragged_data", ["train_data items cannot be batched",
+                                                     "items of different shapes need Task.collate"]),
+    "dict items": ("dict_items", ["train_data items are dicts (keys x, y)", "give Task.collate"]),
+    "evaluation data the model cannot take": ("eval_data_mismatch", ["cannot take an evaluation batch of inputs "
+                                                                     "(2, 3) float32"]),
+    "a parameter the loss never reaches": ("unused_parameter", ["does not depend on the parameter(s) unused.weight, "
+                                                                "unused.bias", "requires_grad_(False)"]),
 }
 
 
@@ -71,12 +77,67 @@ def test_a_good_task_passes_every_check_and_keeps_its_model_in_training_mode() -
     assert task.model.training
 
 
+@pytest.mark.parametrize("name", ["dict_items_collated", "padded_sequences", "unused_parameter_frozen",
+                                  "numpy_metric", "lazy_model"])
+def test_what_users_bring_passes_the_first_batch_check(name: str) -> None:
+    """Dict items with Task.collate, sequences padded by it, a frozen parameter, a numpy metric, a lazy layer
+    (whose parameters the check materialises, so that they exist before they are broadcast)."""
+    task = load_task(f"{SUPPORT}:{name}")
+    check_first_batch(task, task.model, CPU)
+    assert not any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in task.model.parameters())
+
+
+def test_the_unused_parameter_check_changes_neither_buffers_nor_random_state() -> None:
+    task = load_task(f"{SUPPORT}:digits_task")
+    buffers = {k: v.clone() for k, v in task.model.state_dict().items()}
+    torch.manual_seed(7)
+    check_first_batch(task, task.model, CPU)
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(3))
+    assert all(torch.equal(buffers[k], v) for k, v in task.model.state_dict().items())
+
+
 def test_best_must_name_the_loss_or_a_metric_and_goal_a_direction() -> None:
     task = tasks.tiny_regression()
     task.best = "r2"
-    refused(lambda: load_task(task), "Task.best 'r2' is neither 'loss' nor one of its metrics")
+    refused(lambda: load_task(lambda: task), "Task.best 'r2' is neither 'loss' nor one of its metrics")
     task.best, task.goal = "loss", "lowest"
-    refused(lambda: load_task(task), "Task.goal must be 'min' or 'max'")
+    refused(lambda: load_task(lambda: task), "Task.goal must be 'min' or 'max'")
+
+
+def test_a_metric_as_best_needs_its_goal_and_the_loss_alone_goes_down() -> None:
+    """best="accuracy" with no goal kept the worst evaluation as best.pt (the default was min)."""
+    refused(lambda: load_task(f"{SUPPORT}:best_metric_without_goal"),
+            "Task.best 'accuracy' names a metric: say which way it improves, goal='max'")
+    assert load_task(f"{SUPPORT}:tiny_regression").goal == "min"
+
+
+def test_a_metric_named_like_the_records_own_loss_is_refused() -> None:
+    refused(lambda: load_task(f"{SUPPORT}:metric_named_loss"), "a metric may not be named 'loss'",
+            "test_loss is the task's own loss")
+
+
+def test_a_task_object_is_refused_for_the_function_that_builds_it() -> None:
+    """Its model was built before --seed: a second run would continue the first one's weights."""
+    refused(lambda: load_task(tasks.tiny_regression()), "takes the function that returns the Task",
+            "before --seed was set")
+
+
+def test_a_file_path_for_task_says_to_write_the_module_name() -> None:
+    refused(lambda: load_task("examples/segmentation.py:task"), "not a file's: write examples.segmentation:task")
+
+
+def test_one_line_keeps_the_detail_after_a_colon() -> None:
+    """torch's load_state_dict message is a header line ending in a colon, the mismatch on the next."""
+    from hpcdl.training.task import one_line
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(RuntimeError) as raised:
+        model.load_state_dict(torch.nn.Linear(3, 2).state_dict())
+    line = one_line(raised.value)
+    assert line.startswith("Error(s) in loading state_dict for Linear:") and "size mismatch for weight" in line
+    assert "\n" not in line and one_line(ValueError("first\nsecond")) == "first"
 
 
 @pytest.mark.parametrize("flags, clash", [
@@ -94,6 +155,16 @@ def test_target_metric_needs_a_task_and_compile_is_refused_with_one() -> None:
     refused(lambda: parse_config(["--task", f"{SUPPORT}:digits_task", "--compile"]), "--compile cannot be combined")
     config = parse_config(["--task", f"{SUPPORT}:digits_task", "--target-metric", "0.5", "--kfac"])
     assert config.task == f"{SUPPORT}:digits_task" and config.target_metric == 0.5 and config.kfac
+
+
+@pytest.mark.parametrize(("flags", "fragment"), [
+    (dict(lr=0.1), "no flag lr= (--lr) (did you mean"),  # argparse: "ambiguous option"
+    (dict(epoch=1), "no flag epoch= (--epoch) (did you mean epochs"),  # argparse: silently --epochs
+    (dict(task="x:y"), "takes the task as its first argument"),
+])
+def test_python_api_takes_whole_flag_names_only(flags: dict, fragment: str) -> None:
+    refused(lambda: flags_to_argv(flags), fragment)
+    assert flags_to_argv(dict(kfac_cov_update_freq=2)) == ["--kfac-cov-update-freq", "2"]  # a renamed flag still
 
 
 def test_python_api_flags_are_the_command_lines() -> None:
@@ -151,3 +222,30 @@ def test_the_documented_commands_are_the_tests_commands() -> None:
     section = text[text.index("## Your own model"):text.index("## Figures on a GPU")]
     for flags in (LM, SEGMENTATION):
         assert f"mpirun -np 2 .venv/bin/python -m hpcdl.train {' '.join(flags)} --output-dir runs/" in section, flags
+
+
+def test_kfac_skip_names_must_match_a_module() -> None:
+    """A name that matches nothing skipped nothing, silently; names, names a module is inside of, and class names
+    (any case) match as K-FAC matches them."""
+    from hpcdl.training.job import check_skip_names
+
+    model = build_model("digits_cnn", 10, 1)
+    names = [name for name, _ in model.named_modules() if name]
+    check_skip_names(model, [names[0], "conv2d", type(model).__name__.upper()])
+    refused(lambda: check_skip_names(model, [names[0], "fc9"]), "--kfac-skip-layers fc9: no module of the model")
+
+
+def test_task_parameter_groups_and_options_reach_the_optimizer_and_must_cover_every_parameter() -> None:
+    from examples.own_model import task as own_task
+    from hpcdl.training.task import task_optimizer
+
+    task = own_task()
+    rule = torch.optim.AdamW(task.model.parameters(), lr=0.01, weight_decay=0.3)
+    built = task_optimizer(rule, task, task.model)
+    assert [g["weight_decay"] for g in built.param_groups] == [0.05, 0.0]
+    assert all(g["betas"] == (0.9, 0.95) and g["lr"] == 0.01 for g in built.param_groups)
+    assert sum(len(g["params"]) for g in built.param_groups) == len(list(task.model.parameters()))
+    task.param_groups = lambda model: [{"params": [model.model.head.weight]}]
+    refused(lambda: task_optimizer(rule, task, task.model), "param_groups leave out model.body.1.weight")
+    task.param_groups, task.optimizer_options = None, {"betas": (0.9,)}
+    refused(lambda: task_optimizer(rule, task, task.model), "do not fit AdamW")

@@ -87,5 +87,29 @@ def test_a_checkpoint_of_another_model_is_one_line(tmp_path: Path) -> None:
     assert found is not None
     model = nn.Linear(4, 2)
     other = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), None, None)
-    with pytest.raises(runstate.UsageError, match=f"the checkpoint in {tmp_path} does not fit this model"):
+    with pytest.raises(runstate.UsageError, match=f"the checkpoint in {tmp_path} does not fit this model") as raised:
         runstate.restore(other, found, TrainConfig(), rank=0, world_size=1, where=tmp_path)
+    # torch's header line ends in a colon; the detail after it is kept (it used to be cut off there)
+    assert "Error(s) in loading state_dict for Linear: " in str(raised.value) and "Missing key" in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_changed_weight_decay_leaves_a_task_groups_own_value(tmp_path: Path) -> None:
+    """A task's group without weight decay (norms, biases) keeps 0 when --weight-decay changes on a resume (it used
+    to be set to the flag in every group, so a resume with unchanged flags was exact only by luck)."""
+    def grouped(weight_decay: float) -> TrainState:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+        groups = [{"params": [model[0].weight]}, {"params": [model[0].bias, *model[1].parameters()],
+                                                  "weight_decay": 0.0}]
+        return TrainState(model, torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=weight_decay), None,
+                          None)
+
+    runstate.save(grouped(1e-4), Checkpointer(tmp_path, "run-a", OneRank(), keep=1), TrainConfig())
+    for weight_decay in (1e-4, 5e-4):
+        target = grouped(weight_decay)
+        found = runstate.read_latest(Checkpointer(tmp_path, "run-b", OneRank(), keep=1))
+        assert found is not None
+        config = dataclasses.replace(TrainConfig(), weight_decay=weight_decay)
+        runstate.restore(target, found, config, rank=0, world_size=1, where=tmp_path)
+        assert [g["weight_decay"] for g in target.optimizer.param_groups] == [weight_decay, 0.0]
