@@ -72,8 +72,8 @@ from hpcdl.training.config import parse_config  # noqa: E402
 from hpcdl.training.loop import apply_gradients  # noqa: E402
 from hpcdl.training.optimizers import build_update_rule  # noqa: E402
 from hpcdl.training.phases import StepPhases  # noqa: E402
-from kfac.preconditioner import PHASES  # noqa: E402
 from hpcdl.training.runstate import TrainState  # noqa: E402
+from kfac.preconditioner import PHASES  # noqa: E402
 
 TARGETS = {
     "cpu": {(1, 10): 3.5, (10, 10): 1.33},

@@ -1,4 +1,4 @@
-"""kfac-pytorch (github.com/gpauloski/kfac-pytorch) as a contender: built with our settings, and loaded from a local copy.
+"""kfac-pytorch (github.com/gpauloski/kfac-pytorch) as a contender: built with our settings, loaded from a local copy.
 
 kfac-pytorch is not a dependency of hpcdl and not on PyPI. Its package is also named ``kfac``, like ours. Two ways
 in: a training process that puts its install first on PYTHONPATH (benchmarks/kfac_large_batch.py) imports it as

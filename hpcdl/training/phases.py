@@ -6,9 +6,9 @@ time to queue its work unless ``--profile-steps`` is recording, when the device 
 each phase's end so that the trace and the seconds tell the same story; the preconditioner's phases are
 then synchronised too). K-FAC's own phases come from the preconditioner's ``timings``
 (kfac.preconditioner.PHASES), taken out of the phase they ran in (its statistics run inside forward's
-and backward's hooks: ``statistics_in_forward`` says how much in forward). Per evaluation point and for the whole run each rank
-keeps the median and mean seconds of every phase; the ranks' figures are gathered so that the slowest
-and the fastest rank are named (docs/training.md, "Where a step goes").
+and backward's hooks: ``statistics_in_forward`` says how much in forward). Per evaluation point and for
+the whole run each rank keeps the median and mean seconds of every phase; the ranks' figures are
+gathered so that the slowest and the fastest rank are named (docs/training.md, "Where a step goes").
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from torch import nn
 from hpcdl.training.phases import PHASES, StepPhases
 from kfac import KFACPreconditioner
 
-SLEEP = 0.02  # seconds added to every hook's statistics
+SLEEP = 0.1  # seconds added to every hook's statistics (large against a loaded machine's hiccups)
 
 
 def _slowed(model: nn.Module) -> KFACPreconditioner:
@@ -74,7 +74,7 @@ def test_the_step_breakdown_moves_the_hooks_time_out_of_forward_and_backward() -
     layers = len(pre.layers)
     assert row["kfac.statistics"] >= 2 * layers * SLEEP
     assert 0 <= row["forward"] < layers * SLEEP and 0 <= row["backward"] < layers * SLEEP
-    assert sum(row[p] for p in PHASES) == pytest.approx(row["step"], abs=0.01)
+    assert sum(row[p] for p in PHASES) == pytest.approx(row["step"], abs=0.05)
 
 
 def test_tracing_synchronises_the_preconditioner_s_phases_too() -> None:
