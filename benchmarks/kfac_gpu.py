@@ -11,7 +11,7 @@ memory in fresh processes (fp32). kfac-pytorch comes from a local copy (``--kfac
 install and no dist-info needed, benchmarks/kfac_pytorch_adapter.py).
 
 Each step has its own time limit, a share of ``--budget`` in proportion to its estimate (from issue 44's H200
-figures); a step writes its results as it goes (DIR/<step>.json after every frequency), and DIR/kfac_gpu.json
+figures); a step writes its results as it goes (DIR/kfac_gpu_<step>.json after every frequency), and DIR/kfac_gpu.json
 gathers them after every step, so a limit that cuts a step short keeps what it measured. ``--dry-run`` prints the
 plan with its estimate and exits non-zero when the estimate does not fit the budget.
 """
@@ -28,6 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hpcdl.persistence import outputs  # noqa: E402
+
 CONFIGS = ((1, 10), (10, 100))
 ROUNDS = 2
 # ms per step on one H200, ResNet-50 batch 64 (issue 44: fp32 without TF32; TF32 and AMP are faster, so these
@@ -81,14 +85,14 @@ def limits(steps: list[Step], budget: float) -> list[float]:
 def command(step: Step, out: Path) -> list[str]:
     """The step's run; --force: the folder is this benchmark's, a rerun into it replaces its files."""
     return [sys.executable, str(REPO / "benchmarks" / "kfac_overhead.py"), *step.arguments, "--out",
-            str(out / step.name), "--force"]
+            str(out / f"kfac_gpu_{step.name}"), "--force"]
 
 
 def gather(out: Path, steps: list[Step], status: dict[str, str], meta: dict) -> None:
     """DIR/kfac_gpu.json: the plan, each step's status and whatever results its JSON holds so far."""
     report = dict(meta, steps=[])
     for step in steps:
-        path = out / f"{step.name}.json"
+        path = out / f"kfac_gpu_{step.name}.json"
         results = json.loads(path.read_text()) if path.is_file() else None
         report["steps"].append(dict(asdict(step), status=status[step.name], command=command(step, out),
                                     results=results))
@@ -97,11 +101,13 @@ def gather(out: Path, steps: list[Step], status: dict[str, str], meta: dict) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/kfac_gpu.sh", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the results (created)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for the results (created; default: a new folder under runs/bench/)")
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for the whole benchmark (default 280)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, check it fits --budget, run nothing")
     parser.add_argument("--kfac-pytorch", type=Path, default=None,
                         help="kfac-pytorch's local copy (default: .kfac-pytorch if present; 'none' leaves it out)")
+    outputs.add_arguments(parser)
     args = parser.parse_args(argv)
     if not args.budget > 0:
         parser.error(f"--budget must be positive seconds, got {args.budget}")
@@ -120,16 +126,19 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--kfac-pytorch: {error}")
     steps = plan(kfac_pytorch)
     total = sum(step.estimate_s for step in steps)
+    shown = args.out or Path("DIR")
     for step, limit in zip(steps, limits(steps, args.budget), strict=True):
         print(f"[kfac_gpu] {step.name}: about {step.estimate_s:.0f} s, limit {limit:.0f} s: "
-              f"{' '.join(command(step, args.out))}")
+              f"{' '.join(command(step, shown))}")
     print(f"[kfac_gpu] about {total:.0f} s of {args.budget:.0f} s; kfac-pytorch: {kfac_pytorch or 'left out'}")
     if total > args.budget:
         print(f"[kfac_gpu] the plan needs about {total:.0f} s, more than --budget {args.budget:.0f}", file=sys.stderr)
         return 2
     if args.dry_run:
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    stem = outputs.results_stem(None if args.out is None else args.out / "kfac_gpu", "kfac_gpu", (".json",),
+                                refresh_results=args.refresh_results, force=True, flag="--out")
+    args.out = stem.parent  # its own folder: a rerun into it replaces its files
     status = {step.name: "pending" for step in steps}
     meta = dict(kind="kfac_gpu", budget_s=args.budget, kfac_pytorch=str(kfac_pytorch) if kfac_pytorch else None,
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"))

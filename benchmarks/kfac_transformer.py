@@ -1,7 +1,7 @@
 """K-FAC against AdamW on examples/transformer_lm.py in wall time: does K-FAC reach AdamW's final validation loss
 in at most AdamW's time?
 
-    .venv/bin/python benchmarks/kfac_transformer.py --seeds 1 2 3 --out benchmarks/results/kfac_transformer
+    .venv/bin/python benchmarks/kfac_transformer.py --seeds 1 2 3 --refresh-results
 
 Per seed, one run at a time on one process (batch 32, the global batch of transformer_lm.py's 2 x 16): AdamW for
 --epochs epochs (its final validation loss is the target), then each K-FAC variant stopped by ``--target-metric`` at
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from figures import results
 from studies import check_launch, run_train
 
 from hpcdl.persistence import outputs
@@ -101,11 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = RankZeroParser(prog="benchmarks/kfac_transformer.py", description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=integer(0), nargs="+", default=[1])
     parser.add_argument("--epochs", type=integer(1, 1000), default=12)
-    parser.add_argument("--out", type=Path, default=None, help="results stem (default: a folder under runs/bench/)")
-    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results stem (default: a folder under runs/bench/; --refresh-results replaces "
+                             "benchmarks/results/kfac_transformer.json)")
+    outputs.add_arguments(parser)
     args = parser.parse_args(argv)
+    stem = outputs.results_stem(args.out, "kfac_transformer", (".json",), refresh_results=args.refresh_results,
+                                force=args.force, flag="--out")
     check_launch(1)
-    stem = outputs.results_stem(args.out, "kfac_transformer", (".json",), force=args.force, flag="--out")
     done: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kfac-transformer-") as tmp:
         for seed in args.seeds:
@@ -120,6 +124,20 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{s['time_ratio_per_seed']} of AdamW's time")
     print(f"wrote {outputs.output_file(stem, '.json')}")
     return 0
+
+
+# ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
+
+LEAN = "kfac on adamw, 8 sequences, factors every 10, decompositions every 50"
+
+
+def _time_ratios(variant: str) -> str:
+    ratios = results("kfac_transformer")["summary"][variant]["time_ratio_per_seed"]
+    return ", ".join("not reached" if r is None else f"{r:.2f}" for r in ratios)
+
+
+FIGURES = {"kt.lean.times": lambda: _time_ratios(LEAN), "kt.defaults.times": lambda: _time_ratios("kfac on adamw"),
+           "kt.lean.step": lambda: f"{results('kfac_transformer')['summary'][LEAN]['step_ratio']:.2f}×"}
 
 
 if __name__ == "__main__":
