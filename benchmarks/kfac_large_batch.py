@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import kfac_pytorch_adapter
 import studies
 
 from hpcdl.persistence import outputs
@@ -183,32 +184,16 @@ def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..
     ``step`` takes the loop's ``found_inf`` and ignores it: kfac-pytorch has no non-finite skip (these
     fp32 runs have no non-finite steps; a step that had one would feed its statistics to the factors).
     """
-    import torch
-
     import kfac  # kfac-pytorch: the study puts its site directory first on PYTHONPATH
 
     if not hasattr(kfac, "preconditioner") or Path(kfac.__file__).resolve().is_relative_to(REPO):
         raise RuntimeError(f"kfac-pytorch is not first on PYTHONPATH (kfac is {kfac.__file__})")
-    from kfac.preconditioner import KFACPreconditioner
-
-    for module in model.modules():  # its full backward hooks cannot precede an in-place op; same function
-        if isinstance(module, torch.nn.ReLU):
-            module.inplace = False
     n = config.batch_size * config.batches_per_allreduce if carry_over else 1
-    preconditioner = KFACPreconditioner(
-        model,
-        factor_update_steps=config.kfac_factor_update_freq,
-        inv_update_steps=config.kfac_inv_update_freq,
-        damping=config.kfac_damping / n**2,
-        factor_decay=config.kfac_factor_decay,
-        kl_clip=config.kfac_kl_clip / n**2,
-        lr=lambda _step: current_lr(),
-        accumulation_steps=config.batches_per_allreduce,
-        grad_scaler=scaler,
-    )
-    step = preconditioner.step
-    preconditioner.step = lambda found_inf=None: step()
-    return preconditioner
+    return kfac_pytorch_adapter.build(
+        kfac, model, factor_update_steps=config.kfac_factor_update_freq,
+        inv_update_steps=config.kfac_inv_update_freq, damping=config.kfac_damping / n**2,
+        factor_decay=config.kfac_factor_decay, kl_clip=config.kfac_kl_clip / n**2, lr=lambda _step: current_lr(),
+        accumulation_steps=config.batches_per_allreduce, grad_scaler=scaler)
 
 
 # ``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--kfac-damping`` and

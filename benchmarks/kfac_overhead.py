@@ -14,9 +14,17 @@ by one (two copies of the model with the same initialisation) for rounds of one 
 period each, so that every round holds K-FAC's share of factor updates and exactly one
 decomposition, and noise from other processes hits both alike. On a GPU every step ends with
 ``torch.cuda.synchronize()``. It reports the median over rounds of K-FAC's mean step time over
-SGD's (min and max in the JSON). ``--baseline DIR`` adds a third contender, alternating with the
-other two: the ``kfac`` package found in DIR (e.g. an older checkout), to compare versions on a
-shared machine.
+SGD's (min and max in the JSON). ``--baseline DIR`` adds a contender, alternating with the
+others: the ``kfac`` package found in DIR (e.g. an older checkout), to compare versions on a
+shared machine; ``--kfac-pytorch PATH`` adds kfac-pytorch from a local copy (a checkout or an
+install site; benchmarks/kfac_pytorch_adapter.py), at its own default damping and KL clip.
+
+Where K-FAC's extra time goes: the preconditioner's phases (kfac.preconditioner.PHASES; statistics
+includes the hooks' work inside forward and backward) per step, and "hooks and the rest", K-FAC's
+extra time less its phases. On the CPU they come from the typical round itself. On a GPU a phase's
+host seconds are only the time to queue it, so one more period is run with the preconditioner's
+``synchronise_timings`` (each phase waits for the device before and after): its phases and its
+remainder are reported, the step ratios still come from the unsynchronised rounds.
 
 Peak memory: each variant (SGD, and K-FAC at each frequency) runs in a fresh process for one
 inverse-update period (at most 12 steps, step 0 has every phase): ``torch.cuda.max_memory_allocated``
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import os
@@ -51,6 +60,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import kfac_pytorch_adapter  # noqa: E402
 from figures import results, table, times  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
@@ -63,6 +73,7 @@ from hpcdl.training.loop import apply_gradients  # noqa: E402
 from hpcdl.training.optimizers import build_update_rule  # noqa: E402
 from hpcdl.training.phases import StepPhases  # noqa: E402
 from hpcdl.training.runstate import TrainState  # noqa: E402
+from kfac.preconditioner import PHASES  # noqa: E402
 
 TARGETS = {
     "cpu": {(1, 10): 3.5, (10, 10): 1.33},
@@ -93,12 +104,16 @@ class Stepper:
         scaler = torch.amp.GradScaler("cuda") if self.amp else None
         self.pre = None
         told = None
-        if kfac_module is not None and freqs is not None:
+        if kfac_module is not None and freqs is not None and kfac_module.__name__ == kfac_pytorch_adapter.RENAMED:
+            self.pre = kfac_pytorch_adapter.build(kfac_module, self.model, factor_update_steps=freqs[0],
+                                                  inv_update_steps=freqs[1], damping=0.001, factor_decay=0.95,
+                                                  kl_clip=0.001, lr=0.1, grad_scaler=scaler)
+        elif kfac_module is not None and freqs is not None:
             self.pre = kfac_module.KFACPreconditioner(
                 self.model, factor_update_freq=freqs[0], inv_update_freq=freqs[1], lr=0.1, grad_scaler=scaler
             )
             told = self.pre
-            if "found_inf" not in kfac_module.KFACPreconditioner.step.__code__.co_varnames:  # an older --baseline
+            if "found_inf" not in inspect.signature(self.pre.step).parameters:  # an older --baseline
                 told = SimpleNamespace(step=lambda found_inf=None: self.pre.step())
         state = TrainState(self.model, build_update_rule(config, self.model, 0.1), scaler, told)
         self.trainer = SimpleNamespace(state=state, settings=SimpleNamespace(use_adasum=False), phases=StepPhases(),
@@ -158,6 +173,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     set_tf32(args)
     kfac = import_kfac(None)
     baseline = import_kfac(args.baseline) if args.baseline else None
+    kfac_pytorch = kfac_pytorch_adapter.load_beside(args.kfac_pytorch) if args.kfac_pytorch else None
     batch = make_batch(args)
     sgd = Stepper(args, batch)
     for _ in range(3):
@@ -167,54 +183,79 @@ def run(args: argparse.Namespace) -> list[dict]:
         contenders = {"kfac": Stepper(args, batch, kfac, (factor_freq, inv_freq))}
         if baseline is not None:
             contenders["baseline"] = Stepper(args, batch, baseline, (factor_freq, inv_freq))
+        if kfac_pytorch is not None:
+            contenders["kfac-pytorch"] = Stepper(args, batch, kfac_pytorch, (factor_freq, inv_freq))
         for stepper in contenders.values():  # warm caches, cuDNN plans and worker threads
             for _ in range(2):
                 stepper.step()
         period = math.lcm(factor_freq, inv_freq)
         rounds = []
         for r in range(args.rounds):
-            # The contenders alternate step by step, so that other processes on a shared machine
-            # slow all alike; a round is one inverse-update period of K-FAC steps.
-            totals = {"sgd": 0.0, **{name: 0.0 for name in contenders}}
-            before = dict(contenders["kfac"].pre.timings)
-            for _ in range(period):
-                for name, stepper in [("sgd", sgd), *contenders.items()]:
-                    _sync(args.device)
-                    start = time.perf_counter()
-                    stepper.step()
-                    _sync(args.device)
-                    totals[name] += time.perf_counter() - start
-            ms = {name: total / period * 1e3 for name, total in totals.items()}
-            timings = contenders["kfac"].pre.timings
-            phases = {k: (v - before.get(k, 0.0)) / period * 1e3 for k, v in timings.items()}
-            entry = {"sgd_ms": ms["sgd"], "kfac_ms": ms["kfac"], "ratio": ms["kfac"] / ms["sgd"], "phases": phases}
-            if baseline is not None:
-                entry.update(baseline_ms=ms["baseline"], baseline_ratio=ms["baseline"] / ms["sgd"])
+            entry = one_round(args, sgd, contenders, period)
             rounds.append(entry)
-            extra = f"  baseline {ms['baseline']:7.1f} ms ({entry['baseline_ratio']:.2f})" if baseline else ""
+            extra = "".join(f"  {name} {entry[f'{name}_ms']:7.1f} ms ({entry[f'{name}_ratio']:.2f})"
+                            for name in contenders if name != "kfac")
             print(
                 f"{args.precision} ({factor_freq:>2}, {inv_freq:>3}) round {r + 1}/{args.rounds}: "
-                f"SGD {ms['sgd']:7.1f} ms  K-FAC {ms['kfac']:7.1f} ms  ratio {entry['ratio']:.2f}{extra}",
+                f"SGD {entry['sgd_ms']:7.1f} ms  K-FAC {entry['kfac_ms']:7.1f} ms  ratio {entry['ratio']:.2f}{extra}",
                 flush=True,
             )
-        results.append(summarise(args, factor_freq, inv_freq, rounds, contenders["kfac"].pre))
+        attribution = None
+        if args.device == "cuda":  # the phases with the device's seconds in them (see the module doc)
+            contenders["kfac"].pre.synchronise_timings = True
+            attribution = one_round(args, sgd, {"kfac": contenders["kfac"]}, period)
+            contenders["kfac"].pre.synchronise_timings = False
+        results.append(summarise(args, factor_freq, inv_freq, rounds, contenders["kfac"].pre, attribution))
+        if args.partial is not None:  # what is measured so far survives a timeout
+            args.partial(results)
         if args.profile and (factor_freq, inv_freq) == (1, 10):
             profile(args, contenders["kfac"], period)
         for stepper in contenders.values():
-            stepper.pre.remove_hooks()
+            if hasattr(stepper.pre, "remove_hooks"):
+                stepper.pre.remove_hooks()
         del contenders
         if args.device == "cuda":
             torch.cuda.empty_cache()
     return results
 
 
-def summarise(args: argparse.Namespace, factor_freq: int, inv_freq: int, rounds: list[dict], pre: Any) -> dict:
+def one_round(args: argparse.Namespace, sgd: Stepper, contenders: dict[str, Stepper], period: int) -> dict:
+    """One inverse-update period of steps, the contenders alternating step by step (so that other processes
+    on a shared machine slow all alike): mean ms per step of each, ratios to SGD, K-FAC's phases per step."""
+    totals = {"sgd": 0.0, **{name: 0.0 for name in contenders}}
+    pre = contenders["kfac"].pre
+    before = {p: pre.timings.get(p, 0.0) for p in PHASES}
+    for _ in range(period):
+        for name, stepper in [("sgd", sgd), *contenders.items()]:
+            _sync(args.device)
+            start = time.perf_counter()
+            stepper.step()
+            _sync(args.device)
+            totals[name] += time.perf_counter() - start
+    ms = {name: total / period * 1e3 for name, total in totals.items()}
+    phases = {p: (pre.timings.get(p, 0.0) - before[p]) / period * 1e3 for p in PHASES}
+    entry = {"sgd_ms": ms["sgd"], "kfac_ms": ms["kfac"], "ratio": ms["kfac"] / ms["sgd"], "phases": phases}
+    for name in contenders:
+        if name != "kfac":
+            entry.update({f"{name}_ms": ms[name], f"{name}_ratio": ms[name] / ms["sgd"]})
+    return entry
+
+
+def attributed(entry: dict) -> dict[str, float]:
+    """K-FAC's extra ms per step by phase, and "hooks and the rest": the extra time no phase holds."""
+    phases = {k: round(v, 2) for k, v in entry["phases"].items()}
+    phases["hooks and the rest"] = round(entry["kfac_ms"] - entry["sgd_ms"] - sum(entry["phases"].values()), 2)
+    return phases
+
+
+def summarise(args: argparse.Namespace, factor_freq: int, inv_freq: int, rounds: list[dict], pre: Any,
+              attribution: dict | None = None) -> dict:
     # Interference only ever adds time: the median of the per-round ratios is reported, with the
-    # phases of the round closest to it (host time: on a GPU the time to launch the work).
+    # phases of the round closest to it, or on a GPU those of the synchronised round.
     ratio = statistics.median(r["ratio"] for r in rounds)
     typical = min(rounds, key=lambda r: abs(r["ratio"] - ratio))
-    phases = {k: round(v, 2) for k, v in typical["phases"].items()}
-    phases["hooks and the rest"] = round(typical["kfac_ms"] - typical["sgd_ms"] - sum(typical["phases"].values()), 2)
+    source = attribution or typical
+    phases = attributed(source)
     key = (factor_freq, inv_freq)
     result = {
         "precision": args.precision,
@@ -229,11 +270,17 @@ def summarise(args: argparse.Namespace, factor_freq: int, inv_freq: int, rounds:
         "target": TARGETS[args.device].get(key) if args.precision != "amp" else None,
         "kfac_pytorch_ratio": REFERENCE_KFAC_PYTORCH[args.device].get(key) if args.precision != "amp" else None,
         "phase_ms_per_step": phases,
+        "extra_ms_per_step": source["kfac_ms"] - source["sgd_ms"],
+        "unattributed_share": phases["hooks and the rest"] / max(source["kfac_ms"] - source["sgd_ms"], 1e-9),
+        "phases_from": "a synchronised round" if attribution else "the typical round",
         "eigen_recoveries": pre.stats["eigen_recoveries"],
     }
     if "baseline_ratio" in rounds[0]:
         result["baseline_ratio"] = statistics.median(r["baseline_ratio"] for r in rounds)
         result["kfac_over_baseline"] = statistics.median(r["kfac_ms"] / r["baseline_ms"] for r in rounds)
+    if "kfac-pytorch_ratio" in rounds[0]:
+        result["kfac_pytorch_ms"] = statistics.median(r["kfac-pytorch_ms"] for r in rounds)
+        result["kfac_pytorch_measured_ratio"] = statistics.median(r["kfac-pytorch_ratio"] for r in rounds)
     return result
 
 
@@ -269,6 +316,8 @@ def memory_child(args: argparse.Namespace) -> None:
     batch = make_batch(args)
     freqs = None if args.memory_of == "sgd" else tuple(int(v) for v in args.memory_of.split(","))
     kfac = import_kfac(args.baseline) if freqs is not None else None
+    if freqs is not None and args.kfac_pytorch is not None:
+        kfac = kfac_pytorch_adapter.load_beside(args.kfac_pytorch)
     base_rss = _current_rss()
     stepper = Stepper(args, batch, kfac, freqs)  # type: ignore[arg-type]
     steps = min(12, math.lcm(*freqs)) if freqs else 12
@@ -289,20 +338,27 @@ def _current_rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_memory(args: argparse.Namespace, variant: str, baseline: Path | None = None) -> float:
+def measure_memory(args: argparse.Namespace, variant: str, baseline: Path | None = None,
+                   kfac_pytorch: Path | None = None) -> float:
     command = [sys.executable, __file__, "--device", args.device, "--precision", args.precision]
     command += ["--threads", str(args.threads), "--batch-size", str(args.batch_size), "--memory-of", variant]
     if baseline is not None:
         command += ["--baseline", str(baseline)]
+    if kfac_pytorch is not None:
+        command += ["--kfac-pytorch", str(kfac_pytorch)]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     line = next(line for line in reversed(out.splitlines()) if line.startswith("{"))
     return json.loads(line)["peak_bytes"] / 2**30
 
 
 # ------------------------------------------------------------------ output
-def write(report: dict, out: Path) -> None:
+def write_json(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     outputs.output_file(out, ".json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def write(report: dict, out: Path) -> None:
+    write_json(report, out)
     header = "precision,factor_update_freq,inv_update_freq,sgd_ms,kfac_ms,median_ratio,min_ratio,max_ratio"
     lines = [header + ",target,kfac_pytorch_ratio,peak_gib,sgd_peak_gib,baseline_ratio"]
     for r in report["results"]:
@@ -388,6 +444,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="one round of (1,10) only")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout whose kfac/ is a third contender")
+    parser.add_argument("--kfac-pytorch", type=Path, default=None,
+                        help="kfac-pytorch's checkout or install site: a contender beside ours (no install needed)")
+    parser.add_argument("--memory-precisions", default=None,
+                        help="the precisions whose peak memory is measured (default: all of --precisions)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler table for (1, 10)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
@@ -395,9 +455,15 @@ def main(argv: list[str] | None = None) -> None:
     outputs.add_arguments(parser)
     parser.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    parser.set_defaults(partial=None)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    if args.kfac_pytorch is not None:
+        try:
+            kfac_pytorch_adapter.package_dir(args.kfac_pytorch)
+        except ValueError as error:
+            parser.error(f"--kfac-pytorch: {error}")
     if args.memory_of is not None:
         memory_child(args)
         return
@@ -425,19 +491,25 @@ def main(argv: list[str] | None = None) -> None:
         "cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg(),
         "baseline": str(args.baseline) if args.baseline else None,
+        "kfac_pytorch": str(args.kfac_pytorch) if args.kfac_pytorch else None,
         "results": [],
         "sgd_peak_gib": {},
     }
+    memory_precisions = precisions if args.memory_precisions is None else args.memory_precisions.split()
     for precision in precisions:
         args.precision = precision
+        args.partial = lambda done: write_json(dict(report, results=report["results"] + done, partial=True), args.out)
         results = run(args)
-        if not args.no_memory:
+        if not args.no_memory and precision in memory_precisions:
             report["sgd_peak_gib"][precision] = measure_memory(args, "sgd")
             for r in results:
                 variant = f"{r['factor_update_freq']},{r['inv_update_freq']}"
                 r["peak_gib"] = measure_memory(args, variant)
                 if args.baseline:
                     r["baseline_peak_gib"] = measure_memory(args, variant, args.baseline)
+                if args.kfac_pytorch:
+                    r["kfac_pytorch_measured_peak_gib"] = measure_memory(args, variant, kfac_pytorch=args.kfac_pytorch)
+                write_json(dict(report, results=report["results"] + results, partial=True), args.out)
                 if precision == "fp32":
                     key = (r["factor_update_freq"], r["inv_update_freq"])
                     r["kfac_pytorch_peak_gib"] = REFERENCE_KFAC_PYTORCH_GIB.get(args.device, {}).get(key)
@@ -448,9 +520,12 @@ def main(argv: list[str] | None = None) -> None:
         met = "" if r["target"] is None else ("  (target met)" if r["ratio"] <= r["target"] else "  (target MISSED)")
         memory = f"  peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") is not None else ""
         base = f"  previous version {r['baseline_ratio']:.2f}" if r.get("baseline_ratio") else ""
+        if r.get("kfac_pytorch_measured_ratio"):
+            base += f"  kfac-pytorch {r['kfac_pytorch_measured_ratio']:.2f}"
         print(
             f"{r['precision']} ({r['factor_update_freq']}, {r['inv_update_freq']}): K-FAC/SGD = {r['ratio']:.2f}"
-            f"{met}{base}{memory}  {r['phase_ms_per_step']}"
+            f"{met}{base}{memory}  extra {r['extra_ms_per_step']:.1f} ms/step, unattributed "
+            f"{100 * r['unattributed_share']:.1f} %: {r['phase_ms_per_step']}"
         )
     print(f"wrote {outputs.output_file(args.out, '.json')}, .csv, .png")
 

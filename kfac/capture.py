@@ -10,11 +10,17 @@ thousands, at a fraction of the cost. The per-example scale still uses the whole
 every forward call of the step has seen its gradient the layer is complete and ``on_complete`` is
 called, still inside backward, so that its allreduce can overlap the rest of backward. A layer
 whose output never receives a gradient (an unused branch) simply never completes.
+
+The hooks' own work runs inside the model's forward and backward; ``timed(where)`` (``where`` is
+"forward" or "backward") wraps it, so that the preconditioner can count it as its ``statistics``
+phase and take it out of the pass it ran in.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor, nn
@@ -35,8 +41,10 @@ class LayerCapture:
         per_example_factor: float,
         on_complete: Callable[[LayerCapture], None],
         pass_examples: Sequence[int] | None = None,
+        timed: Callable[[str], AbstractContextManager[None]] | None = None,
     ) -> None:
         self.layer = layer
+        self._timed = timed if timed is not None else _untimed
         self._pass_examples = pass_examples
         self._is_capturing = is_capturing
         self._per_example_factor = per_example_factor
@@ -78,14 +86,15 @@ class LayerCapture:
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        self._limit = self._limit_of_pass(self.passes)
-        x = self._first(inputs[0].detach())
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False), ieee_fp32():  # float32, no TF32
-            moment, count = self.layer.a_moment(x)
-        self.a_sum = moment if self.a_sum is None else self.a_sum.add_(moment)
-        self.a_count += count
-        self.forwards += 1
-        output.register_hook(self._gradient_hook)
+        with self._timed("forward"):
+            self._limit = self._limit_of_pass(self.passes)
+            x = self._first(inputs[0].detach())
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False), ieee_fp32():  # float32, no TF32
+                moment, count = self.layer.a_moment(x)
+            self.a_sum = moment if self.a_sum is None else self.a_sum.add_(moment)
+            self.a_count += count
+            self.forwards += 1
+            output.register_hook(self._gradient_hook)
 
     def _limit_of_pass(self, index: int) -> int | None:
         shares = self._pass_examples
@@ -96,13 +105,18 @@ class LayerCapture:
         return tensor if limit is None else self.layer.first_examples(tensor, limit)
 
     def _gradient_hook(self, grad_output: Tensor) -> None:
-        with torch.no_grad(), torch.autocast(grad_output.device.type, enabled=False), ieee_fp32():
-            moment, count = self.layer.g_moment(self._first(grad_output))
-            if self._per_example_factor:  # the per-example gradient of a mean-reduced loss: N x grad_output
-                moment.mul_((self._per_example_factor * self.layer.examples(grad_output)) ** 2)
-        self.g_sum = moment if self.g_sum is None else self.g_sum.add_(moment)
-        self.g_count += count
-        self.backwards += 1
-        if self.complete:
-            self.passes += 1
-            self._on_complete(self)
+        with self._timed("backward"):
+            with torch.no_grad(), torch.autocast(grad_output.device.type, enabled=False), ieee_fp32():
+                moment, count = self.layer.g_moment(self._first(grad_output))
+                if self._per_example_factor:  # the per-example gradient of a mean-reduced loss: N x grad_output
+                    moment.mul_((self._per_example_factor * self.layer.examples(grad_output)) ** 2)
+            self.g_sum = moment if self.g_sum is None else self.g_sum.add_(moment)
+            self.g_count += count
+            self.backwards += 1
+            if self.complete:
+                self.passes += 1
+                self._on_complete(self)
+
+
+def _untimed(where: str) -> AbstractContextManager[None]:
+    return contextlib.nullcontext()

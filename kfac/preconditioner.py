@@ -15,6 +15,7 @@ DistributedOptimizer after ``synchronize()``). docs/kfac.md has the conventions 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -194,8 +195,14 @@ class KFACPreconditioner:
         self.share_rule = "auto"  # share_by's rule; tests force each collective
         self.steps = 0
         # Host seconds per phase (PHASES), for the trainer's step breakdown and benchmarks; on a GPU the
-        # time to launch the work, not to finish it, unless the caller synchronises.
+        # time to launch the work, not to finish it, unless ``synchronise_timings`` is set: then each phase
+        # waits for the device before and after, so that its seconds include its kernels and copies (at the
+        # price of the overlap, which is why it is off unless a trace or a benchmark asks for it).
+        # ``statistics`` includes the hooks' work inside forward and backward; ``statistics_in_forward`` is
+        # the part of it that ran in forward (the rest ran in backward).
         self.timings: dict[str, float] = defaultdict(float)
+        self.statistics_in_forward = 0.0
+        self.synchronise_timings = False
         # Collectives issued, by kind ("kfac.factors", "kfac.decompositions", "kfac.directions"); a share by
         # scatter is two (an alltoall, then an allgather).
         self.collectives: dict[str, int] = defaultdict(int)
@@ -260,7 +267,7 @@ class KFACPreconditioner:
         if factor_examples is not None:
             shares = examples_per_pass(factor_examples, self.comm.rank, self.comm.size, backward_passes_per_step)
         self._captures = [
-            LayerCapture(layer, self._capturing, per_example, self._collector(index), shares)
+            LayerCapture(layer, self._capturing, per_example, self._collector(index), shares, self._hook_timed)
             for index, layer in enumerate(self.layers)
         ]
 
@@ -864,20 +871,41 @@ class KFACPreconditioner:
         return received
 
     @contextmanager
+    def _hook_timed(self, where: str) -> Iterator[None]:
+        """The capture hooks' work, inside ``where`` ("forward" or "backward"): the statistics phase."""
+        before = self.timings["statistics"]
+        with self._timed("statistics"):
+            yield
+        if where == "forward":
+            self.statistics_in_forward += self.timings["statistics"] - before
+
+    @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
         """Add the phase's host seconds to ``timings``, exclusive of phases nested in it, and name it for
-        torch.profiler (a no-op unless a profiler is recording)."""
+        torch.profiler when one is recording. With ``synchronise_timings`` on a GPU the device is waited for
+        on entry (earlier work is not this phase's) and on exit (this phase's kernels and copies are)."""
+        device = self._synchronised_device()
+        if device is not None:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         self._open_phases.append(0.0)
+        profiled = torch.autograd._profiler_enabled()
         try:
-            with torch.profiler.record_function(f"kfac.{phase}"):
+            with torch.profiler.record_function(f"kfac.{phase}") if profiled else contextlib.nullcontext():
                 yield
         finally:
+            if device is not None:
+                torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
             nested = self._open_phases.pop()
             self.timings[phase] += elapsed - nested
             if self._open_phases:
                 self._open_phases[-1] += elapsed
+
+    def _synchronised_device(self) -> torch.device | None:
+        if not self.synchronise_timings or not self.layers or self.layers[0].device.type != "cuda":
+            return None
+        return self.layers[0].device
 
 
 SHARING_RULES = ("allgather", "sum", "scatter")

@@ -18,12 +18,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from pytorch_optimizer.optimizer.soap import SOAP
 from timm.optim import Lamb, Lars, Muon
 from torch import nn
 
 from hpcdl.runtime.errors import UsageError
 from hpcdl.training.config import TrainConfig
+
+try:
+    from pytorch_optimizer.optimizer.soap import SOAP
+except ImportError as missing:  # a bare GPU image has no pytorch-optimizer: only --optimizer soap needs it
+    _why = f"{type(missing).__name__}: {missing}"
+
+    class SOAP(torch.optim.Optimizer):  # type: ignore[no-redef]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise UsageError(f"--optimizer soap needs the pytorch-optimizer package ({_why})")
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb", "muon", "soap")
 FUSED = ("sgd", "adam", "adamw")  # read found_inf on the device

@@ -3,11 +3,12 @@
 Every step is cut into the phases below; each is a ``torch.profiler.record_function`` range (free
 unless a profiler records) timed with ``time.perf_counter`` (no device sync: on a GPU a phase is the
 time to queue its work unless ``--profile-steps`` is recording, when the device is synchronised at
-each phase's end so that the trace and the seconds tell the same story). K-FAC's own phases come from
-the preconditioner's ``timings`` (kfac.preconditioner.PHASES), taken out of the phase they ran in
-(its statistics run inside backward's hooks). Per evaluation point and for the whole run each rank
-keeps the median and mean seconds of every phase; the ranks' figures are gathered so that the slowest
-and the fastest rank are named (docs/training.md, "Where a step goes").
+each phase's end so that the trace and the seconds tell the same story; the preconditioner's phases are
+then synchronised too). K-FAC's own phases come from the preconditioner's ``timings``
+(kfac.preconditioner.PHASES), taken out of the phase they ran in (its statistics run inside forward's
+and backward's hooks: ``statistics_in_forward`` says how much in forward). Per evaluation point and for
+the whole run each rank keeps the median and mean seconds of every phase; the ranks' figures are
+gathered so that the slowest and the fastest rank are named (docs/training.md, "Where a step goes").
 """
 
 from __future__ import annotations
@@ -51,14 +52,26 @@ class StepPhases:
     def __init__(self, preconditioner: Any = None, device: torch.device | None = None) -> None:
         self.preconditioner = preconditioner
         self.device = device
-        self.synchronise = False  # set while a trace records, so that seconds on a GPU are the device's
+        self._synchronise = False
         self._current: dict[str, float] = {}
         self._kfac_before: dict[str, float] = {}
+        self._forward_statistics_before = 0.0
         self._steps: list[list[float]] = []  # per step since the last take: seconds per PHASES, then the step
         self._all: list[list[float]] = []  # every step of this session
         self._step_start = 0.0
         self._step_range: Any = None
         self._data_start = time.perf_counter()
+
+    @property
+    def synchronise(self) -> bool:
+        """Set while a trace records, so that seconds on a GPU are the device's (the preconditioner's too)."""
+        return self._synchronise
+
+    @synchronise.setter
+    def synchronise(self, value: bool) -> None:
+        self._synchronise = value
+        if self.preconditioner is not None and hasattr(self.preconditioner, "synchronise_timings"):
+            self.preconditioner.synchronise_timings = value
 
     def data_wait_begins(self) -> None:
         """The loop asks its data iterator for the next batch now."""
@@ -69,6 +82,7 @@ class StepPhases:
         self._current = {"data": now - self._data_start}
         self._step_start = self._data_start
         self._kfac_before = dict(self._kfac_timings())
+        self._forward_statistics_before = self._forward_statistics()
         self._step_range = torch.profiler.record_function(STEP)
         self._step_range.__enter__()
 
@@ -88,10 +102,11 @@ class StepPhases:
         current = self._current
         after = self._kfac_timings()
         kfac = {p: after.get(p, 0.0) - self._kfac_before.get(p, 0.0) for p in KFAC_PHASES}
+        in_forward = self._forward_statistics() - self._forward_statistics_before
         row = {
             "data": current.get("data", 0.0),
-            "forward": current.get("forward", 0.0),
-            "backward": current.get("backward", 0.0) - kfac["statistics"],
+            "forward": current.get("forward", 0.0) - in_forward,
+            "backward": current.get("backward", 0.0) - (kfac["statistics"] - in_forward),
             "allreduce": current.get("allreduce", 0.0),
             **{f"kfac.{p}": kfac[p] for p in KFAC_PHASES},
             "kfac.other": current.get("kfac", 0.0) - sum(kfac[p] for p in KFAC_PHASES if p != "statistics"),
@@ -100,6 +115,9 @@ class StepPhases:
         self._steps.append([row[p] for p in PHASES] + [time.perf_counter() - self._step_start])
         self._all.append(self._steps[-1])
         self._current = {}
+
+    def _forward_statistics(self) -> float:
+        return float(getattr(self.preconditioner, "statistics_in_forward", 0.0))
 
     def _kfac_timings(self) -> dict[str, float]:
         timings = getattr(self.preconditioner, "timings", None)

@@ -41,6 +41,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "benchmarks/kfac_phases.py": ([], "kfac_phases"),
     "benchmarks/phase_overhead.py": ([], "phase_overhead"),
     "benchmarks/transformer_lm.py": ([], "transformer_lm"),
+    "benchmarks/kfac_transformer.py": ([], "kfac_transformer"),
+    "benchmarks/kfac_gpu.py": (["--kfac-pytorch", "none"], "kfac_gpu"),
     "hpcdl/bench/allreduce.py": ([], "allreduce_np1"),
     "benchmarks/amp_dtype.py": ([], "amp_dtype_cpu"),
     "benchmarks/gpu_figures.py": (["--collect", "/nonexistent"], "gpu_suite"),  # a folder of the suite's files
@@ -48,7 +50,8 @@ CASES: dict[str, tuple[list[str], str]] = {
 # A second way into a program that writes elsewhere than its main path does.
 EXTRA = [("benchmarks/kfac_large_batch.py", ["--report", str(COMMITTED / "kfac_large_batch_target.json")],
           "kfac_large_batch")]
-# How each program that writes <stem><suffix> files is told the stem (network.py writes a folder of named files).
+# How each program that writes <stem><suffix> files is told the stem (network.py and kfac_gpu.py write a folder of
+# named files).
 DOTTED = ("dotted/study-lr0.05", "dotted/study-lr0.1")  # two studies whose names differ only after a dot
 
 
@@ -59,7 +62,8 @@ def stem_args(program: str, stem: str) -> list[str]:
     return ["--output" if "throughput" in program or "deterministic" in program else "--out", stem]
 
 
-STEM_PROGRAMS = [program for program in CASES if program not in ("benchmarks/network.py", "benchmarks/gpu_figures.py")]
+STEM_PROGRAMS = [program for program in CASES
+                 if program not in ("benchmarks/network.py", "benchmarks/gpu_figures.py", "benchmarks/kfac_gpu.py")]
 NO_RESULTS = {
     "hpcdl/bench/probe.py": "prints one JSON line and writes no file",
     # reads the committed results to write the figures marked in README, docs and the studies' notes (its job;
