@@ -7,7 +7,9 @@ Every job is tiny (digits, a few steps) and sits under a timeout that kills its 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -243,3 +245,39 @@ def test_sigterm_to_a_rank_under_torchrun_checkpoints_and_mpirun_resumes_to_the_
     resumed = run_train(2, run_dir, "--resume", *BASE_FLAGS, "--keep-checkpoints", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert same_weights(load_checkpoint(run_dir, 44)["model"], load_checkpoint(reference, 44)["model"])
+
+
+@pytest.mark.parametrize("sig, forwarded", [(signal.SIGTERM, ()),
+                                            (signal.SIGUSR1, ("--signals-to-handle",
+                                                              "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"))],
+                         ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_torchrun_reaches_every_rank_and_checkpoints(sig: signal.Signals, forwarded: tuple[str, ...],
+                                                                  tmp_path: Path) -> None:
+    """What Slurm's --signal and scancel do to a step whose task is torchrun: torchrun hands the signal to its ranks
+    (SIGUSR1 only when told to with --signals-to-handle), which checkpoint and stop."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *forwarded,
+           "-m", "hpcdl.train", "--output-dir", str(run_dir), "--no-progress", "--epochs", "15", "--backend", "torch",
+           "--workers", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=torch_env(), start_new_session=True)
+    seen = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # training under way: signal torchrun itself
+            seen.append(line)
+            if line.startswith("epoch   1/15"):
+                os.kill(proc.pid, sig)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
+    out = "".join(seen) + out
+    assert re.search(rf"hpcdl: {sig.name} received by all 2 ranks: (checkpoint written at step \d+|stopped after "
+                     r"epoch \d+)", out), out[-2000:] + err[-3000:]
+    assert "epoch  15/15" not in out and not (run_dir / "summary.json").exists()
+    assert checkpoint_steps(run_dir) and checkpoint_steps(run_dir)[-1] >= 22
+    # torchrun itself exits 1 after a signal, whatever its ranks did (docs/cluster.md says so)
+    assert proc.returncode == 1 and f"got signal: {int(sig)}" in err, err[-2000:]
