@@ -11,7 +11,9 @@ Two behaviours are needed under MPI:
 * Anything else raised on one rank -- a bug, a failing disk, a fault injected on purpose, a rank
   that lost the others (:class:`LostRankError`). The other ranks would wait for it forever in the
   next collective, so the failing rank prints one line naming itself and the cause (after the
-  traceback, for what may be a bug) and calls MPI_Abort, which ends every rank of the job.
+  traceback, for what may be a bug) and calls MPI_Abort, which ends every rank of the job (in a job
+  without MPI it exits at once; torchrun or srun --kill-on-bad-exit ends the others, and so do their
+  next collectives).
   Running out of memory, I/O errors (a corrupt image file, a vanished mount) and a lost rank are
   not bugs: their message is the whole story, so they get the line without the traceback
   (HPCDL_TRACEBACK=1 shows it anyway).

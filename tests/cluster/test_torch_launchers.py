@@ -92,6 +92,22 @@ def test_the_srun_recipes_run_as_printed(slurm: SlurmCluster, tmp_path: Path, wh
     assert summary["world_size"] == 2 and summary["replicas_identical"] is True
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault, said", [("1:5:kill", "injecting fault 'kill' on rank 1 at step 5"),
+                                         ("1:5:stop", "rank 1 went silent")], ids=["killed", "frozen"])
+def test_a_lost_rank_under_plain_srun_ends_the_step(slurm: SlurmCluster, tmp_path: Path, fault: str,  # noqa: F811
+                                                    said: str) -> None:
+    """Plain srun, --kill-on-bad-exit=1 as the recipe has it: a killed rank ends the step; a frozen one is named by
+    the watchdog (UDP heartbeats, no MPI), whose exit ends the step."""
+    result = slurm.run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "-m", "hpcdl.train", "--output-dir",
+                        str(tmp_path / "run"), "--no-progress", "--epochs", "1", "--backend", "torch",
+                        "--stall-timeout", "4"], check=False, timeout=240, env=clean_env({"HPCDL_FAULT": fault}),
+                       cwd=REPO)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and said in output, output[-3000:]
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 @needs_horovod
 @pytest.mark.timeout(200)
 def test_horovod_under_plain_srun_is_refused_before_mpi_starts(slurm: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811

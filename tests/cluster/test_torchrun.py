@@ -218,6 +218,17 @@ def test_two_ranks_on_one_gpu_under_mpirun_are_named_before_the_rendezvous(backe
 
 # ------------------------------------------------------------------ a frozen rank, a stop signal
 
+def test_a_killed_rank_under_torchrun_ends_the_job(tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed at step 5 (the OOM killer): torchrun sees its worker die and ends the other."""
+    start = time.monotonic()
+    job = torchrun(2, tmp_path / "run", "--epochs", "1", "--stall-timeout", "20", "--backend", "torch", timeout=150,
+                   env={"HPCDL_FAULT": "1:5:kill"})
+    assert job.returncode not in (0, 124), job.stderr[-3000:]
+    assert time.monotonic() - start < 120
+    assert "injecting fault 'kill' on rank 1 at step 5" in job.stdout, job.stdout[-2000:]
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 def test_a_frozen_rank_under_torchrun_is_named_and_the_job_ends(tmp_path: Path) -> None:
     """Rank 1 SIGSTOPped at step 5: the watchdog's heartbeats (UDP, no MPI) go silent and rank 0 names it; torchrun
     ends the stopped rank (its SIGTERM waits, then SIGKILL)."""
