@@ -43,7 +43,8 @@ from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
 from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT
 from kfac.assignment import assign_work
-from kfac.comm import Communicator, Group, Handle, chunk_overlaps, default_communicator
+from kfac.comm import Communicator, Group, Handle, chunk_overlaps
+from kfac.default_comm import default_communicator
 from kfac.factors import upper_size
 from kfac.layers import find_layers
 from kfac.preconditioner import share_by

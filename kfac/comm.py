@@ -1,4 +1,5 @@
-"""The collectives K-FAC needs, for one process or for a Horovod job.
+"""The collectives K-FAC needs, for one process or for a Horovod job (torch.distributed's: kfac.torch_comm;
+which one a preconditioner takes by default: kfac.default_comm).
 
 Two kinds of operation, all asynchronous: a sum-allreduce over all ranks (the factor statistics,
 started during backward), and inside a group of ranks an allgather, a sum-allreduce, or an alltoall
@@ -16,7 +17,6 @@ fall back to mpi4py sub-communicators (the same ranks Horovod uses), with a one-
 
 from __future__ import annotations
 
-import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -268,19 +268,6 @@ class HorovodCommunicator(Communicator):
 
         color = partition.index(mine)
         return _MpiGroup(mine, MPI.COMM_WORLD.Split(color, key=self.rank))
-
-
-def default_communicator() -> Communicator:
-    """Horovod's when this process is part of an initialised Horovod job of several ranks, else a single process.
-
-    Horovod is only looked at if it has been imported already: a job that uses it has imported it.
-    """
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is None or not hasattr(hvd, "is_initialized") or not hvd.is_initialized():
-        return SingleProcess()
-    if hvd.size() == 1:
-        return SingleProcess()
-    return HorovodCommunicator(hvd)
 
 
 def chunk_overlaps(sizes: Sequence[int]) -> tuple[list[list[int]], int]:

@@ -31,8 +31,9 @@ from torch import Tensor, nn
 from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work, auto_fraction
 from kfac.capture import LayerCapture
-from kfac.comm import Communicator, buffer_to_tensors, chunk_overlaps, default_communicator, tensors_to_buffer
+from kfac.comm import Communicator, buffer_to_tensors, chunk_overlaps, tensors_to_buffer
 from kfac.decompose import EigenJob, Recoveries, Results, decompose_eigen
+from kfac.default_comm import default_communicator
 from kfac.factors import BatchStatistics, masked_running_averages, upper_size
 from kfac.layers import KFACLayer, SkipSpec, find_layers
 from kfac.precision import ieee_fp32

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hpcdl.persistence.atomic import write_text_atomically
+from hpcdl.runtime.coordination import GlooComm
 from hpcdl.runtime.errors import UsageError
 
 
@@ -54,12 +55,15 @@ class DeviceSums:
 
 def allreduce_sums(values: dict[str, float], comm) -> dict[str, float]:
     """Sum each value over all ranks (every rank must pass the same keys)."""
-    from mpi4py import MPI
-
     keys = sorted(values)
     local = np.array([values[k] for k in keys], dtype=np.float64)
     total = np.empty_like(local)
-    comm.Allreduce(local, total, op=MPI.SUM)
+    if isinstance(comm, GlooComm):  # a job without MPI: hpcdl.runtime.coordination
+        comm.Allreduce(local, total)
+    else:
+        from mpi4py import MPI
+
+        comm.Allreduce(local, total, op=MPI.SUM)
     return dict(zip(keys, total.tolist(), strict=True))
 
 

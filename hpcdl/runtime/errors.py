@@ -11,7 +11,9 @@ Two behaviours are needed under MPI:
 * Anything else raised on one rank -- a bug, a failing disk, a fault injected on purpose, a rank
   that lost the others (:class:`LostRankError`). The other ranks would wait for it forever in the
   next collective, so the failing rank prints one line naming itself and the cause (after the
-  traceback, for what may be a bug) and calls MPI_Abort, which ends every rank of the job.
+  traceback, for what may be a bug) and calls MPI_Abort, which ends every rank of the job (in a job
+  without MPI it exits at once; torchrun or srun --kill-on-bad-exit ends the others, and so do their
+  next collectives).
   Running out of memory, I/O errors (a corrupt image file, a vanished mount) and a lost rank are
   not bugs: their message is the whole story, so they get the line without the traceback
   (HPCDL_TRACEBACK=1 shows it anyway).
@@ -25,6 +27,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from hpcdl.runtime import coordination
 from hpcdl.runtime.launcher import current_rank, launched
 
 T = TypeVar("T")
@@ -66,19 +69,18 @@ def agree(check: Callable[[], T]) -> T:
     every rank raises the same error, of the same class, naming the first rank that failed, so
     none is left waiting in a later collective.
     """
-    from mpi4py import MPI
-
     error: tuple[type[JobError], str] | None = None
     result: T | None = None
     try:
         result = check()
     except JobError as exc:
         error = (type(exc), str(exc))
-    errors = MPI.COMM_WORLD.allgather(error)
+    comm = coordination.several()
+    errors = comm.allgather(error) if comm is not None else [error]
     for rank, found in enumerate(errors):
         if found is not None:
             kind, message = found
-            prefix = f"rank {rank}: " if MPI.COMM_WORLD.Get_size() > 1 and rank != 0 else ""
+            prefix = f"rank {rank}: " if rank != 0 else ""
             raise kind(prefix + message)
     return result  # type: ignore[return-value]
 
@@ -137,12 +139,12 @@ def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
         if not is_environmental(exc) or os.environ.get("HPCDL_TRACEBACK") == "1":
             traceback.print_exc()
         what = f"stops: {exc}" if isinstance(exc, LostRankError) else f"failed with {describe(exc)}"
-        mpi = sys.modules.get("mpi4py.MPI")
-        if not launched() and not (mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1):
+        comm = coordination.several()
+        if not launched() and comm is None:
             print(f"{program}: {what}", file=sys.stderr, flush=True)  # one process: no ranks, no job to abort
             sys.exit(EXIT_CRASH)
         print(f"{program}: rank {rank} {what}; aborting the whole job", file=sys.stderr, flush=True)
-        if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
-            mpi.COMM_WORLD.Abort(EXIT_CRASH)
+        if comm is not None:
+            comm.Abort(EXIT_CRASH)
         sys.exit(EXIT_CRASH)
     sys.exit(code)

@@ -321,8 +321,8 @@ MPIRUN_OPTIONS = [
           "replaces both variables", default=None, dest="hosts"),
     value("--iface", "IF", "the network the job uses, an interface name (ib0, eth0) or a subnet (10.1.2.0/24) "
           "(HPCDL_IFACE): Open MPI's TCP transport and its daemons' out-of-band channel (btl_tcp_if_include, "
-          "oob_tcp_if_include); a name also goes to Horovod's Gloo (HOROVOD_GLOO_IFACE) and NCCL "
-          "(NCCL_SOCKET_IFNAME)", "HPCDL_IFACE"),
+          "oob_tcp_if_include) and torch.distributed's rendezvous address; a name also goes to Horovod's Gloo "
+          "(HOROVOD_GLOO_IFACE), torch's Gloo (GLOO_SOCKET_IFNAME) and NCCL (NCCL_SOCKET_IFNAME)", "HPCDL_IFACE"),
     value("--vcluster", "NAME", "run on a virtual cluster (python -m hpcdl.tools.vcluster up) (HPCDL_VCLUSTER): its "
           "nodes as hosts (-H may name them, with slots: node1:3,node2:1; default: -np spread evenly), its subnet "
           "as --iface, launch/vcluster-rsh to reach them", "HPCDL_VCLUSTER"),

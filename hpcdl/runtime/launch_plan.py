@@ -47,7 +47,7 @@ from hpcdl.runtime.rank_command import (
 
 # What every rank is sent by mpirun -x (local ranks inherit the whole environment; -x reaches other hosts).
 MPIRUN_EXPORTS = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PMIX_MCA_gds")
-EXPORT_PREFIXES = ("NCCL_", "HOROVOD_", "HPCDL_", "UCX_")
+EXPORT_PREFIXES = ("NCCL_", "HOROVOD_", "HPCDL_", "UCX_", "GLOO_")
 
 
 @dataclass
@@ -300,8 +300,11 @@ def mpirun_command(launch: MpirunLaunch, settings: RankSettings, machine: Machin
         if launch.iface:
             # One network for everything: ranks' TCP traffic and the daemons' control channel.
             words += ["--mca", "btl_tcp_if_include", launch.iface, "--mca", "oob_tcp_if_include", launch.iface]
-            if "/" not in launch.iface:
-                exports.update(HOROVOD_GLOO_IFACE=launch.iface, NCCL_SOCKET_IFNAME=launch.iface)
+            # torch.distributed's rendezvous takes rank 0's address on it (hpcdl.runtime.rendezvous.root_address).
+            exports["HPCDL_IFACE"] = launch.iface
+            if "/" not in launch.iface:  # Gloo's and NCCL's variables take interface names only
+                exports.update(HOROVOD_GLOO_IFACE=launch.iface, NCCL_SOCKET_IFNAME=launch.iface,
+                               GLOO_SOCKET_IFNAME=launch.iface)
         if len(launch.keepalive) == 3:
             time, interval, probes = launch.keepalive
             words += ["--mca", "oob_tcp_keepalive_time", time, "--mca", "oob_tcp_keepalive_intvl", interval,

@@ -10,8 +10,9 @@ that needs one takes its name from this list.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping, Sequence
+
+from hpcdl.runtime import coordination
 
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 # SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: an sbatch script itself has the latter and is no rank of a step.
@@ -19,8 +20,9 @@ SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_S
 # The MPI launcher's own variable comes first: under `mpirun` inside an sbatch job every rank sees SLURM_LOCALID=0.
 LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
-# Set only in a process a launcher started (SLURM_PROCID is also set inside an sbatch script itself).
-LAUNCHED_VARS = (*SIZE_VARS, "PMIX_RANK", "PMI_RANK")
+# Set only in a process a launcher started (SLURM_PROCID is also set inside an sbatch script itself; torchrun and
+# a site's recipe set WORLD_SIZE).
+LAUNCHED_VARS = (*SIZE_VARS, "PMIX_RANK", "PMI_RANK", "WORLD_SIZE")
 
 
 def first_number(names: Sequence[str], env: Mapping[str, str] | None = None) -> int | None:
@@ -71,9 +73,10 @@ def started_alone(world_size: int, env: Mapping[str, str] | None = None) -> str 
 
 
 def current_rank() -> int:
-    """This process's global rank: MPI's once initialised, else the launcher's variable, else 0."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
-        return mpi.COMM_WORLD.Get_rank()
-    rank = first_number(RANK_VARS)
+    """This process's global rank: the job's communicator's once the world is up, else the launcher's variable
+    (torchrun's RANK included), else 0."""
+    comm = coordination.several()
+    if comm is not None:
+        return int(comm.Get_rank())
+    rank = first_number((*RANK_VARS, "RANK"))
     return 0 if rank is None else rank

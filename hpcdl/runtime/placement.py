@@ -30,12 +30,11 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import torch
 
 from hpcdl.runtime.errors import UsageError
-
-if TYPE_CHECKING:
-    from hpcdl.runtime.world import World
 
 FAKE_GPUS_VAR = "HPCDL_FAKE_GPU_UUIDS"
 FAKE_NODE_CORES_VAR = "HPCDL_FAKE_NODE_CORES"
@@ -44,6 +43,43 @@ ONE_RANK_PER_GPU_FIX = (
     "start one rank per GPU: --ntasks-per-node (or -np per host) equal to the GPUs per node, with "
     "--gres=gpu:N or --gpus-per-task=1; do not set CUDA_VISIBLE_DEVICES to one GPU for every rank"
 )
+
+
+class WorldError(RuntimeError):
+    """The job's layout cannot work (for example more ranks on a host than GPUs)."""
+
+
+class Seat(Protocol):
+    """Where a rank sits (hpcdl.runtime.world.World has these, and so does the world before it is complete)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def local_size(self) -> int: ...
+    @property
+    def hostname(self) -> str: ...
+    @property
+    def device(self) -> torch.device: ...
+
+
+def choose_device(local_rank: int, cuda_devices: int) -> torch.device:
+    """The device a rank should use.
+
+    With one visible GPU (Slurm's --gpus-per-task=1 or a CUDA_VISIBLE_DEVICES per rank) that GPU
+    is ours; with several visible (--gres=gpu:4) we take the one at our local rank.
+    """
+    if cuda_devices <= 0:
+        return torch.device("cpu")
+    if cuda_devices == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= cuda_devices:
+        raise WorldError(
+            f"local rank {local_rank} has no GPU: only {cuda_devices} visible on this host; "
+            "start at most one rank per GPU (e.g. --ntasks-per-node equal to the GPUs per node)"
+        )
+    return torch.device("cuda", local_rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,27 +250,21 @@ def visible_gpu_uuids() -> tuple[str, ...]:
     fake = os.environ.get(FAKE_GPUS_VAR, "").strip()
     if fake:
         return tuple(uuid.strip() for uuid in fake.split(",") if uuid.strip())
-    import torch
-
     if not torch.cuda.is_available():
         return ()
     return tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
 
 
-def local_row(me: World) -> RankRow:
+def local_row(me: Seat) -> RankRow:
     """This rank's row; a failure to look at the GPU becomes the row's `problem`, never an exception,
     so that every rank still reaches the gather."""
-    import torch
-
-    from hpcdl.runtime.world import WorldError, choose_device
-
     problem = ""
     device, uuid = str(me.device), ""
     visible: tuple[str, ...] = ()
     try:
         visible = visible_gpu_uuids()
         if os.environ.get(FAKE_GPUS_VAR, "").strip():
-            try:  # which pretend GPU this rank would take, by the same rule as world.choose_device
+            try:  # which pretend GPU this rank would take, by the same rule as choose_device
                 fake_device = choose_device(me.local_rank, len(visible))
                 device, uuid = str(fake_device), visible[fake_device.index or 0]
             except WorldError:
@@ -258,13 +288,13 @@ def local_row(me: World) -> RankRow:
     )
 
 
-def gather_rows(me: World, comm: Any) -> list[RankRow]:
+def gather_rows(me: Seat, comm: Any) -> list[RankRow]:
     """Every rank's row, on every rank (collective)."""
     rows = comm.allgather(dataclasses.asdict(local_row(me)))
     return [RankRow(**{**row, "visible_gpus": tuple(row["visible_gpus"])}) for row in rows]
 
 
-def verify(me: World, comm: Any, gpu_requested: bool) -> None:
+def verify(me: Seat, comm: Any, gpu_requested: bool) -> None:
     """Check the job's placement before any training step (collective: every rank calls it).
 
     Raises UsageError with the same one line on every rank for a placement that cannot work;

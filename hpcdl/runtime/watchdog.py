@@ -17,6 +17,9 @@ too), so each rank runs a thread of ours that wakes every ``interval`` seconds a
 
 Heartbeats travel on a duplicate of the world communicator, so they never mix with training
 traffic. An MPI_Abort from this thread ends the job even while the main thread waits in Horovod.
+A job started without MPI (torchrun, plain srun: hpcdl.runtime.coordination) sends its heartbeats
+as UDP datagrams instead, which a frozen peer simply stops sending and which wait for nobody; its
+abort ends this process, and the launcher or the others' failing collectives end the rest.
 
 That thread needs the GIL, and a main thread blocked inside a C extension that did not release
 it starves the thread for good. Horovod does exactly that with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``:
@@ -31,12 +34,16 @@ with status 1, which makes the launcher end the job.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
+import json
 import socket
 import sys
 import threading
 import time
 from typing import Any
+
+from hpcdl.runtime.coordination import GlooComm
 
 HEARTBEAT_TAG = 7011
 EXIT_STALL = 3
@@ -59,6 +66,8 @@ class StallWatchdog:
         # rank -> hostname, gathered while every node still answers, so that a verdict can name the
         # node a silent rank ran on (a lost node shows as all of its ranks silent at once).
         self.hosts: list[str] = list(self.comm.allgather(socket.gethostname()))
+        self.heartbeats: MpiHeartbeats | UdpHeartbeats = (
+            UdpHeartbeats(self.comm, self.hosts) if isinstance(self.comm, GlooComm) else MpiHeartbeats(self.comm))
         self.timeout = timeout
         self.interval = interval if interval is not None else max(0.2, min(5.0, timeout / 5))
         self.silent_after = 3 * self.interval  # no heartbeat for this long: that rank is not running
@@ -114,23 +123,14 @@ class StallWatchdog:
         self.comm.Abort(EXIT_STALL)
 
     def _run(self) -> None:
-        from mpi4py import MPI
-
         start = time.monotonic()
         last_heard = {rank: start for rank in range(self.size) if rank != self.rank}
         reported: dict[int, tuple[int, str]] = {}
-        pending: dict[int, Any] = {}  # mpi4py Requests
-        status = MPI.Status()
-        peers = [r for r in range(self.size) if r != self.rank] if self.rank == 0 else [0]
         while not self._done.wait(self.interval):
             now = time.monotonic()
-            while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG, status=status):
-                source = status.Get_source()
-                reported[source] = self.comm.recv(source=source, tag=HEARTBEAT_TAG)
+            for source, state in self.heartbeats.exchange((self.step, self.phase)).items():
+                reported[source] = state
                 last_heard[source] = now
-            for peer in peers:  # at most one heartbeat in flight per peer: a frozen peer costs nothing
-                if peer not in pending or pending[peer].Test():
-                    pending[peer] = self.comm.isend((self.step, self.phase), dest=peer, tag=HEARTBEAT_TAG)
             stalled = now - self.last_progress
             if self._done.is_set() or stalled <= self.timeout:
                 continue
@@ -174,3 +174,67 @@ class StallWatchdog:
             return f"{head}; alive but stuck: {where} (the other ranks wait in a collective)"
         return f"{head}; every rank is alive, phases: " + ", ".join(
             f"{r}={states[r][1]}" for r in sorted(states)) + " (a hung collective, data loader or device)"
+
+
+class MpiHeartbeats:
+    """Heartbeats over MPI: ranks > 0 send to rank 0, rank 0 to each; at most one in flight per peer, so a frozen
+    peer costs nothing."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        rank, size = comm.Get_rank(), comm.Get_size()
+        self.peers = [r for r in range(size) if r != rank] if rank == 0 else [0]
+        self.pending: dict[int, Any] = {}  # mpi4py Requests
+
+    def exchange(self, state: tuple[int, str]) -> dict[int, tuple[int, str]]:
+        """The heartbeats received since the last call (by rank), after sending ours."""
+        from mpi4py import MPI
+
+        heard = {}
+        status = MPI.Status()
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG, status=status):
+            source = status.Get_source()
+            heard[source] = self.comm.recv(source=source, tag=HEARTBEAT_TAG)
+        for peer in self.peers:
+            if peer not in self.pending or self.pending[peer].Test():
+                self.pending[peer] = self.comm.isend(state, dest=peer, tag=HEARTBEAT_TAG)
+        return heard
+
+
+class UdpHeartbeats:
+    """Heartbeats as UDP datagrams (a job without MPI): ranks > 0 send to rank 0's socket, rank 0 answers each at
+    the address its datagrams came from. Nothing waits: a frozen or lost peer only falls silent."""
+
+    def __init__(self, comm: Any, hosts: list[str]) -> None:
+        from hpcdl.runtime.rendezvous import root_address
+
+        self.rank = comm.Get_rank()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("", 0))
+        self.sock.setblocking(False)
+        mine = (root_address(hosts, hosts[0]), self.sock.getsockname()[1]) if self.rank == 0 else None
+        self.root: tuple[str, int] = comm.bcast(mine, root=0)  # collective: every rank constructs its watchdog
+        self.senders: dict[int, Any] = {}  # rank -> the address its heartbeats come from (rank 0's view)
+        atexit.register(self.sock.close)
+
+    def exchange(self, state: tuple[int, str]) -> dict[int, tuple[int, str]]:
+        heard = {}
+        while True:
+            try:
+                data, sender = self.sock.recvfrom(4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # an ICMP error from a peer that is gone: it falls silent
+                continue
+            try:
+                rank, step, phase = json.loads(data)
+            except ValueError:
+                continue
+            heard[int(rank)] = (int(step), str(phase))
+            self.senders[int(rank)] = sender
+        message = json.dumps([self.rank, *state]).encode()
+        targets = list(self.senders.values()) if self.rank == 0 else [self.root]
+        for target in targets:
+            with contextlib.suppress(OSError):  # unreachable now: that peer's silence is the verdict's evidence
+                self.sock.sendto(message, target)
+        return heard

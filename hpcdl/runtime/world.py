@@ -1,27 +1,34 @@
 """Rank and world: the one place that knows how this process fits into the job.
 
-Every other module asks here for its rank, the world size, its local rank, the device it
-owns and the MPI communicator. Initialisation happens once: mpi4py initialises MPI (thread
-level MULTIPLE, which Horovod needs), then Horovod or torch.distributed (``--backend torch``,
-hpcdl.runtime.rendezvous) is started on that same MPI_COMM_WORLD, so explicit mpi4py collectives
-and the gradients' allreduce share one set of ranks.
+Every other module asks here for its rank, the world size, its local rank, the device it owns and
+the job's communicator (hpcdl.runtime.coordination). Initialisation happens once, in one of two ways:
+
+* MPI started the job (mpirun, srun --mpi=pmix): mpi4py initialises MPI (thread level MULTIPLE,
+  which Horovod needs), then Horovod or torch.distributed (``--backend torch``) starts on that same
+  MPI_COMM_WORLD, so hpcdl's coordination and the gradients' allreduce share one set of ranks;
+* ``--backend torch`` in a job that torchrun, plain srun or a site's MASTER_ADDR/MASTER_PORT started
+  (hpcdl.runtime.launch_env): no MPI at all; the ranks meet at the rendezvous store, check their
+  placement there, start the process group, and coordinate over a Gloo group of their own.
+
+Horovod sees MPI's ranks only: a launcher whose ranks MPI cannot see is refused before MPI starts.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from hpcdl.runtime import allocator
+from hpcdl.runtime import allocator, coordination, launch_env, placement, rendezvous
+from hpcdl.runtime.errors import UsageError
 from hpcdl.runtime.launcher import local_rank_from_env, local_size_from_env
+from hpcdl.runtime.placement import WorldError, choose_device
 
-
-class WorldError(RuntimeError):
-    """The job's layout cannot work (for example more ranks on a host than GPUs)."""
+__all__ = ["World", "WorldError", "choose_device", "comm", "fix_reduction_order", "get", "init", "threads_per_rank"]
 
 
 @dataclass(frozen=True)
@@ -44,24 +51,7 @@ class World:
 
 
 _world: World | None = None
-
-
-def choose_device(local_rank: int, cuda_devices: int) -> torch.device:
-    """The device a rank should use.
-
-    With one visible GPU (Slurm's --gpus-per-task=1 or a CUDA_VISIBLE_DEVICES per rank) that GPU
-    is ours; with several visible (--gres=gpu:4) we take the one at our local rank.
-    """
-    if cuda_devices <= 0:
-        return torch.device("cpu")
-    if cuda_devices == 1:
-        return torch.device("cuda", 0)
-    if local_rank >= cuda_devices:
-        raise WorldError(
-            f"local rank {local_rank} has no GPU: only {cuda_devices} visible on this host; "
-            "start at most one rank per GPU (e.g. --ntasks-per-node equal to the GPUs per node)"
-        )
-    return torch.device("cuda", local_rank)
+_gloo_comm: coordination.GlooComm | None = None  # the coordination of a job started without MPI
 
 
 def threads_per_rank(local_size: int, cores: int | None = None, env: Mapping[str, str] | None = None) -> int:
@@ -98,20 +88,76 @@ def fix_reduction_order() -> None:
 
 
 def init(use_horovod: bool = True, torch_distributed: bool = False, timeout_seconds: float | None = None) -> World:
-    """Initialise MPI (and Horovod, or torch.distributed's process group) once, pin the device and thread count,
-    and return the World. ``timeout_seconds``: how long a torch.distributed collective waits for a peer.
+    """Start the world once, pin the device and thread count, and return the World. ``torch_distributed``: start
+    torch.distributed's process group (``--backend torch``); ``timeout_seconds``: how long one of its collectives
+    waits for a peer.
 
     Safe to call many times; later calls return the first result (a torch.distributed group asked for later is
-    started then).
+    started then, on MPI's ranks).
     """
     global _world
     if _world is not None:
         if torch_distributed and not _world.torch_distributed:
-            from hpcdl.runtime import rendezvous
-
             rendezvous.init_process_group(_mpi().COMM_WORLD, _world.device, timeout_seconds)
             _world = replace(_world, torch_distributed=True)
         return _world
+    if torch_distributed and not launch_env.mpi_launched():
+        _world = _init_without_mpi(timeout_seconds)
+    else:
+        refuse_unseen_world(use_horovod)
+        _world = _init_with_mpi(use_horovod, torch_distributed, timeout_seconds)
+    coordination.install(comm())
+    return _world
+
+
+def refuse_unseen_world(use_horovod: bool, env: Mapping[str, str] | None = None) -> None:
+    """Before MPI starts: a launcher whose ranks MPI cannot see (torchrun, a site's WORLD_SIZE, srun without an MPI
+    plugin) would leave each process training alone as rank 0 of 1, or MPI failing to start under srun."""
+    env = os.environ if env is None else env
+    if launch_env.mpi_launched(env):
+        return
+    who = "Horovod (--backend horovod, the default)" if use_horovod else "this program"
+    size = env.get("WORLD_SIZE", "").strip()
+    if size.isdigit() and int(size) > 1:
+        launcher = "torchrun's" if env.get("TORCHELASTIC_RUN_ID") else "the environment's"
+        raise UsageError(f"WORLD_SIZE={size} ({launcher}) but no MPI launcher started this process, and {who} sees "
+                         f"MPI's ranks only: add --backend torch, or start with mpirun -np {size}")
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "").strip()
+    if tasks.isdigit() and int(tasks) > 1:
+        raise UsageError(f"srun started {tasks} tasks without an MPI plugin (no PMIx variables), and {who} needs "
+                         "MPI: run srun --mpi=pmix, or add --backend torch (no MPI needed)")
+
+
+def _place(local_rank: int) -> torch.device:
+    """This rank's device; a rank without a GPU of its own gets the CPU here, and placement.verify says so on every
+    rank in one line (raising here would end one rank with a traceback while the others wait)."""
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        device = choose_device(local_rank, cuda)
+    except WorldError:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _seat(rank: int, size: int, local_rank: int, local_size: int, hostname: str, horovod: bool) -> World:
+    """The World before any process group: device, threads, allocator settings."""
+    device = _place(local_rank)
+    threads = threads_per_rank(local_size)
+    torch.set_num_threads(threads)
+    allocator.keep_freed_memory()
+    return World(rank=rank, size=size, local_rank=local_rank, local_size=local_size, hostname=hostname,
+                 device=device, threads=threads, horovod=horovod)
+
+
+def placement_sound(rows: Sequence[placement.RankRow]) -> bool:
+    """Whether a process group can start on these ranks (NCCL cannot where two share a GPU, or one has none): every
+    rank decides alike from the same rows, and placement.verify later names the mistake on every rank."""
+    return placement.placement_error(rows, gpu_requested=False) is None
+
+
+def _init_with_mpi(use_horovod: bool, torch_distributed: bool, timeout_seconds: float | None) -> World:
     MPI = _mpi()
     comm = MPI.COMM_WORLD
     horovod_up = False
@@ -129,43 +175,32 @@ def init(use_horovod: bool = True, torch_distributed: bool = False, timeout_seco
     local_size = local_size_from_env() or node.Get_size()
     node.Free()
 
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    try:
-        device = choose_device(local_rank, cuda)
-    except WorldError:
-        # This rank has no GPU of its own. Raising here would end one rank with a traceback while the
-        # others wait; hpcdl.runtime.placement.verify reports it instead, the same line on every rank.
-        device = torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    threads = threads_per_rank(local_size)
-    torch.set_num_threads(threads)
-    allocator.keep_freed_memory()
-    # Every rank decides alike (a collective follows): no group where a rank lacks its GPU.
-    start_group = torch_distributed and not comm.allreduce(int(placement_broken(device, local_rank, cuda)))
+    me = _seat(comm.Get_rank(), comm.Get_size(), local_rank, local_size, socket.gethostname(), horovod_up)
+    start_group = torch_distributed and placement_sound(placement.gather_rows(me, comm))
     if start_group:
-        from hpcdl.runtime import rendezvous
-
-        rendezvous.init_process_group(comm, device, timeout_seconds)
-
-    _world = World(
-        rank=comm.Get_rank(),
-        size=comm.Get_size(),
-        local_rank=local_rank,
-        local_size=local_size,
-        hostname=socket.gethostname(),
-        device=device,
-        threads=threads,
-        horovod=horovod_up,
-        torch_distributed=start_group,
-    )
-    return _world
+        rendezvous.init_process_group(comm, me.device, timeout_seconds)
+    return replace(me, torch_distributed=start_group)
 
 
-def placement_broken(device: torch.device, local_rank: int, cuda_devices: int) -> bool:
-    """True for a rank left without the GPU it should have (placement.verify says so on every rank, in one line):
-    a process group is not started on it, so that the error comes first."""
-    return device.type == "cpu" and 0 < cuda_devices <= local_rank
+def _init_without_mpi(timeout_seconds: float | None) -> World:
+    """The world of a ``--backend torch`` job that torchrun, srun or the environment started, or of one process."""
+    global _gloo_comm
+    place = launch_env.place_from_env()
+    if place is None or not place.port:  # one process on its own: it meets itself on loopback
+        place = launch_env.Place(0, 1, 0, 1, "127.0.0.1", rendezvous.free_port(), False, "one process")
+    rendezvous.check_resolves(place.address)
+    wait = launch_env.rendezvous_timeout()
+    store = rendezvous.open_store(place.address, place.port, place.rank, place.size, wait, place.agent_store)
+    hosts = rendezvous.store_allgather(store, "hosts", place.rank, place.size, socket.gethostname(), wait)
+    mine = [r for r, host in enumerate(hosts) if host == hosts[place.rank]]
+    local_rank = place.local_rank if place.local_rank is not None else mine.index(place.rank)
+    me = _seat(place.rank, place.size, local_rank, place.local_size or len(mine), hosts[place.rank], False)
+    rows = rendezvous.store_allgather(store, "placement", place.rank, place.size, placement.local_row(me), wait)
+    if not placement_sound(rows):  # before NCCL starts, the same line on every rank: the device, the ranks
+        raise UsageError(placement.placement_error(rows, gpu_requested=False) or "")
+    rendezvous.start_group(store, place.rank, place.size, me.device, place.address, timeout_seconds)
+    _gloo_comm = coordination.GlooComm(rendezvous.coordination_group(timeout_seconds), place.rank, place.size)
+    return replace(me, torch_distributed=True)
 
 
 def get() -> World:
@@ -173,6 +208,7 @@ def get() -> World:
     return _world if _world is not None else init()
 
 
-def comm():
-    """mpi4py's COMM_WORLD (the same ranks Horovod uses)."""
-    return _mpi().COMM_WORLD
+def comm() -> Any:
+    """The job's communicator for hpcdl's coordination: mpi4py's COMM_WORLD (the ranks Horovod uses), or the Gloo
+    group of a job started without MPI."""
+    return _gloo_comm if _gloo_comm is not None else _mpi().COMM_WORLD

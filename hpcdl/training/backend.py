@@ -3,13 +3,15 @@
 The job (hpcdl.training.job) asks its backend to broadcast the initial state and to wrap the model
 and the update rule; the loop (hpcdl.training.loop) asks it which micro-batches accumulate without
 communicating, to finish the allreduce before K-FAC and the update, and for the context the update
-runs in. MPI (mpi4py) starts the ranks and carries hpcdl's own coordination under both: errors
-agreed on every rank, the stall watchdog, the stop flag, metrics and checkpoint broadcasts.
+runs in. hpcdl's own coordination (errors agreed on every rank, the stall watchdog, the stop flag,
+metrics and checkpoint broadcasts) runs beside it, over MPI or, in a torch job that torchrun or plain
+srun started, over a Gloo group of its own (hpcdl.runtime.coordination).
 
 * :class:`HorovodBackend`: Horovod's DistributedOptimizer allreduces in backward hooks (fp16
   compression, Adasum, ``backward_passes_per_step`` accumulation); ``synchronize`` waits for them.
 * :class:`TorchBackend`: DistributedDataParallel (bucketed allreduces overlapping backward) on a
-  process group started from MPI (hpcdl.runtime.rendezvous): NCCL on GPUs, Gloo on CPUs. Buffers
+  process group started from MPI's ranks or from the environment (hpcdl.runtime.rendezvous): NCCL
+  on GPUs, Gloo on CPUs. Buffers
   (BatchNorm's running statistics) are not broadcast each step, as under Horovod: each rank keeps
   its own and rank 0's are saved. Accumulation skips the allreduce with ``no_sync``;
   ``--fp16-allreduce`` is torch's fp16 compression hook.

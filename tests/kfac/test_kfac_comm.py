@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from kfac.comm import SingleProcess, buffer_to_tensors, chunk_overlaps, default_communicator, tensors_to_buffer
+from kfac.comm import SingleProcess, buffer_to_tensors, chunk_overlaps, tensors_to_buffer
+from kfac.default_comm import default_communicator
 
 
 def test_without_an_initialised_horovod_job_there_is_nothing_to_communicate() -> None:
@@ -59,3 +60,83 @@ def test_a_group_of_one_exchanges_with_itself() -> None:
     group = SingleProcess().groups([(0,)])
     t = torch.arange(4, dtype=torch.bfloat16)
     assert torch.equal(group.wait_alltoall(group.alltoall_async(t, [4], [4], "x")), t)
+
+
+def test_a_rank_of_several_without_torch_distributed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun started this process as one of 2, but no process group is up: its factors would be its own."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"one of WORLD_SIZE=2 ranks, but torch.distributed is not initialised"):
+        default_communicator()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert isinstance(default_communicator(), SingleProcess)
+
+
+def test_a_one_rank_torch_group_has_nothing_to_communicate() -> None:
+    import torch.distributed as dist
+
+    from hpcdl.runtime.rendezvous import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert isinstance(default_communicator(), SingleProcess)
+    finally:
+        dist.destroy_process_group()
+
+
+DDP_RUN = '''
+import re, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+
+text = open(sys.argv[1]).read()
+blocks = re.findall(r"```python\\n(.*?)```", text, re.S)
+loop = blocks[0]                                                   # the doc's first snippet: the training loop
+ddp = next(b for b in blocks if "DistributedDataParallel" in b)   # the doc's torch.distributed snippet
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+names = {"torch": torch, "model": model}
+exec(ddp, names)                                                   # init_process_group, DDP
+rank = dist.get_rank()
+generator = torch.Generator().manual_seed(100 + rank)              # each rank its own shard
+names.update(optimizer=torch.optim.SGD(names["model"].parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(),
+             loader=[(torch.randn(16, 8, generator=generator), torch.randint(0, 4, (16,), generator=generator))
+                     for _ in range(12)])
+exec(loop, names)
+flat = torch.cat([p.detach().reshape(-1) for p in names["model"].parameters()])
+parts = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+dist.all_gather(parts, flat)
+print(f"rank {rank}: {type(names['pre'].comm).__name__}, replicas equal: {all(torch.equal(p, parts[0]) for p in parts)}",
+      flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.processes
+def test_docs_snippets_under_torchrun_and_ddp_keep_the_replicas_equal(tmp_path) -> None:
+    """docs/kfac.md's loop in a user's own torchrun + DDP job (2 ranks, Gloo, CPU, 12 steps): K-FAC finds
+    torch.distributed by itself and averages its factors, so the ranks end with the same weights."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.support.mpi_harness import kill_tree, mpi_env
+
+    repo = Path(__file__).resolve().parents[2]
+    script = tmp_path / "ddp_kfac.py"
+    script.write_text(DDP_RUN)
+    env = {k: v for k, v in mpi_env({"PYTHONPATH": str(repo)}).items()
+           if not k.startswith(("WORLD_SIZE", "RANK", "MASTER_", "LOCAL_", "TORCHELASTIC"))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           str(repo / "docs" / "kfac.md")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0: TorchCommunicator, replicas equal: True",
+                     "rank 1: TorchCommunicator, replicas equal: True"], out + err[-2000:]

@@ -225,10 +225,12 @@ def test_mpirun_on_hosts_sets_one_interface_everywhere() -> None:
     assert "-np 4 " in cmd and "-H a:2,b:2" in cmd  # -np from the slots
     assert "--mca btl_tcp_if_include ib0 --mca oob_tcp_if_include ib0" in cmd
     assert "-x HOROVOD_GLOO_IFACE" in cmd and "-x NCCL_SOCKET_IFNAME" in cmd
-    # A subnet suits Open MPI but not Gloo/NCCL, which want a name.
+    assert "-x GLOO_SOCKET_IFNAME" in cmd and "-x HPCDL_IFACE" in cmd  # torch's Gloo, torch's rendezvous address
+    # A subnet suits Open MPI but not Gloo/NCCL, which want a name; torch's rendezvous takes an address in it.
     cmd = command_of(run(MPIRUN_SH, "--dry-run", "-H", "a:1,b:1", "--iface", "10.1.2.0/24"))
     assert "--mca btl_tcp_if_include 10.1.2.0/24 --mca oob_tcp_if_include 10.1.2.0/24" in cmd
-    assert "HOROVOD_GLOO_IFACE" not in cmd and "NCCL_SOCKET_IFNAME" not in cmd
+    assert "HOROVOD_GLOO_IFACE" not in cmd and "NCCL_SOCKET_IFNAME" not in cmd and "GLOO_SOCKET_IFNAME" not in cmd
+    assert "-x HPCDL_IFACE" in cmd
 
 
 def test_mpirun_sets_short_daemon_keepalives_unless_told_not_to() -> None:
