@@ -23,6 +23,7 @@ def gpu() -> Any:
     return load_benchmark("kfac_gpu")
 
 
+@pytest.mark.processes
 def test_the_suite_s_command_line_dry_runs_without_a_gpu_and_writes_nothing(tmp_path: Path) -> None:
     """The exact command benchmarks/gpu_suite.sh runs, with --dry-run: the plan, within the budget, exit 0."""
     out = tmp_path / "out"
