@@ -1,6 +1,6 @@
 """The damped Kronecker solve that turns a layer's gradient into its preconditioned gradient.
 
-Two methods, both for a gradient matrix ∇W of shape (out, in) with factors G (out x out) and
+Two solves (kfac.methods holds the methods that compute their decompositions), both for a gradient matrix ∇W of shape (out, in) with factors G (out x out) and
 A (in x in):
 
 - eigen (default): with A = Q_A diag(d_A) Q_Aᵀ and G = Q_G diag(d_G) Q_Gᵀ,
@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 Decomposition = tuple[Tensor, ...]
-METHODS = ("eigen", "inverse")
 
 # How a decomposition was obtained when the plain float32 eigh failed (see robust_eigen_decomposition).
 RECOVERIES = ("float64_retry", "extra_damping", "kept_previous", "diagonal")
