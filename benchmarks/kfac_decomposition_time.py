@@ -14,9 +14,10 @@ average F = ξ F_prev + (1 − ξ) F_batch (ξ = 0.95) of rank-deficient batch m
 - newton cold: Newton–Schulz from X₀ = αI; newton warm: from the exact inverse of F_prev (what 'newton' does
   from the second decomposition on); on CUDA also both with ``tf32`` (TF32 products, float32 polish).
 
+Results go to ``<out>.json`` (default under runs/bench/, benchmarks/results only with ``--refresh-results``).
 ``--batch b`` decomposes b factors of the size at once (eigen: one batched eigh; newton: one stack), as the
 preconditioner does for layers of one size. Each row also gives the steps Newton–Schulz took and its relative
-error against float64 ``eigh``. Writes ``<out>.json`` and prints a table of milliseconds and ratios to eigen.
+error against float64 ``eigh``. Prints a table of milliseconds and ratios to eigen.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hpcdl.persistence import outputs  # noqa: E402
+from hpcdl.runtime.errors import run_main  # noqa: E402
 from kfac import newton, solve  # noqa: E402
 
 DECAY = 0.95
@@ -109,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", type=Path, default=None, help="write <out>.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write <out>.json (default: runs/bench/; benchmarks/results with --refresh-results)")
+    outputs.add_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="sizes 64 and 128, one repeat: a wiring check")
     args = parser.parse_args(argv)
     if min(args.sizes) < 2 or args.batch < 1 or args.repeats < 1 or args.threads < 1 or not args.condition > 1:
@@ -118,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA device here")
     if args.dry_run:
         args.sizes, args.repeats = [64, 128], 1
+    out = outputs.results_stem(args.out, f"kfac_decomposition_time_{args.device}", (".json",),
+                               refresh_results=args.refresh_results, force=args.force, flag="--out")
     torch.set_num_threads(args.threads)
     names = None
     rows = []
@@ -134,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats, "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv}
     if args.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
-    if args.out is not None:
-        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    outputs.output_file(out, ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"results: {outputs.output_file(out, '.json')}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main, program="kfac_decomposition_time")
