@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import kfac_large_batch as study
 import studies
+from figures import percent, results, table, times
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.errors import UsageError, run_main
@@ -77,6 +79,64 @@ def main(argv: list[str] | None = None) -> int:
     study.write_results(outcomes, out, meta)
     print("\n".join(study.markdown(outcomes)))
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
+
+
+# ---- the figures docs quote (benchmarks/figures.py) ----------------------------------------------------------
+
+METHODS_RESULTS, DECOMPOSITION_RESULTS = "kfac_methods_1host", "kfac_decomposition_time_cpu"
+
+
+def _per_step(method: str) -> dict[int, float]:
+    """Seed -> training seconds a step of the run of ``method``."""
+    runs = [r for r in results(METHODS_RESULTS)["runs"] if r["method"] == f"kfac-{method}" and r["epochs"]]
+    return {r["seed"]: r["epochs"][-1]["train_seconds"] / r["epochs"][-1]["global_step"] for r in runs}
+
+
+def step_ratio(method: str) -> float:
+    """Median over seeds of ``method``'s seconds a step over eigen's in the same seed (the runs were interleaved)."""
+    mine, eigen = _per_step(method), _per_step("eigen")
+    return statistics.median(mine[s] / eigen[s] for s in mine.keys() & eigen.keys())
+
+
+def _rows() -> dict[str, dict]:
+    return {r["method"].removeprefix("kfac-"): r for r in results(METHODS_RESULTS)["summary"]}
+
+
+def _steps(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:g}"
+
+
+def _cell_table() -> str:
+    def row(method: str, r: dict) -> list:
+        each = ", ".join(percent(a) for a in r["final_accuracy"])
+        seconds = r["seconds_98.5"] and round(r["seconds_98.5"])
+        ratio = times(step_ratio(method)) if method != "eigen" else "1"
+        return [method, r["seeds"], f"{percent(r['median_final'])} ({each})", _steps(r["steps_98.5"]),
+                _steps(seconds), _steps(r["steps_99.0"]), f"{r['seconds_per_step']:.2f}", ratio]
+
+    return table(["method", "seeds", "final accuracy (median; each)", "steps to 98.5 %", "seconds to 98.5 %",
+                  "steps to 99 %", "seconds a step", "step / eigen's (same seed)"],
+                 [row(m, r) for m, r in _rows().items()])
+
+
+def _cell_short() -> str:
+    rows = _rows()
+    newton, eigen = rows["newton"], rows["eigen"]
+    return (f"newton {_steps(newton['steps_98.5'])} steps to 98.5 % against eigen's {_steps(eigen['steps_98.5'])}, "
+            f"final {percent(newton['median_final'])} against {percent(eigen['median_final'])}, its step "
+            f"{times(step_ratio('newton'))} eigen's ({newton['seeds']} seed(s), medians)")
+
+
+def _decomposition_short() -> str:
+    rows = results(DECOMPOSITION_RESULTS)["rows"]
+    warm = [r["ms"]["newton warm"] / r["ms"]["eigen"] for r in rows if r["n"] >= 256]
+    chol = [r["ms"]["cholesky"] / r["ms"]["eigen"] for r in rows if r["n"] >= 256]
+    return (f"n = 256 to 2,048, one thread: newton (warm) {times(min(warm))}-{times(max(warm))} `eigh`'s time, "
+            f"Cholesky {times(min(chol))}-{times(max(chol))}")
+
+
+FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
+           "methods.decomposition.short": _decomposition_short}
 
 
 if __name__ == "__main__":
