@@ -34,7 +34,7 @@ from kfac.comm import Communicator, buffer_to_tensors, chunk_overlaps, default_c
 from kfac.decompose import Recoveries, Results
 from kfac.factors import BatchStatistics, masked_running_averages, upper_size
 from kfac.layers import KFACLayer, SkipSpec, find_layers
-from kfac.methods import METHODS, Eigen, FactorJob, Inverse, Newton, tikhonov_gammas
+from kfac.methods import METHODS, Eigen, FactorJob, Inverse, Newton, tikhonov_gammas_of
 from kfac.precision import ieee_fp32
 
 Schedule = float | Callable[[int], float]
@@ -539,13 +539,13 @@ class KFACPreconditioner:
         """This rank's decompositions of the stale layers' factors, and which of them needed a recovery."""
         todo = set(stale)
         owned = [(i, kind) for i, kind in self.assignment.owned_factors(self.comm.rank) if i in todo]
+        layers = sorted({i for i, _ in owned})
+        pairs = [(factors[0][i], factors[1][i]) for i in layers]
+        gammas = dict(zip(layers, tikhonov_gammas_of(pairs, damping), strict=True)) if self._method.needs_gamma else {}
         jobs = []
         for i, kind in owned:
-            a, g = factors[0][i], factors[1][i]
-            assert a is not None and g is not None
-            gamma = tikhonov_gammas(a, g, damping)[kind == "G"] if self._method.needs_gamma else 0.0
             previous = self._decompositions[i]
-            jobs.append(FactorJob((i, kind), a if kind == "A" else g, gamma,
+            jobs.append(FactorJob((i, kind), factors[kind == "G"][i], gammas[i][kind == "G"] if gammas else 0.0,
                                   None if previous is None else previous[kind == "G"]))
         dtype = self._decomposition_dtype(owned[0][0]) if owned else self.eigen_dtype
         return self._method.decompose(jobs, dtype, self.cpu_eigen_limit)

@@ -23,7 +23,7 @@ from hpcdl.training.config import parse_config
 from hpcdl.training.models import build_model
 from hpcdl.training.optimizers import build_preconditioner
 from kfac import KFACPreconditioner, newton
-from kfac.methods import FactorJob, Newton, robust_damped_inverse, tikhonov_gammas
+from kfac.methods import FactorJob, Newton, robust_damped_inverse, tikhonov_gammas, tikhonov_gammas_of
 
 FLOAT32_TOL = 1e-3
 Sequence_ = list[list[tuple[str, torch.Tensor, torch.Tensor]]]
@@ -259,7 +259,10 @@ def test_the_train_flag_selects_the_method_and_bad_methods_are_refused() -> None
     assert tuned.method == "newton" and tuned._method.tol == 1e-5
 
 
-def test_gammas_follow_factored_tikhonov() -> None:
+def test_gammas_follow_factored_tikhonov_one_layer_or_many() -> None:
     a, g = torch.eye(4) * 9.0, torch.eye(2)
     gamma_a, gamma_g = tikhonov_gammas(a, g, 0.01)
     assert math.isclose(gamma_a, 0.3) and math.isclose(gamma_g, 0.1 / 3)
+    pairs = [(a, g), (torch.zeros(3, 3), g), (torch.eye(2) * float("nan"), g)]  # π = 1 where it is not usable
+    got = [gamma for both in tikhonov_gammas_of(pairs, 0.01) for gamma in both]
+    assert got == pytest.approx([0.3, 0.1 / 3, 0.1, 0.1, 0.1, 0.1])
