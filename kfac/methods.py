@@ -107,17 +107,19 @@ class Newton(Inverse):
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def decompose(self, jobs: Sequence[FactorJob], dtype: torch.dtype, cpu_limit: int) -> tuple[Results, Recoveries]:
-        """All on the factors' device, size by size; ``cpu_limit`` is eigen's and does not apply."""
+        """All on the factors' device, one stack per size, the sizes in lockstep; ``cpu_limit`` is eigen's and does
+        not apply."""
         by_size: dict[int, list[FactorJob]] = defaultdict(list)
         for job in jobs:
             by_size[job.factor.shape[0]].append(job)
         results: Results = {}
         recoveries: Recoveries = {}
-        for group in by_size.values():
-            outcomes = newton.newton_inverses(
-                [job.factor for job in group], [job.gamma for job in group],
-                [None if job.previous is None else job.previous[0] for job in group],
-                dtype, self.tol, self.max_iters, self.tf32)
+        groups = list(by_size.values())
+        all_outcomes = newton.newton_inverses_by_size(
+            [([job.factor for job in group], [job.gamma for job in group],
+              [None if job.previous is None else job.previous[0] for job in group]) for group in groups],
+            dtype, self.tol, self.max_iters, self.tf32)
+        for group, outcomes in zip(groups, all_outcomes, strict=True):
             for job, outcome in zip(group, outcomes, strict=True):
                 self.counts["warm" if outcome.warm else "cold"] += 1
                 self.counts["iterations"] += outcome.iterations

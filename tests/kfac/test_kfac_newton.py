@@ -116,13 +116,24 @@ def test_float64_iterations_reach_float64_accuracy() -> None:
 
 
 def test_the_batched_path_equals_the_per_factor_path() -> None:
-    """resnet20 has six 144 x 144 A factors and a dozen 16 x 16 G factors: one stack each, against one by one."""
+    """resnet20 has six 144 x 144 A factors and a dozen 16 x 16 G factors: one stack each, against one by one, and
+    the sizes stepped in lockstep against each size alone."""
     by_size: dict[int, list[tuple[torch.Tensor, float]]] = {}
     for _, factor, gamma in _damped(real_factors("resnet20"), 0.003, every_layer=True):
         if factor.shape[0] <= 144:
             by_size.setdefault(factor.shape[0], []).append((factor.double(), gamma))
     stacked = [n for n, group in by_size.items() if len(group) > 2]
     assert stacked, "the model should have several factors of one size"
+    # All sizes in lockstep (one host read a step) give each size's own result.
+    lockstep = newton.newton_inverses_by_size(
+        [([f for f, _ in by_size[n]], [g for _, g in by_size[n]], [None] * len(by_size[n])) for n in by_size],
+        torch.float64)
+    for n, outcomes in zip(by_size, lockstep, strict=True):
+        own = newton.newton_inverses([f for f, _ in by_size[n]], [g for _, g in by_size[n]], [None] * len(by_size[n]),
+                                     torch.float64)
+        for a, b in zip(outcomes, own, strict=True):
+            assert a.iterations == b.iterations and a.inverse is not None and b.inverse is not None
+            assert torch.equal(a.inverse, b.inverse)
     for n in stacked:
         group = by_size[n]
         together = newton.newton_inverses([f for f, _ in group], [g for _, g in group], [None] * len(group),
