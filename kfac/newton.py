@@ -25,10 +25,11 @@ norm, and ‖R‖_F ≥ ‖R‖₂ bounds the relative error of X, since X − M
 The residual is computed in the working precision (float32 at least) from the same product the next
 step uses, so checking it costs nothing extra; one host read per step tells which factors are done,
 for all sizes at once (:func:`newton_inverses_by_size`). An accepted X is symmetrised, (X + Xᵀ)/2.
-With ``tf32`` (CUDA only) the steps run with TF32 products until the residual is below TF32_UNTIL or
-stops falling, then in full float32 to reach ``tol``: TF32's rounding (about 5e-4) alone floors ‖R‖
-near 5e-4·cond(M), too coarse to accept for K-FAC's damped factors, but Newton–Schulz corrects its
-own errors, so the float32 steps that follow start from wherever TF32 left off.
+With ``tf32`` (on CUDA; on a CPU only its switch-over logic runs, the products stay IEEE) the steps
+run with TF32 products until the residual is below TF32_UNTIL or stops falling, then in full float32
+to reach ``tol``: TF32's rounding (about 5e-4) alone floors ‖R‖ near 5e-4·cond(M), too coarse to
+accept for K-FAC's damped factors, but Newton–Schulz corrects its own errors, so the float32 steps
+that follow start from wherever TF32 left off.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def newton_inverses_by_size(
     groups' residuals back at once, so a model with many factor sizes waits for the device once a step."""
     work = torch.promote_types(dtype, torch.float32)
     tol = DEFAULT_TOL.get(work, DEFAULT_TOL[torch.float32]) if tol is None else tol
-    stacks = [_Stack(factors, gammas, previous, work, "tf32" if tf32 and factors[0].is_cuda else "ieee")
+    stacks = [_Stack(factors, gammas, previous, work, "tf32" if tf32 else "ieee")  # CPU products stay IEEE
               for factors, gammas, previous in groups]
     for stack, measures in zip(stacks, _read([s.warm_measures() for s in stacks]), strict=True):
         stack.warm_start(measures)

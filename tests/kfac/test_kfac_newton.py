@@ -179,6 +179,16 @@ def test_a_previous_inverse_too_far_off_is_scaled_or_dropped() -> None:
         assert rel_err(outcome.inverse, exact_inverse(factor, gamma)) <= FLOAT32_TOL
 
 
+def test_the_tf32_switch_over_accepts_only_float32_residuals() -> None:
+    """On a CPU the products stay IEEE, so this runs the two-phase logic alone: the switch to float32 costs one
+    step at most, and what comes back is as accurate as without it."""
+    for label, factor, gamma in _damped(real_factors("mnist_cnn"), 0.003):
+        (plain,) = newton.newton_inverses([factor], [gamma], [None], torch.float32)
+        (switched,) = newton.newton_inverses([factor], [gamma], [None], torch.float32, tf32=True)
+        assert switched.inverse is not None and rel_err(switched.inverse, exact_inverse(factor, gamma)) <= FLOAT32_TOL
+        assert plain.iterations <= switched.iterations <= plain.iterations + 1, label
+
+
 def test_unconverged_factors_come_back_without_an_inverse() -> None:
     _, factor, gamma = list(_damped(real_factors("mnist_cnn"), 1e-5))[2]  # features.3 A, condition ~2e3
     (outcome,) = newton.newton_inverses([factor], [gamma], [None], torch.float32, max_iters=3)
