@@ -32,12 +32,12 @@ from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work, auto_fraction
 from kfac.capture import LayerCapture
 from kfac.comm import Communicator, buffer_to_tensors, chunk_overlaps, tensors_to_buffer
-from kfac.decompose import EigenJob, Recoveries, Results, decompose_eigen
+from kfac.decompose import Recoveries, Results
 from kfac.default_comm import default_communicator
 from kfac.factors import BatchStatistics, masked_running_averages, upper_size
 from kfac.layers import KFACLayer, SkipSpec, find_layers
+from kfac.methods import METHODS, Eigen, FactorJob, Inverse, Newton, tikhonov_gammas_of
 from kfac.precision import ieee_fp32
-from kfac.workers import map_largest_first
 
 Schedule = float | Callable[[int], float]
 # The factors (A, G) one layer's decompositions were computed from, the step, and which call of that step
@@ -81,7 +81,9 @@ class KFACPreconditioner:
         grad_worker_fraction: KAISA's trade-off, from 1/world (memory-optimal) to 1 (no preconditioned
             gradients to exchange), or "auto": the fraction whose groups make a rank receive the fewest
             elements per step at these update frequencies (kfac.assignment.auto_fraction).
-        method: 'eigen' (default) or 'inverse' (factored Tikhonov damping).
+        method: 'eigen' (default: the exact damped solve), 'inverse' (Cholesky inverses, factored Tikhonov
+            damping) or 'newton' (the same inverses by Newton–Schulz iteration: matrix products only, for
+            GPUs), or an instance of kfac.methods' classes (e.g. ``Newton(tf32=True)``); docs/kfac.md.
         eigen_dtype: dtype of the decompositions, float32 at least (torch.float64 for more accuracy).
         loss_reduction: 'mean' when the loss averages over the batch, 'sum' when it adds up.
         skip_layers: module names, class names or classes to leave to the optimizer.
@@ -134,7 +136,7 @@ class KFACPreconditioner:
         lr: Schedule = 0.1,
         grad_worker_fraction: float | str = 1.0,
         *,
-        method: str = "eigen",
+        method: str | Eigen | Inverse = "eigen",
         eigen_dtype: torch.dtype = torch.float32,
         loss_reduction: str = "mean",
         skip_layers: Sequence[SkipSpec] = (),
@@ -161,8 +163,12 @@ class KFACPreconditioner:
         _check_schedule("factor_decay", factor_decay, below_one=True)
         if kl_clip is not None:
             _check_schedule("kl_clip", kl_clip)
-        if method not in solve.METHODS:
-            raise ValueError(f"method must be one of {solve.METHODS}, got {method!r}")
+        if isinstance(method, str):
+            if method not in METHODS:
+                raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
+            method = METHODS[method]()
+        elif not isinstance(method, (Eigen, Inverse)):
+            raise ValueError(f"method must be one of {tuple(METHODS)} or a kfac.methods instance, got {method!r}")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if eigen_dtype not in (torch.float32, torch.float64):
@@ -183,7 +189,8 @@ class KFACPreconditioner:
         self.factor_decay = factor_decay
         self.kl_clip = kl_clip
         self.lr = lr
-        self.method = method
+        self.method = method.name
+        self._method = method
         self.eigen_dtype = eigen_dtype
         self.loss_reduction = loss_reduction
         self.grad_scaler = grad_scaler
@@ -307,7 +314,10 @@ class KFACPreconditioner:
         """Counters for logs: decompositions recovered by kind, and factor updates left out (skipped
         or non-finite steps, summed over layers). Reading them waits for the device."""
         skipped = 0 if self._skipped_updates is None else int(self._skipped_updates)
-        return {"eigen_recoveries": dict(self.eigen_recoveries), "skipped_factor_updates": skipped}
+        stats: dict[str, Any] = {"eigen_recoveries": dict(self.eigen_recoveries), "skipped_factor_updates": skipped}
+        if isinstance(self._method, Newton):  # warm and cold starts, their steps, Cholesky fallbacks on this rank
+            stats["newton"] = dict(self._method.counts)
+        return stats
 
     def state_dict(self) -> dict[str, Any]:
         """What the next step needs: the running factors, the step count, and the factors the installed (and
@@ -585,20 +595,10 @@ class KFACPreconditioner:
         return value if isinstance(value, Tensor) else float(scaler.get_scale())
 
     # ------------------------------------------------------------------ decompositions
-    def _decompose_inverse(
-        self, item: tuple[int, str], damping: float, factors: tuple[list, list]
-    ) -> solve.Decomposition:
-        index, kind = item
-        a, g = factors[0][index], factors[1][index]
-        assert a is not None and g is not None
-        pi = solve.tikhonov_pi(a, g)
-        gamma = damping**0.5 * (pi if kind == "A" else 1.0 / pi)
-        return solve.damped_inverse(a if kind == "A" else g, gamma, self._decomposition_dtype(index))
-
     def _decomposition_shapes(self, index: int, kind: str) -> tuple[tuple[int, ...], ...]:
         layer = self.layers[index]
         n = layer.a_dim if kind == "A" else layer.g_dim
-        return solve.eigen_shapes(n) if self.method == "eigen" else solve.inverse_shapes(n)
+        return self._method.shapes(n)
 
     def _update_decompositions(self, stale: list[int], step: int) -> None:
         """Decompose the stale layers' factors (this rank's share) and share them with the grad workers.
@@ -627,25 +627,16 @@ class KFACPreconditioner:
         """This rank's decompositions of the stale layers' factors, and which of them needed a recovery."""
         todo = set(stale)
         owned = [(i, kind) for i, kind in self.assignment.owned_factors(self.comm.rank) if i in todo]
-        if self.method == "eigen":
-            jobs = []
-            for i, kind in owned:
-                previous = self._decompositions[i]
-                jobs.append(
-                    EigenJob(
-                        (i, kind),
-                        factors[0 if kind == "A" else 1][i],
-                        None if previous is None else previous[kind == "G"],
-                    )
-                )
-            dtype = self._decomposition_dtype(owned[0][0]) if owned else self.eigen_dtype
-            return decompose_eigen(jobs, dtype, self.cpu_eigen_limit)
-        sizes = [self.layers[i].a_dim if kind == "A" else self.layers[i].g_dim for i, kind in owned]
-        on_cpu = all(self.layers[i].device.type == "cpu" for i, _ in owned)
-        inverses = map_largest_first(
-            lambda item: self._decompose_inverse(item, damping, factors), owned, [n**3 for n in sizes], on_cpu
-        )
-        return dict(zip(owned, inverses, strict=False)), {}
+        layers = sorted({i for i, _ in owned})
+        pairs = [(factors[0][i], factors[1][i]) for i in layers]
+        gammas = dict(zip(layers, tikhonov_gammas_of(pairs, damping), strict=True)) if self._method.needs_gamma else {}
+        jobs = []
+        for i, kind in owned:
+            previous = self._decompositions[i]
+            jobs.append(FactorJob((i, kind), factors[kind == "G"][i], gammas[i][kind == "G"] if gammas else 0.0,
+                                  None if previous is None else previous[kind == "G"]))
+        dtype = self._decomposition_dtype(owned[0][0]) if owned else self.eigen_dtype
+        return self._method.decompose(jobs, dtype, self.cpu_eigen_limit)
 
     def _install(self, stale: list[int], results: Results, recoveries: Recoveries) -> None:
         """Record recoveries, gather every owner's decompositions in its worker group, keep the grad workers'."""
@@ -789,7 +780,7 @@ class KFACPreconditioner:
             if self.method == "eigen":
                 directions[i] = solve.precondition_eigen(grads[i], a, g, self._denominator(i, damping, a[1], g[1]))
             else:
-                directions[i] = solve.precondition_inverse(grads[i], a, g)
+                directions[i] = cast(Inverse, self._method).precondition(grads[i], a, g)
         self._share_directions(grads, directions)
 
         order = sorted(directions)

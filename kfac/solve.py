@@ -1,7 +1,7 @@
 """The damped Kronecker solve that turns a layer's gradient into its preconditioned gradient.
 
-Two methods, both for a gradient matrix ∇W of shape (out, in) with factors G (out x out) and
-A (in x in):
+Two solves, both for a gradient matrix ∇W of shape (out, in) with factors G (out x out) and A (in x in)
+(kfac.methods holds the methods that compute their decompositions):
 
 - eigen (default): with A = Q_A diag(d_A) Q_Aᵀ and G = Q_G diag(d_G) Q_Gᵀ,
   V = Q_G [(Q_Gᵀ ∇W Q_A) / (d_G d_Aᵀ + λ)] Q_Aᵀ, the exact solve (G ⊗ A + λI) vec(V) = vec(∇W)
@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 Decomposition = tuple[Tensor, ...]
-METHODS = ("eigen", "inverse")
 
 # How a decomposition was obtained when the plain float32 eigh failed (see robust_eigen_decomposition).
 RECOVERIES = ("float64_retry", "extra_damping", "kept_previous", "diagonal")

@@ -223,6 +223,10 @@ class TrainConfig:
     kfac_conv_approx: str = flag("expand", "how a convolution's positions enter its K-FAC factors: expand (KFC) or "
                                            "reduce (K-FAC-reduce: cheaper A statistics; docs/kfac.md)",
                                  choices=("expand", "reduce"), group=KFAC)
+    kfac_method: str = flag("eigen", "how K-FAC decomposes its factors: eigen (exact damped solve), inverse (Cholesky "
+                                     "inverses, factored Tikhonov damping) or newton (the same inverses from matrix "
+                                     "products: for GPUs; docs/kfac.md)", choices=("eigen", "inverse", "newton"),
+                             group=KFAC)
     kfac_bucket_mb: float = flag(25.0, "factor statistics of consecutive layers share one allreduce of up to this "
                                        "many MB", parse=float, valid=POSITIVE, group=KFAC)
     # run control

@@ -39,6 +39,8 @@ CASES: dict[str, tuple[list[str], str]] = {
                                        "kfac_large_batch_reduced"),
     "benchmarks/kfac_traffic.py": (["predict"], "kfac_traffic_predict"),
     "benchmarks/kfac_phases.py": ([], "kfac_phases"),
+    "benchmarks/kfac_decomposition_time.py": ([], "kfac_decomposition_time_cpu"),
+    "benchmarks/kfac_method_cell.py": ([], "kfac_methods_1host"),
     "benchmarks/phase_overhead.py": ([], "phase_overhead"),
     "benchmarks/transformer_lm.py": ([], "transformer_lm"),
     "benchmarks/kfac_transformer.py": ([], "kfac_transformer"),

@@ -183,10 +183,10 @@ def _train_distributed(dp: DataParallel, fraction: float, passes: int = 1,
     return _flat(model), pre
 
 
-def _train_single_process(size: int) -> torch.Tensor:
+def _train_single_process(size: int, **extra) -> torch.Tensor:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    pre = KFACPreconditioner(model, communicator=SingleProcess(), skip_layers=["extra"], **SETTINGS)
+    pre = KFACPreconditioner(model, communicator=SingleProcess(), skip_layers=["extra"], **SETTINGS, **extra)
     for step in range(STEPS):
         x, y = _batch(step, PER_RANK * size)
         optimizer.zero_grad()
@@ -233,6 +233,22 @@ def test_every_grad_worker_fraction_equals_one_rank_on_the_global_batch(dp: Data
     for fraction, params in results.items():
         if not _rel(params, first) < 1e-5:
             problems.append(f"fraction {fraction} disagrees with fraction {_fractions(dp.size)[0]}")
+    assert_all_ranks(not problems, "; ".join(problems))
+
+
+def test_newton_at_every_grad_worker_fraction_equals_one_rank(dp: DataParallel) -> None:
+    """The owners' Newton–Schulz inverses (warm-started from what they hold) reach every grad worker: float64
+    iterations stop at a residual of 1e-9, so the run equals the 1-rank newton run to 1e-5."""
+    reference = _train_single_process(dp.size, method="newton")
+    problems = []
+    for fraction in _fractions(dp.size):
+        params, pre = _train_distributed(dp, fraction, method="newton")
+        if not _same_on_all_ranks(params):
+            problems.append(f"fraction {fraction}: parameters differ between ranks")
+        if not _rel(params, reference) < 1e-5:
+            problems.append(f"fraction {fraction}: relative error {_rel(params, reference):.2e} against the 1-rank run")
+        if pre.stats["newton"].get("warm", 0) == 0 and pre.assignment.owned_factors(dp.rank):
+            problems.append(f"fraction {fraction}: an owner never warm-started")
     assert_all_ranks(not problems, "; ".join(problems))
 
 

@@ -29,7 +29,7 @@ CHANGED = dict(
     kfac_factor_decay=0.9, kfac_factor_examples=256, kfac_skip_layers=["classifier.1", "Conv2d"],
     kfac_preset="none", kfac_impl="studies.other:kfac", kfac_grad_worker_fraction=0.5, output_dir="/tmp/run", resume=True, seed=7, max_steps=11, target_accuracy=0.9, eval_every=9,
     keep_checkpoints=2, stall_timeout=60.0, max_nonfinite_steps=2, progress=False, task=None, target_metric=None,
-    kfac_comm_precision="bf16", kfac_factor_precision="bf16", kfac_conv_approx="reduce", kfac_bucket_mb=4.0, profile_steps="2:3", backend="torch",
+    kfac_comm_precision="bf16", kfac_factor_precision="bf16", kfac_conv_approx="reduce", kfac_method="newton", kfac_bucket_mb=4.0, profile_steps="2:3", backend="torch",
 )
 # Fields whose changed value above equals the default (so the test says why it does not change them).
 # kfac and kfac_preset: --compile excludes K-FAC, and the preset needs it (its round trip is its own case below).
@@ -103,6 +103,7 @@ def test_bare_amp_means_auto() -> None:
     (["--kfac-update-freq", "-1"], "--kfac-update-freq must be >= 0"),
     (["--epochs", "two"], "invalid int value: 'two'"),
     (["--dataset", "mnits"], "invalid choice: 'mnits'"),
+    (["--kfac-method", "cholesky"], "invalid choice: 'cholesky'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_values_get_one_line_naming_the_flag(argv: list[str], words: str) -> None:

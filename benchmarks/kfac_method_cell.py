@@ -1,0 +1,143 @@
+"""The large-batch cell (MNIST, batch 4096, ``--kfac-preset large-batch``) with each K-FAC method, interleaved.
+
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/kfac_method_cell.py --seeds 0 1 2 --refresh-results
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/kfac_method_cell.py --dry-run   # the commands only
+
+kfac_large_batch.py's ``--target-cell`` run of hpcdl's K-FAC (its tuned rate and warm-up, one rank, one thread,
+one run at a time), once per ``--kfac-methods`` entry (``--kfac-method`` added to the preset's flags), seed by
+seed and method by method within a seed, so that a change in the shared machine's load falls on every method
+alike. Results: ``<out>.json`` (kfac_large_batch's format, the methods named ``kfac-<method>``) and the
+markdown table on stdout: steps and training seconds to 98.5 % and 99 %, final accuracy, seconds a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import kfac_large_batch as study
+import studies
+from figures import percent, results, table, times
+
+from hpcdl.persistence import outputs
+from hpcdl.runtime.errors import UsageError, run_main
+
+TUNING = "kfac_large_batch_tune.json"  # the committed tuning study: hpcdl K-FAC's rate and warm-up at batch 4096
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--kfac-methods", nargs="+", choices=("eigen", "inverse", "newton"),
+                        default=["eigen", "newton", "inverse"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--data-dir", default=None, help="MNIST's IDX files (default: hpcdl.fetch_mnist's)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results stem (default: runs/bench/; benchmarks/results with --refresh-results)")
+    parser.add_argument("--dry-run", action="store_true", help="print the runs' commands and exit")
+    outputs.add_arguments(parser)
+    own = parser.parse_args(argv)
+    results = outputs.checkout_results()
+    if results is None:
+        raise UsageError(f"no benchmarks/results here to read {TUNING} from: run from a source checkout")
+    out = None if own.dry_run else outputs.results_stem(
+        own.out, "kfac_methods_1host", (".json",), refresh_results=own.refresh_results, force=own.force, flag="--out")
+    flags = ["--target-cell", "--tuned-from", str(results / TUNING), "--methods", "kfac", "--jobs", "1",
+             "--threads", "1"]
+    args = study.parse_args(flags + (["--data-dir", own.data_dir] if own.data_dir else []))
+    tuning = study.load_outcomes(args.tuned_from)
+    (tuned,) = [c for c in study.tuned_settings(tuning, study.tuning_seed(tuning, args.tuned_from))
+                if c.method == "kfac"]
+    plan = [(seed, method) for seed in own.seeds for method in own.kfac_methods]
+
+    def cell_args(method: str) -> argparse.Namespace:
+        return argparse.Namespace(**{**vars(args), "kfac_flags": f"--kfac-method {method}"})
+
+    cells = {seed: study.Cell("kfac", 4096, tuned.lr, seed, tuned.warmup) for seed in own.seeds}
+    if own.dry_run:
+        for seed, method in plan:
+            print(" ".join(study.train_command(cells[seed], cell_args(method), Path("/tmp") / method)))
+        return 0
+    assert out is not None
+    for seed, method in plan:
+        studies.check_flags(study.train_flags(cells[seed], cell_args(method)))
+    meta = dict(load_before=os.getloadavg()[0], argv=sys.argv[1:] if argv is None else argv,
+                kfac_preset=study.RECORDED_PRESET, epochs=args.epochs, jobs=1, threads=1, ranks=1, planned=len(plan),
+                lr=tuned.lr, warmup=tuned.warmup)
+    start = time.perf_counter()
+    outcomes: list[study.Outcome] = []
+    with studies.session("kfac_method_cell") as scratch:
+        for seed, method in plan:
+            (outcome,) = study.run_cells([cells[seed]], cell_args(method), scratch / method)
+            outcomes.append(replace(outcome, cell=replace(outcome.cell, method=f"kfac-{method}")))
+            study.write_results(outcomes, out, meta)
+    meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - start)
+    study.write_results(outcomes, out, meta)
+    print("\n".join(study.markdown(outcomes)))
+    return 0 if all(o.returncode == 0 for o in outcomes) else 1
+
+
+# ---- the figures docs quote (benchmarks/figures.py) ----------------------------------------------------------
+
+METHODS_RESULTS, DECOMPOSITION_RESULTS = "kfac_methods_1host", "kfac_decomposition_time_cpu"
+
+
+def _per_step(method: str) -> dict[int, float]:
+    """Seed -> training seconds a step of the run of ``method``."""
+    runs = [r for r in results(METHODS_RESULTS)["runs"] if r["method"] == f"kfac-{method}" and r["epochs"]]
+    return {r["seed"]: r["epochs"][-1]["train_seconds"] / r["epochs"][-1]["global_step"] for r in runs}
+
+
+def step_ratio(method: str) -> float:
+    """Median over seeds of ``method``'s seconds a step over eigen's in the same seed (the runs were interleaved)."""
+    mine, eigen = _per_step(method), _per_step("eigen")
+    return statistics.median(mine[s] / eigen[s] for s in mine.keys() & eigen.keys())
+
+
+def _rows() -> dict[str, dict]:
+    return {r["method"].removeprefix("kfac-"): r for r in results(METHODS_RESULTS)["summary"]}
+
+
+def _steps(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:g}"
+
+
+def _cell_table() -> str:
+    def row(method: str, r: dict) -> list:
+        each = ", ".join(percent(a) for a in r["final_accuracy"])
+        seconds = r["seconds_98.5"] and round(r["seconds_98.5"])
+        ratio = times(step_ratio(method)) if method != "eigen" else "1"
+        return [method, r["seeds"], f"{percent(r['median_final'])} ({each})", _steps(r["steps_98.5"]),
+                _steps(seconds), _steps(r["steps_99.0"]), f"{r['seconds_per_step']:.2f}", ratio]
+
+    return table(["method", "seeds", "final accuracy (median; each)", "steps to 98.5 %", "seconds to 98.5 %",
+                  "steps to 99 %", "seconds a step", "step / eigen's (same seed)"],
+                 [row(m, r) for m, r in _rows().items()])
+
+
+def _cell_short() -> str:
+    rows = _rows()
+    newton, eigen = rows["newton"], rows["eigen"]
+    return (f"newton {_steps(newton['steps_98.5'])} steps to 98.5 % against eigen's {_steps(eigen['steps_98.5'])}, "
+            f"final {percent(newton['median_final'])} against {percent(eigen['median_final'])}, its step "
+            f"{times(step_ratio('newton'))} eigen's ({newton['seeds']} seed(s), medians)")
+
+
+def _decomposition_short() -> str:
+    rows = results(DECOMPOSITION_RESULTS)["rows"]
+    warm = [r["ms"]["newton warm"] / r["ms"]["eigen"] for r in rows if r["n"] >= 256]
+    chol = [r["ms"]["cholesky"] / r["ms"]["eigen"] for r in rows if r["n"] >= 256]
+    return (f"n = 256 to 2,048, one thread: newton (warm) {times(min(warm))}-{times(max(warm))} `eigh`'s time, "
+            f"Cholesky {times(min(chol))}-{times(max(chol))}")
+
+
+FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
+           "methods.decomposition.short": _decomposition_short}
+
+
+if __name__ == "__main__":
+    run_main(main, program="kfac_method_cell")
