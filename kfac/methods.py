@@ -62,6 +62,9 @@ def tikhonov_gammas_of(pairs: Sequence[tuple[Tensor, Tensor]], damping: float) -
 class Eigen:
     name = "eigen"
     needs_gamma = False
+    # Whether a decomposition depends on the previous one (a warm start): then a checkpoint must carry the
+    # decompositions themselves, since recomputing one from its factors alone would not reproduce it bit for bit.
+    warm_starts = False
 
     def shapes(self, n: int) -> tuple[tuple[int, ...], ...]:
         return solve.eigen_shapes(n)
@@ -74,6 +77,7 @@ class Eigen:
 class Inverse:
     name = "inverse"
     needs_gamma = True
+    warm_starts = False
 
     def shapes(self, n: int) -> tuple[tuple[int, ...], ...]:
         return solve.inverse_shapes(n)
@@ -101,6 +105,7 @@ class Newton(Inverse):
     """Newton–Schulz inverses; ``counts`` says how they went on this rank (for ``pre.stats``)."""
 
     name = "newton"
+    warm_starts = True
     tol: float | None = None
     max_iters: int = newton.MAX_ITERS
     tf32: bool = False

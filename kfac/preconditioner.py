@@ -226,6 +226,8 @@ class KFACPreconditioner:
         self._sources: dict[int, Source] = {}
         self._late_sources: dict[int, Source] = {}
         self._restoring: dict[str, dict[int, Source]] | None = None  # loaded, recomputed at the next step()
+        # Loaded decompositions of a warm-started method (newton), installed as they are at the next step().
+        self._restoring_held: dict[int, tuple[solve.Decomposition, solve.Decomposition]] = {}
         self._side_stream: Any = None
 
         self.layers: list[KFACLayer] = find_layers(model, skip_layers, conv_approximation)
@@ -345,7 +347,17 @@ class KFACPreconditioner:
             "decomposed_from": sources(self._sources),
             "late_from": sources(self._late_sources),
             "eigen_recoveries": dict(self.eigen_recoveries),
+            **self._warm_start_state(),
         }
+
+    def _warm_start_state(self) -> dict[str, Any]:
+        """The decompositions this rank holds, for a method that warm-starts from them (newton): recomputed from
+        their factors alone they would differ at the method's tolerance. Every layer's at fraction 1."""
+        if not self._method.warm_starts:
+            return {}
+        held = {i: tuple(tuple(t.detach().clone() for t in side) for side in pair)
+                for i, pair in enumerate(self._decompositions) if pair is not None}
+        return {"decompositions": {"method": self._method.name, "held": held}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the decompositions are recomputed from their saved factors at the next
@@ -376,6 +388,13 @@ class KFACPreconditioner:
                   for i, (a, g, step, call) in state.get(key, {}).items()}
             for key in ("decomposed_from", "late_from")
         }
+        saved = state.get("decompositions")
+        self._restoring_held = {}
+        if saved is not None and saved["method"] == self._method.name:  # another method's would not fit
+            def moved(i: int, side: solve.Decomposition) -> solve.Decomposition:
+                return tuple(t.to(self.layers[i].device) for t in side)
+
+            self._restoring_held = {int(i): (moved(int(i), a), moved(int(i), g)) for i, (a, g) in saved["held"].items()}
         self.steps = int(state["steps"])
         self.eigen_recoveries.update(state.get("eigen_recoveries", {}))
         self._discard_pending()  # late decompositions of the old factors are of no use now
@@ -405,9 +424,18 @@ class KFACPreconditioner:
         for i, (_, _, step, call) in restoring["decomposed_from"].items():
             calls[(step, call)].append(i)
         factors = self._source_factors(restoring["decomposed_from"])
-        for (step, _), layers in sorted(calls.items()):  # recoveries were counted when first computed: not again
-            self._install(layers, self._compute_owned(layers, _value(self.damping, step), factors)[0], {})
-            self._sources.update({i: restoring["decomposed_from"][i] for i in layers})
+        held, self._restoring_held = self._restoring_held, {}
+        for i in held:  # saved as they were (a warm-started method's): installed, not recomputed
+            if self.assignment.is_grad_worker(i, self.comm.rank):
+                self._decompositions[i] = held[i]
+            self._decomposed[i] = True
+        if held:
+            self._stack_same_shapes()
+        for (step, _), group in sorted(calls.items()):  # recoveries were counted when first computed: not again
+            layers = [i for i in group if i not in held]  # every rank loaded the same state: the same layers
+            if layers:
+                self._install(layers, self._compute_owned(layers, _value(self.damping, step), factors)[0], {})
+            self._sources.update({i: restoring["decomposed_from"][i] for i in group})
         late = restoring["late_from"]
         if late:
             step = next(iter(late.values()))[2]

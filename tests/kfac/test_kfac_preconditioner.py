@@ -65,14 +65,29 @@ def _stop_and_resume(stop: int, total: int, **kwargs) -> tuple[nn.Module, nn.Mod
 
 @pytest.mark.parametrize("stop", [3, 4, 5])  # the next step an inverse update (every 3rd), one or two after it
 @pytest.mark.parametrize("kwargs", [{}, {"late_decompositions": True}, {"method": "inverse"},
-                                    {"factor_update_freq": 2, "late_decompositions": True}],
-                         ids=["eigen", "late", "inverse", "factors-every-2nd-late"])
+                                    {"factor_update_freq": 2, "late_decompositions": True},
+                                    {"method": "newton"}, {"method": "newton", "late_decompositions": True}],
+                         ids=["eigen", "late", "inverse", "factors-every-2nd-late", "newton", "newton-late"])
 def test_a_resume_at_any_step_ends_bit_identical(stop: int, kwargs: dict) -> None:
     """The state holds the factors the installed (and pending late) decompositions came from, so a resume
     between inverse updates uses the same decompositions as the run never stopped, to the last bit."""
     model, model2 = _stop_and_resume(stop, 11, inv_update_freq=3, **kwargs)
     for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_newton_s_warm_starts_travel_in_the_state() -> None:
+    """newton's decompositions depend on the previous ones (its warm start), so its state carries them; recomputed
+    cold from their factors alone they would agree only to the Newton tolerance."""
+    model, optimizer, pre = _setup(method="newton", inv_update_freq=3)
+    _train(model, optimizer, pre, 7)
+    state = pre.state_dict()
+    assert state["decompositions"]["method"] == "newton"
+    held = state["decompositions"]["held"]
+    assert sorted(held) == [i for i, d in enumerate(pre._decompositions) if d is not None] and held
+    for i, (a, g) in held.items():
+        assert all(torch.equal(s, t) for s, t in zip((*a, *g), (*pre._decompositions[i][0], *pre._decompositions[i][1])))
+    assert "decompositions" not in _setup(method="inverse")[2].state_dict()
 
 
 def test_a_state_without_the_decompositions_sources_still_loads() -> None:
