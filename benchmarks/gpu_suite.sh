@@ -6,8 +6,8 @@
 #   A  no compiling: the image's python3 with PYTHONPATH=., the carried pure-Python wheels, Open MPI from its
 #      wheel and mpi4py (the image's where it loads that Open MPI, else the carried binary wheel; without
 #      one, the steps that start hpcdl.train are skipped, said so). Measures the loop (fp32, amp, amp+cl
-#      against the bare loop), bf16 against fp16 for --amp auto, K-FAC (benchmarks/kfac_gpu.sh) and the
-#      loader's nvJPEG path.
+#      against the bare loop), bf16 against fp16 for --amp auto and the loader's nvJPEG path. K-FAC's step
+#      (issue 44) is a device call of its own before run A: bash benchmarks/kfac_gpu.sh (docs/gpu.md).
 #   B  builds Horovod with NCCL (or installs the carried wheel of the same key) and runs on it 1-rank
 #      training, K-FAC, the allreduce benchmark and Horovod+NCCL against NCCL DDP; hands a new wheel back.
 #   C  the checks: doctor, the CUDA tests, 2 ranks on one GPU refused, a rank bound to one core warned
@@ -47,7 +47,7 @@ done
 [ $DRY_RUN = 1 ] || [ ${#RUNS[@]} -eq 1 ] || { echo "error: one run per device call" >&2; exit 2; }
 
 # Each run's budget: under 5 minutes of device time with the machine's start (about a minute, first call only).
-declare -A BUDGETS=([A]=240 [B]=290 [C]=220)
+declare -A BUDGETS=([A]=200 [B]=290 [C]=220)
 OUT="${OUT:-$ROOT/runs/gpu-suite/$(date -u +%Y%m%dT%H%M%S)-$$}"
 WHL="${HPCDL_WHEELHOUSE:-$ROOT/.whl}"
 SCRATCH="${HPCDL_GPU_SCRATCH:-/tmp}" # what a warm machine's next run reuses
@@ -294,7 +294,7 @@ horovod_build() {
 export -f horovod_build
 export WHL SITE OUT PY SCRATCH
 
-# ---------------------------------------------------------------- run A: the loop, --amp auto, K-FAC, the loader
+# ---------------------------------------------------------------- run A: the loop, --amp auto, the loader
 run_A() {
   setup A0
   NEEDS=mpi run_step "A1 loop fp32 / amp / amp+cl vs bare" loop.log 85:h200 \
@@ -302,24 +302,6 @@ run_A() {
     --output "$R/train_throughput_cuda"
   run_step "A2 --amp auto: bf16 vs fp16+scaler" amp.log 40:est \
     "$PY" benchmarks/amp_dtype.py --device cuda --steps 15 --warmup 5 --rounds 2 --out "$R/amp_dtype_cuda"
-  if [ -f benchmarks/kfac_gpu.sh ]; then
-    if [ $DRY_RUN = 1 ]; then
-      PLANNED=$((PLANNED + 45))
-      PLAN+=("$(printf '%-44s %4s s  (%s)' "A3 K-FAC (benchmarks/kfac_gpu.sh)" 45 estimated)")
-      if why="$(bash benchmarks/kfac_gpu.sh --out "$R/kfac_gpu" --budget 35 --dry-run 2>&1)"; then
-        record "A3 K-FAC (benchmarks/kfac_gpu.sh)" "dry-run ok"
-      else
-        record "A3 K-FAC (benchmarks/kfac_gpu.sh)" "DRY-RUN FAILED: $(tail -n 1 <<<"$why")"
-      fi
-    else
-      NEEDS=mpi run_step "A3 K-FAC (benchmarks/kfac_gpu.sh)" kfac.log 45:est \
-        bash benchmarks/kfac_gpu.sh --out "$R/kfac_gpu" --budget 35
-    fi
-  else
-    PLANNED=$((PLANNED + 45))
-    PLAN+=("$(printf '%-44s %4s s  (%s)' "A3 K-FAC (benchmarks/kfac_gpu.sh)" 45 "estimated; absent here")")
-    record "A3 K-FAC (benchmarks/kfac_gpu.sh)" "skipped: benchmarks/kfac_gpu.sh (issue 44's K-FAC GPU benchmark) is not on this branch"
-  fi
   run_step "A4 loader, nvJPEG vs libjpeg-turbo" loader.log 40:est \
     "$PY" benchmarks/loader_throughput.py --device cuda --images 768 --workers 8 --batches 4 --rounds 2 \
     --contenders folder-cpu folder-gpu --data "$SCRATCH/hpcdl-loader-data" --output "$R/loader_throughput_cuda"

@@ -4,7 +4,8 @@
 
 Runs from the GPU machine's own Python with ``PYTHONPATH=.`` (kfac/ imports only torch; the benchmark needs
 torch, torchvision, numpy, tqdm and matplotlib, which such images carry): ResNet-50, batch 64, 224x224, SGD against
-K-FAC at (factor, inverse) update frequencies (1, 10) and (10, 100), in fp32 (TF32 on) and with ``--amp``, each
+K-FAC with its GPU method (``newton``: Newton–Schulz inverses from matrix products; eigen's H200 figures are
+issue 44's) at (factor, inverse) update frequencies (1, 10) and (10, 100), in fp32 (TF32 on) and with ``--amp``, each
 step by benchmarks/kfac_overhead.py (contenders alternating step by step, phases with a synchronised round), peak
 memory in fresh processes (fp32). kfac-pytorch comes from a local copy (``--kfac-pytorch``, default
 ``.kfac-pytorch`` when present: a folder holding its ``kfac`` package, e.g. ``git archive`` of its checkout; no
@@ -69,7 +70,9 @@ def memory_seconds(with_kfac_pytorch: bool) -> float:
 
 def plan(kfac_pytorch: Path | None) -> list[Step]:
     both = kfac_pytorch is not None
-    common = ["--device", "cuda", "--configs", " ".join(f"{f},{i}" for f, i in CONFIGS), "--rounds", str(ROUNDS)]
+    # newton: the method for GPUs (matrix products only); eigen's H200 figures are issue 44's (243 ms at (1, 10))
+    common = ["--device", "cuda", "--configs", " ".join(f"{f},{i}" for f, i in CONFIGS), "--rounds", str(ROUNDS),
+              "--kfac-method", "newton"]
     if both:
         common += ["--kfac-pytorch", str(kfac_pytorch)]
     return [Step("fp32", (*common, "--precisions", "fp32"), timing_seconds(both) + memory_seconds(both)),

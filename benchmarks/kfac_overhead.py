@@ -109,8 +109,10 @@ class Stepper:
                                                   inv_update_steps=freqs[1], damping=0.001, factor_decay=0.95,
                                                   kl_clip=0.001, lr=0.1, grad_scaler=scaler)
         elif kfac_module is not None and freqs is not None:
+            chosen = getattr(args, "kfac_method", "eigen")
+            method = {} if chosen == "eigen" else {"method": chosen}  # an older --baseline has no method argument
             self.pre = kfac_module.KFACPreconditioner(
-                self.model, factor_update_freq=freqs[0], inv_update_freq=freqs[1], lr=0.1, grad_scaler=scaler
+                self.model, factor_update_freq=freqs[0], inv_update_freq=freqs[1], lr=0.1, grad_scaler=scaler, **method
             )
             told = self.pre
             if "found_inf" not in inspect.signature(self.pre.step).parameters:  # an older --baseline
@@ -342,6 +344,7 @@ def measure_memory(args: argparse.Namespace, variant: str, baseline: Path | None
                    kfac_pytorch: Path | None = None) -> float:
     command = [sys.executable, __file__, "--device", args.device, "--precision", args.precision]
     command += ["--threads", str(args.threads), "--batch-size", str(args.batch_size), "--memory-of", variant]
+    command += ["--kfac-method", args.kfac_method]
     if baseline is not None:
         command += ["--baseline", str(baseline)]
     if kfac_pytorch is not None:
@@ -440,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=integer(1, 256), default=2, help="CPU threads (cpu only)")
     parser.add_argument("--batch-size", type=integer(1), default=64)
     parser.add_argument("--rounds", type=integer(1), default=5)
+    parser.add_argument("--kfac-method", choices=("eigen", "inverse", "newton"), default="eigen",
+                        help="hpcdl K-FAC's decomposition method (docs/kfac.md; newton: matrix products only)")
     parser.add_argument("--configs", default=None, help="(factor,inverse) pairs, e.g. '1,10 10,100'")
     parser.add_argument("--quick", action="store_true", help="one round of (1,10) only")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
@@ -492,6 +497,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_at_start": os.getloadavg(),
         "baseline": str(args.baseline) if args.baseline else None,
         "kfac_pytorch": str(args.kfac_pytorch) if args.kfac_pytorch else None,
+        "kfac_method": args.kfac_method,
         "results": [],
         "sgd_peak_gib": {},
     }
