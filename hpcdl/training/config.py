@@ -262,7 +262,7 @@ def option_name(name: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """argparse from the fields. Every default is SUPPRESS: defaults come from the dataclass and the preset."""
     parser = argparse.ArgumentParser(
-        prog="python -m hpcdl.train", argument_default=argparse.SUPPRESS,
+        prog="python -m hpcdl.train", argument_default=argparse.SUPPRESS, allow_abbrev=False,
         description="Data-parallel training with Horovod (run under mpirun/srun/ibrun for several ranks). "
                     "Unset flags take the dataset's preset, then the defaults shown.",
     )

@@ -105,6 +105,7 @@ def test_bare_amp_means_auto() -> None:
     (["--dataset", "mnits"], "invalid choice: 'mnits'"),
     (["--kfac-method", "cholesky"], "invalid choice: 'cholesky'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--epoch", "1"], "unrecognized arguments: --epoch 1"),  # no abbreviations, as the launchers and run()
 ])
 def test_bad_values_get_one_line_naming_the_flag(argv: list[str], words: str) -> None:
     with pytest.raises(UsageError) as caught:
