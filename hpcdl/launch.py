@@ -17,9 +17,9 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 
-from hpcdl.runtime.launch_args import SCRIPTS, fail, help_shell, parser_for, shell_assignments, split_words
-from hpcdl.runtime.launch_plan import Machine, launch_shell, modules_to_load, plan
-from hpcdl.runtime.rank_command import LaunchError
+from hpcdl.launching.args import SCRIPTS, fail, help_shell, parser_for, shell_assignments, split_words
+from hpcdl.launching.plan import Machine, launch_shell, modules_to_load, plan
+from hpcdl.launching.rank_command import LaunchError
 
 
 def caller_environment(environ: Mapping[str, str]) -> dict[str, str]:

@@ -3,7 +3,7 @@
 #
 # The scripts only find the repository and call hpcdl_launch. Every decision (the options, the host
 # lists, ranks and threads, the container and its runtime, the MPI family, the batch job's output
-# folder) is Python's: `python -m hpcdl.launch` (hpcdl/runtime/launch_args.py and launch_plan.py)
+# folder) is Python's: `python -m hpcdl.launch` (hpcdl/launching/args.py and plan.py)
 # prints it as shell. What stays here is what only the shell can do: load modules into itself,
 # requeue the job when Slurm signals it, and exec the command.
 

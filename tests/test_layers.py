@@ -1,7 +1,7 @@
 """The layout states the architecture: each layer imports only the layers below it, and no module
 imports itself back through others (lazy imports inside functions count too).
 
-Layers, lowest first: runtime; collectives, data, kfac; persistence; training; bench, demos, tools; the
+Layers, lowest first: launching, runtime; collectives, data, kfac; persistence; training; bench, demos, tools; the
 entry modules at the package root (``python -m hpcdl.train`` ...).
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {
-    "runtime": 0,
+    "launching": 0, "runtime": 0,
     "collectives": 1, "data": 1, "kfac": 1,
     "persistence": 2,
     "training": 3,
@@ -132,7 +132,7 @@ def test_readme_layout_names_what_exists() -> None:
     for layer in LAYERS:
         if layer not in ("<entry>", "kfac"):
             assert f"hpcdl/{layer}/" in layout, f"README's Layout does not name hpcdl/{layer}/"
-    for layer in ("runtime", "persistence", "training"):
+    for layer in ("launching", "runtime", "persistence", "training"):
         for module in REPO.joinpath("hpcdl", layer).glob("*.py"):
             if module.stem != "__init__":
                 assert re.search(rf"\b{module.stem}\b", layout), f"README's Layout does not name hpcdl/{layer}/{module.name}"

@@ -1,11 +1,15 @@
 """How a job averages its gradients over the ranks: Horovod or torch.distributed, behind one interface.
 
-The job (hpcdl.training.job) asks its backend to broadcast the initial state and to wrap the model
-and the update rule; the loop (hpcdl.training.loop) asks it which micro-batches accumulate without
-communicating, to finish the allreduce before K-FAC and the update, and for the context the update
-runs in. hpcdl's own coordination (errors agreed on every rank, the stall watchdog, the stop flag,
-metrics and checkpoint broadcasts) runs beside it, over MPI or, in a torch job that torchrun or plain
-srun started, over a Gloo group of its own (hpcdl.runtime.coordination).
+Everything particular to one backend lives in its class, so a new backend is one subclass: the flags it
+refuses (:meth:`Backend.check_flags`, from hpcdl.training.config's checks), what the world size and
+device allow (:meth:`Backend.check_world`), how the world starts (:meth:`Backend.start_world`), its
+timeline and an update it applies inside backward. The job (hpcdl.training.job) asks its backend to
+broadcast the initial state and to wrap the model and the update rule; the loop (hpcdl.training.loop)
+asks it which micro-batches accumulate without communicating, to finish the allreduce before K-FAC and
+the update, and for the context the update runs in. hpcdl's own coordination (errors agreed on every
+rank, the stall watchdog, the stop flag, metrics and checkpoint broadcasts) runs beside it, over MPI or,
+in a torch job that torchrun or plain srun started, over a Gloo group of its own
+(hpcdl.runtime.coordination).
 
 * :class:`HorovodBackend`: Horovod's DistributedOptimizer allreduces in backward hooks (fp16
   compression, Adasum, ``backward_passes_per_step`` accumulation); ``synchronize`` waits for them.
@@ -23,24 +27,69 @@ per tensor), so a checkpoint written under one resumes under the other.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+import importlib.util
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from hpcdl.training.config import TrainConfig
+from hpcdl.runtime import world
+from hpcdl.runtime.errors import UsageError
 
 T = TypeVar("T")
+
+
+class TrainConfig(Protocol):
+    """The flags a backend reads (hpcdl.training.config.TrainConfig has them; config imports this module to
+    check them, so this module names them rather than importing it)."""
+
+    backend: str
+    use_adasum: bool
+    fp16_allreduce: bool
+    batches_per_allreduce: int
+    kfac: bool
+    kfac_factor_precision: str
+    amp: str
+    profile_steps: str | None
 
 
 class Backend:
     """What is common: nothing to wrap or wait for on one rank."""
 
     name = "none"
+    uses_horovod: ClassVar[bool] = False  # world.init starts Horovod on MPI's ranks
+    uses_torch_distributed: ClassVar[bool] = False  # world.init starts torch.distributed's process group
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, adasum: bool = False) -> None:
         self.world_size = world_size
+        self.adasum = adasum and world_size > 1  # one rank has nothing to sum: it averages as usual
+
+    @classmethod
+    def check_flags(cls, config: TrainConfig) -> None:
+        """Refuse, as one line, the flags this backend cannot run (before anything starts)."""
+
+    @classmethod
+    def start_world(cls, config: TrainConfig, timeout_seconds: float | None) -> world.World:
+        """Start the world this backend averages over (hpcdl.runtime.world)."""
+        return world.init(use_horovod=cls.uses_horovod, torch_distributed=cls.uses_torch_distributed,
+                          timeout_seconds=timeout_seconds)
+
+    @classmethod
+    def check_world(cls, config: TrainConfig, world_size: int, cuda: bool) -> None:
+        """Refuse, as one line, what this backend cannot do on ``world_size`` ranks (``cuda``: on GPUs)."""
+
+    def timeline(self) -> Any:
+        """What records the backend's own timeline beside a --profile-steps window (hpcdl.training.phases), or None."""
+        return None
+
+    def apply_in_backward(self, optimizer: torch.optim.Optimizer,
+                          nonfinite: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """When this backend applied the update inside backward: the step's (skipped, failed) device flags, after
+        ``optimizer.step()`` (``nonfinite``: this rank's non-finite flag, on its device); else None, and the loop
+        synchronizes, preconditions and steps."""
+        return None
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         """Rank 0's parameters and buffers on every rank."""
@@ -74,6 +123,52 @@ class Backend:
 
 class HorovodBackend(Backend):
     name = "horovod"
+    uses_horovod = True
+
+    @classmethod
+    def check_flags(cls, config: TrainConfig) -> None:
+        if config.kfac and config.kfac_factor_precision == "bf16":
+            raise UsageError("--kfac-factor-precision bf16 needs --backend torch: Horovod 0.28 cannot sum bfloat16")
+        if importlib.util.find_spec("horovod") is None:
+            raise UsageError("--backend horovod: Horovod is not installed here (scripts/setup.sh with HPCDL_HOROVOD=1 "
+                             "builds it); use --backend torch")
+
+    @classmethod
+    def start_world(cls, config: TrainConfig, timeout_seconds: float | None) -> world.World:
+        if config.profile_steps:  # Horovod starts its timeline mid-run only when told before it starts
+            os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+        return super().start_world(config, timeout_seconds)
+
+    @classmethod
+    def check_world(cls, config: TrainConfig, world_size: int, cuda: bool) -> None:
+        """What Horovod's Adasum optimizer cannot do, as one line instead of a traceback mid-step."""
+        if not config.use_adasum or world_size == 1:
+            return
+        if world_size & (world_size - 1):
+            raise UsageError(f"--use-adasum needs a power-of-two number of ranks (Horovod's Adasum), got {world_size}")
+        if config.amp != "off" and cuda:
+            raise UsageError("--use-adasum cannot be combined with --amp on CUDA: the GradScaler must unscale "
+                             "gradients before the step, and Adasum steps inside backward")
+
+    def timeline(self) -> Any:
+        """Horovod, when its timeline can follow a --profile-steps window: a job of several ranks that was told
+        HOROVOD_TIMELINE=DYNAMIC before it started (a path there records the whole run instead); else None."""
+        if self.world_size < 2 or os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC":
+            return None
+        import horovod.torch as hvd
+
+        return hvd
+
+    def apply_in_backward(self, optimizer: torch.optim.Optimizer,
+                          nonfinite: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.adasum:
+            return None
+        optimizer.step()  # Horovod's Adasum applies the update inside backward; nothing here can skip it
+        mine = nonfinite()
+        verdict = world.comm().allreduce(float(mine))  # hpcdl's coordination: MPI's ranks, Horovod's too
+        optimizer.zero_grad()
+        flag = torch.tensor(float(verdict > 0), device=mine.device)
+        return flag, flag
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         """Horovod broadcasts contiguous tensors: call before the model turns channels_last."""
@@ -103,6 +198,13 @@ class HorovodBackend(Backend):
 
 class TorchBackend(Backend):
     name = "torch"
+    uses_torch_distributed = True
+
+    @classmethod
+    def check_flags(cls, config: TrainConfig) -> None:
+        if config.use_adasum:
+            raise UsageError("--use-adasum is Horovod's Adasum, which torch.distributed has no equivalent of: use "
+                             "--backend horovod, or leave --use-adasum out to average the gradients")
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         import torch.distributed as dist
@@ -155,9 +257,17 @@ def collective_timeout(stall_timeout: float) -> float | None:
     return stall_timeout + max(10.0, stall_timeout / 2) + 30.0
 
 
+BACKENDS: dict[str, type[Backend]] = {"horovod": HorovodBackend, "torch": TorchBackend}
+
+
+def named(name: str) -> type[Backend]:
+    """The class of the backend ``--backend`` names."""
+    return BACKENDS[name]
+
+
 def for_config(config: TrainConfig, world_size: int) -> Backend:
-    """The backend ``--backend`` names."""
-    return TorchBackend(world_size) if config.backend == "torch" else HorovodBackend(world_size)
+    """The backend ``--backend`` names, on ``world_size`` ranks."""
+    return named(config.backend)(world_size, adasum=config.use_adasum)
 
 
 def keep_layout(base: Any) -> Any:

@@ -22,6 +22,7 @@ from hpcdl.data import DATASETS
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import UsageError
 from hpcdl.runtime.numbers import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL_OPEN_TOP, Range
+from hpcdl.training import backend as backends
 from hpcdl.training.phases import parse_profile_steps
 
 # What each dataset's recipe changes from TrainConfig's defaults (which are the digits recipe).
@@ -420,14 +421,7 @@ def validate(c: TrainConfig) -> None:
     if c.use_adasum and c.kfac:
         raise UsageError("--use-adasum cannot be combined with --kfac: Horovod's Adasum optimizer takes its step "
                          "inside backward, before K-FAC could precondition the gradient")
-    if c.use_adasum and c.backend == "torch":
-        raise UsageError("--use-adasum is Horovod's Adasum, which torch.distributed has no equivalent of: use "
-                         "--backend horovod, or leave --use-adasum out to average the gradients")
-    if c.kfac and c.kfac_factor_precision == "bf16" and c.backend == "horovod":
-        raise UsageError("--kfac-factor-precision bf16 needs --backend torch: Horovod 0.28 cannot sum bfloat16")
-    if c.backend == "horovod" and importlib.util.find_spec("horovod") is None:
-        raise UsageError("--backend horovod: Horovod is not installed here (scripts/setup.sh with HPCDL_HOROVOD=1 "
-                         "builds it); use --backend torch")
+    backends.named(c.backend).check_flags(c)  # what the chosen backend cannot run
     check_kfac_preset(c)
 
 

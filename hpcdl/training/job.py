@@ -132,15 +132,6 @@ def match_state_layouts(optimizer: torch.optim.Optimizer) -> None:
                     optimizer.state[p][key] = value.contiguous(memory_format=layout)
 
 
-def check_adasum(config: TrainConfig, world_size: int, cuda: bool) -> None:
-    """What Horovod's Adasum optimizer cannot do, as one line instead of a traceback mid-step."""
-    if world_size & (world_size - 1):
-        raise UsageError(f"--use-adasum needs a power-of-two number of ranks (Horovod's Adasum), got {world_size}")
-    if config.amp != "off" and cuda:
-        raise UsageError("--use-adasum cannot be combined with --amp on CUDA: the GradScaler must unscale "
-                         "gradients before the step, and Adasum steps inside backward")
-
-
 def check_grad_workers(config: TrainConfig, world_size: int) -> None:
     """KAISA's gradient-worker groups must tile the ranks: one line naming the fractions that do on this world size
     (a resume onto another world size is checked here too, before anything is loaded)."""
@@ -160,16 +151,6 @@ def check_grad_workers(config: TrainConfig, world_size: int) -> None:
         raise UsageError(f"--kfac-grad-worker-fraction {fraction:g} gives {fraction * world_size:g} gradient workers "
                          f"per layer on {world_size} ranks, which do not divide them into groups; on {world_size} "
                          f"ranks use one of {fits}") from None
-
-
-def horovod_timeline(config: TrainConfig, world_size: int) -> Any:
-    """Horovod, when its timeline can follow a --profile-steps window: a Horovod job of several ranks that was told
-    HOROVOD_TIMELINE=DYNAMIC before it started (a path there records the whole run instead); else None."""
-    if config.backend != "horovod" or world_size < 2 or os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC":
-        return None
-    import horovod.torch as hvd
-
-    return hvd
 
 
 def check_skip_names(model: nn.Module, names: list[str]) -> None:
@@ -235,10 +216,7 @@ def build_job(config: TrainConfig, task: TaskSource | None = None) -> Job:
     instead of ``--task``'s path."""
     if deterministic(config):
         world.fix_reduction_order()
-    if config.profile_steps and config.backend == "horovod":  # Horovod starts its timeline mid-run only when
-        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")  # told before it starts
-    me = world.init(use_horovod=config.backend == "horovod", torch_distributed=config.backend == "torch",
-                    timeout_seconds=backends.collective_timeout(config.stall_timeout))
+    me = backends.named(config.backend).start_world(config, backends.collective_timeout(config.stall_timeout))
     if (alone := launcher.started_alone(me.size)) is not None:  # N copies of one run otherwise
         raise UsageError(f"{alone}; {launcher.SAME_MPI_FIX}")
     comm = world.comm()
@@ -247,8 +225,7 @@ def build_job(config: TrainConfig, task: TaskSource | None = None) -> Job:
     if config.device == "cpu" and cuda:
         raise UsageError("--device cpu on a rank that was given a GPU: hide it with CUDA_VISIBLE_DEVICES=''")
     faults = agree(lambda: FaultInjector(me.rank, world_size=me.size))
-    if config.use_adasum and me.size > 1:
-        agree(lambda: check_adasum(config, me.size, cuda))
+    agree(lambda: backends.named(config.backend).check_world(config, me.size, cuda))
     agree(lambda: check_grad_workers(config, me.size))
     amp_dtype = agree(lambda: choose_amp(config, me.device))
     if warning := slow_bf16_warning(amp_dtype, me.device):
@@ -360,7 +337,7 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
     trace = None
     if config.profile_steps:
         trace = TraceWindow(parse_profile_steps(config.profile_steps), run_dir.path / "traces", me.rank, phases,
-                            horovod_timeline(config, me.size))
+                            backend.timeline())
     trainer = Trainer(model=backend.wrap_model(compiled, config), state=state, schedule=schedule,
                       criterion=criterion, amp_dtype=amp_dtype, data=data, world=me, comm=comm, watchdog=watchdog,
                       stop=GracefulStop(comm), faults=faults, settings=LoopSettings.of(config), backend=backend,

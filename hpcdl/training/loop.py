@@ -49,14 +49,13 @@ class LoopSettings:
     max_nonfinite_steps: int
     epochs: int
     max_steps: int | None
-    use_adasum: bool
     progress_bar: bool
     eval_every: int | None = None  # an epoch also ends its part at every multiple of this step, for an evaluation
 
     @classmethod
     def of(cls, config: TrainConfig) -> LoopSettings:
         return cls(config.batches_per_allreduce, config.log_every, config.max_nonfinite_steps, config.epochs,
-                   config.max_steps, config.use_adasum, config.progress, config.eval_every)
+                   config.max_steps, config.progress, config.eval_every)
 
 
 @dataclass
@@ -137,12 +136,9 @@ def apply_gradients(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     optimizer: Any = state.optimizer  # Horovod's DistributedOptimizer, or the update rule itself (torch)
     scaler = state.scaler
     params = list(state.model.parameters())
-    if trainer.settings.use_adasum and trainer.world.size > 1:
-        optimizer.step()  # Horovod's Adasum applies the update inside backward; nothing here can skip it
-        verdict = trainer.comm.allreduce(float(nonfinite_flag(params)))
-        optimizer.zero_grad()
-        flag = torch.tensor(float(verdict > 0), device=trainer.device)
-        return flag, flag
+    applied = trainer.backend.apply_in_backward(optimizer, lambda: nonfinite_flag(params))
+    if applied is not None:  # Horovod's Adasum: the update ran inside backward, nothing here can skip it
+        return applied
     phases = trainer.phases
     with phases.phase("allreduce"):
         trainer.backend.synchronize(optimizer)

@@ -1,4 +1,4 @@
-"""launch/mpirun.sh's parser and decisions (hpcdl/runtime/launch_args.py, launch_plan.py), without starting anything.
+"""launch/mpirun.sh's parser and decisions (hpcdl/launching/args.py, plan.py), without starting anything.
 
 Which words are the launcher's and which the entry module's, host lists counted as Open MPI
 counts them, slots against -np, a virtual cluster's nodes, and every bad value refused with one
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.runtime import launch_args, launch_plan
-from hpcdl.runtime.launch_args import Host
-from hpcdl.runtime.launch_plan import Launch, Machine, MpirunLaunch
-from hpcdl.runtime.rank_command import LaunchError
+from hpcdl.launching import args as launch_args
+from hpcdl.launching import plan as launch_plan
+from hpcdl.launching.args import Host
+from hpcdl.launching.plan import Launch, Machine, MpirunLaunch
+from hpcdl.launching.rank_command import LaunchError
 
 
 class FakeMachine(Machine):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.runtime import launch_args
+from hpcdl.launching import args as launch_args
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
@@ -173,8 +173,8 @@ def test_help(script: Path) -> None:
 
 
 def test_every_setting_read_is_one_some_help_shows() -> None:
-    sources = "".join((REPO / "hpcdl" / "runtime" / name).read_text()
-                      for name in ("launch_args.py", "launch_plan.py", "rank_command.py"))
+    sources = "".join((REPO / "hpcdl" / "launching" / name).read_text()
+                      for name in ("args.py", "plan.py", "rank_command.py"))
     read = set(re.findall(r'env\.get\("(HPCDL_[A-Z_]+)"', sources)) | set(re.findall(r'e\("(HPCDL_[A-Z_]+)"', sources))
     helps = "".join(run(script, "--help").stdout for script in SCRIPTS)
     assert read and not sorted(name for name in read if name not in helps)

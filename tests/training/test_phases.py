@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hpcdl.runtime.errors import UsageError
+from hpcdl.training.config import default_backend
 from hpcdl.training.phases import PHASES, STEP, breakdown, parse_profile_steps
 from tests.support.mpi_harness import error_lines, run_train
 
@@ -53,6 +54,8 @@ def test_a_traced_two_rank_kfac_run_writes_nested_phases_per_rank_and_phases_add
     result = run_train(2, run, "--kfac", "--kfac-inv-update-freq", "1", "--kfac-grad-worker-fraction", "0.5",
                        "--epochs", "1", "--max-steps", "4", "--profile-steps", "2:3", "--stall-timeout", "0")
     assert result.returncode == 0, result.stderr[-2000:]
+    if default_backend() == "horovod":  # Horovod's timeline follows the same window (HOROVOD_TIMELINE=DYNAMIC)
+        assert (run / "traces" / "horovod_timeline.json").stat().st_size > 0
     for rank in (0, 1):
         events = _events(run / "traces" / f"rank{rank}.json")
         steps = [e for e in events if e["name"] == STEP]

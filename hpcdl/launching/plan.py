@@ -2,7 +2,7 @@
 launch/mpirun.sh, slurm.sbatch and frontera-rtx.sbatch (ranks, hosts, threads, the container, the MPI
 family, the batch job's output folder and requeueing), each value checked before anything starts.
 
-:func:`plan` turns a script's parsed options (:mod:`hpcdl.runtime.launch_args`) into a :class:`Launch`:
+:func:`plan` turns a script's parsed options (:mod:`hpcdl.launching.args`) into a :class:`Launch`:
 the words to run, what to export first, the notes to show, and how the shell runs it (``exec``, or as a
 batch step that requeues near the time limit). Standard library only.
 """
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcdl.runtime.launch_args import (
+from hpcdl.launching.args import (
     COUNT,
     ENV_NAME,
     IFACE_NAME,
@@ -36,7 +36,7 @@ from hpcdl.runtime.launch_args import (
     shell_assignments,
     total_slots,
 )
-from hpcdl.runtime.rank_command import (
+from hpcdl.launching.rank_command import (
     RUNTIMES,
     LaunchError,
     RankSettings,

@@ -13,7 +13,7 @@ Host lists count slots as Open MPI does: ``HOST`` alone is one slot, a repeated 
 file ``<state>/<name>.json`` (``subnet`` and ``nodes[].hostname/address``), the format that tool writes.
 
 Standard library only: ``python -m hpcdl.launch`` (launch/common.sh) runs it before a virtual
-environment is known. :mod:`hpcdl.runtime.launch_plan` decides what the options mean.
+environment is known. :mod:`hpcdl.launching.plan` decides what the options mean.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from hpcdl.runtime.rank_command import AUTO_RUNTIMES, RUNTIMES, LaunchError, one_of
+from hpcdl.launching.rank_command import AUTO_RUNTIMES, RUNTIMES, LaunchError, one_of
 
 VCLUSTER_STATE = "/run/hpcdl-vcluster"
 VCLUSTER_NAME = re.compile(r"^[a-z0-9]{1,6}$")
