@@ -74,11 +74,12 @@ def accuracy(outputs: Tensor, targets: Tensor) -> Tensor:
     return (outputs.argmax(1) == targets).float().mean()
 
 
-def import_function(spec: str, flag: str) -> Callable[..., Any]:
-    """``package.module:function`` -> the function, or one line saying why not."""
+def import_function(spec: str, flag: str, form: str = "package.module:function") -> Callable[..., Any]:
+    """``package.module:function`` -> the function, or one line saying why not (every flag that names a function:
+    --task, --model, --kfac-impl); ``form``: what the flag takes, for the line."""
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise UsageError(f"{flag} takes package.module:function (got {spec!r})")
+        raise UsageError(f"{flag} takes {form} (got {spec!r})")
     if module_name.endswith(".py") or "/" in module_name:
         dotted = module_name.removesuffix(".py").strip("./").replace("/", ".")
         raise UsageError(f"{flag} takes a module's name, not a file's: write {dotted}:{attribute} (run from the "
