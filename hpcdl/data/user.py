@@ -29,10 +29,8 @@ class DatasetPipeline(InputPipeline):
 
     def __init__(self, spec: DataSpec, rank: int, size: int, device: torch.device, *,
                  train: Dataset, test: Dataset, collate: Callable[[list[Any]], Any] | None = None) -> None:
-        for name, data in (("training", train), ("evaluation", test)):
-            if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
-                raise UsageError(f"the {name} dataset is not map-style (an IterableDataset cannot be sharded "
-                                 "exactly); give a Dataset with __len__ and __getitem__")
+        check_map_style(train, "the training dataset")
+        check_map_style(test, "the evaluation dataset")
         self.spec, self.rank, self.size, self.device = spec, rank, size, device
         self.train_samples, self.test_samples = len(train), len(test)  # type: ignore[arg-type]
         check_enough(self.train_samples, size, spec.batch_size)
@@ -68,3 +66,15 @@ class DatasetPipeline(InputPipeline):
 
     def close(self) -> None:
         shut_down(self.train_loader, self.test_loader)
+
+
+def check_map_style(data: Any, what: str) -> None:
+    """A map-style dataset with at least one item; an IterableDataset cannot be sharded exactly, so it is refused."""
+    if isinstance(data, IterableDataset):
+        raise UsageError(f"{what} is an IterableDataset: hpcdl shards map-style datasets (__len__ and __getitem__) "
+                         "so that each example is seen once per epoch and a resume is exact")
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise UsageError(f"{what} is a {type(data).__name__}: it needs __len__ and __getitem__ (a map-style "
+                         "torch.utils.data.Dataset)")
+    if len(data) < 1:
+        raise UsageError(f"{what} is empty")
