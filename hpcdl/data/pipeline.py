@@ -181,34 +181,58 @@ def finish(tensors: tuple[torch.Tensor, ...], ready: torch.cuda.Event) -> Batch:
     return tensors[0], tensors[1]
 
 
-class FilePipeline(InputPipeline):
+class LoaderPipeline(InputPipeline):
+    """Items that DataLoader workers read in hpcdl's order: the shard's counts, and one loader per split whose
+    sampler is given each epoch's keys (:class:`KeySampler`). A subclass says how a split is loaded."""
+
+    def shard(self, spec: DataSpec, rank: int, size: int, device: torch.device, train_samples: int,
+              test_samples: int) -> None:
+        """The counts, the steps per epoch and the key samplers; called first by a subclass's ``__init__``."""
+        self.spec, self.rank, self.size, self.device = spec, rank, size, device
+        self.train_samples, self.test_samples = train_samples, test_samples
+        check_enough(train_samples, size, spec.batch_size)
+        self.steps_per_epoch = steps_per_epoch(train_samples, size, spec.batch_size)
+        self.train_keys, self.test_keys = KeySampler(), KeySampler()
+
+    def open_loaders(self, train: Any, test: Any) -> None:
+        """The two splits' loaders; called last by a subclass's ``__init__`` (its ``loader`` reads its settings)."""
+        self.train_loader = self.loader(train, self.train_keys, self.spec.batch_size)
+        self.test_loader = self.loader(test, self.test_keys, self.spec.test_batch_size)
+
+    def loader(self, data: Any, keys: KeySampler, batch_size: int) -> DataLoader:
+        raise NotImplementedError
+
+    def loader_options(self, keys: KeySampler, batch_size: int, pin: bool) -> dict[str, Any]:
+        """DataLoader's options: --workers persistent workers, four batches read ahead each, keys as the sampler."""
+        workers = self.spec.workers
+        options: dict[str, Any] = dict(num_workers=workers, persistent_workers=workers > 0, batch_size=batch_size,
+                                       sampler=keys, pin_memory=pin)
+        if workers > 0:
+            options["prefetch_factor"] = 4
+        return options
+
+    def close(self) -> None:
+        shut_down(self.train_loader, self.test_loader)
+
+
+class FilePipeline(LoaderPipeline):
     """Encoded images read by DataLoader workers; decoded there (cpu) or on the device in batches (gpu)."""
 
     def __init__(self, spec: DataSpec, rank: int, size: int, device: torch.device, *,
                  train: ByteSource, test: ByteSource, norm: Normalization, num_classes: int,
                  decode_on_gpu: bool) -> None:
-        self.spec, self.rank, self.size, self.device = spec, rank, size, device
+        self.shard(spec, rank, size, device, len(train), len(test))
         self.train_source, self.test_source = train, test
         self.num_classes, self.decode_on_gpu = num_classes, decode_on_gpu
         self.input_shape = (3, spec.image_size, spec.image_size)
-        self.train_samples, self.test_samples = len(train), len(test)
-        check_enough(self.train_samples, size, spec.batch_size)
-        self.steps_per_epoch = steps_per_epoch(self.train_samples, size, spec.batch_size)
         self.normalize = Normalizer(norm, device, spec.channels_last)
-        self.train_keys, self.test_keys = KeySampler(), KeySampler()
         self.decode_stream = torch.cuda.Stream(device) if decode_on_gpu and device.type == "cuda" else None
-        self.train_loader = self.loader(train, self.train_keys, spec.batch_size)
-        self.test_loader = self.loader(test, self.test_keys, spec.test_batch_size)
+        self.open_loaders(train, test)
 
     def loader(self, source: ByteSource, keys: KeySampler, batch_size: int) -> DataLoader:
-        workers = self.spec.workers
         # pinned only where a copy reads it asynchronously: the uint8 batches of the CPU path; nvJPEG
         # reads the bytes of the device path from pageable memory
-        pin = self.device.type == "cuda" and not self.decode_on_gpu
-        options: dict[str, Any] = dict(num_workers=workers, persistent_workers=workers > 0, batch_size=batch_size,
-                                       sampler=keys, pin_memory=pin)
-        if workers > 0:
-            options["prefetch_factor"] = 4
+        options = self.loader_options(keys, batch_size, pin=self.device.type == "cuda" and not self.decode_on_gpu)
         if self.decode_on_gpu:
             return DataLoader(EncodedSamples(source), collate_fn=collate_encoded, **options)
         return DataLoader(DecodedViews(source, self.spec.image_size), **options)
@@ -285,7 +309,7 @@ class FilePipeline(InputPipeline):
         return decoded
 
     def close(self) -> None:
-        shut_down(self.train_loader, self.test_loader)
+        super().close()
         for source in (self.train_source, self.test_source):
             closer = getattr(source, "close", None)
             if closer is not None:

@@ -18,42 +18,31 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from hpcdl.data.order import check_enough, rank_order, steps_per_epoch, test_order
-from hpcdl.data.pipeline import Batch, InputPipeline, KeySampler, copied_ahead, shut_down
+from hpcdl.data.order import rank_order, test_order
+from hpcdl.data.pipeline import Batch, KeySampler, LoaderPipeline, copied_ahead
 from hpcdl.data.spec import DataSpec
 from hpcdl.runtime.errors import UsageError
 
 
-class DatasetPipeline(InputPipeline):
+class DatasetPipeline(LoaderPipeline):
     """A user's training and evaluation datasets, sharded over ranks exactly as hpcdl's own."""
 
     def __init__(self, spec: DataSpec, rank: int, size: int, device: torch.device, *,
                  train: Dataset, test: Dataset, collate: Callable[[list[Any]], Any] | None = None) -> None:
-        for name, data in (("training", train), ("evaluation", test)):
-            if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
-                raise UsageError(f"the {name} dataset is not map-style (an IterableDataset cannot be sharded "
-                                 "exactly); give a Dataset with __len__ and __getitem__")
-        self.spec, self.rank, self.size, self.device = spec, rank, size, device
-        self.train_samples, self.test_samples = len(train), len(test)  # type: ignore[arg-type]
-        check_enough(self.train_samples, size, spec.batch_size)
-        self.steps_per_epoch = steps_per_epoch(self.train_samples, size, spec.batch_size)
+        check_map_style(train, "the training dataset")
+        check_map_style(test, "the evaluation dataset")
+        self.shard(spec, rank, size, device, len(train), len(test))  # type: ignore[arg-type]
         self.num_classes = 0  # a task's outputs are its own business
         self.collate = collate
         first = train[0]  # an input's shape where the items are (tensor, target) pairs; else unknown
         pair = isinstance(first, (tuple, list)) and len(first) == 2 and isinstance(first[0], torch.Tensor)
         self.input_shape = tuple(first[0].shape) if pair else ()
-        self.train_keys, self.test_keys = KeySampler(), KeySampler()
-        self.train_loader = self.loader(train, self.train_keys, spec.batch_size)
-        self.test_loader = self.loader(test, self.test_keys, spec.test_batch_size)
+        self.open_loaders(train, test)
 
     def loader(self, data: Dataset, keys: KeySampler, batch_size: int) -> DataLoader:
-        workers = self.spec.workers
-        options: dict[str, Any] = dict(num_workers=workers, persistent_workers=workers > 0, batch_size=batch_size,
-                                       sampler=keys, pin_memory=self.device.type == "cuda")
+        options = self.loader_options(keys, batch_size, pin=self.device.type == "cuda")
         if self.collate is not None:
             options["collate_fn"] = self.collate
-        if workers > 0:
-            options["prefetch_factor"] = 4
         return DataLoader(data, **options)
 
     def train_epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
@@ -66,5 +55,14 @@ class DatasetPipeline(InputPipeline):
         self.test_keys.keys = list(test_order(self.test_samples, self.rank, self.size))
         return copied_ahead(iter(self.test_loader), self.device)
 
-    def close(self) -> None:
-        shut_down(self.train_loader, self.test_loader)
+
+def check_map_style(data: Any, what: str) -> None:
+    """A map-style dataset with at least one item; an IterableDataset cannot be sharded exactly, so it is refused."""
+    if isinstance(data, IterableDataset):
+        raise UsageError(f"{what} is an IterableDataset: hpcdl shards map-style datasets (__len__ and __getitem__) "
+                         "so that each example is seen once per epoch and a resume is exact")
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise UsageError(f"{what} is a {type(data).__name__}: it needs __len__ and __getitem__ (a map-style "
+                         "torch.utils.data.Dataset)")
+    if len(data) < 1:
+        raise UsageError(f"{what} is empty")

@@ -13,7 +13,7 @@ import difflib
 from typing import Any
 
 from hpcdl.runtime.errors import UsageError, run_main
-from hpcdl.training.config import FIELDS, OLD_SWITCH, RENAMED, option_name, parse_config
+from hpcdl.training.config import FIELDS, OLD_SWITCH, RENAMED, flag_words, option_name, parse_config
 from hpcdl.training.task import Task, TaskSource, load_task, task_label
 from hpcdl.training.train import TrainResult, train
 
@@ -35,15 +35,7 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
                          "line's flags written out in full, with _ for -")
     argv: list[str] = []
     for name, value in flags.items():
-        option = option_name(name)
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            argv.append(option if value else "--no-" + option[2:])
-        elif isinstance(value, (list, tuple)):
-            argv += [option, *map(str, value)]
-        else:
-            argv += [option, str(value)]
+        argv += flag_words(name, value)
     return argv
 
 
@@ -56,8 +48,9 @@ def run(task: TaskSource, /, **flags: Any) -> TrainResult:
     """
     if isinstance(task, Task):
         load_task(task)  # raises its one line, before anything starts
-    argv = ["--task", task if isinstance(task, str) else task_label(task), *flags_to_argv(flags)]
-    return train(parse_config(argv), None if isinstance(task, str) else task)
+    # The task object goes to the job as itself; the configuration records its label (a resume must bring the same).
+    config = parse_config(flags_to_argv(flags), task=task if isinstance(task, str) else task_label(task))
+    return train(config, None if isinstance(task, str) else task)
 
 
 def main(task: TaskSource, /, **flags: Any) -> None:

@@ -328,12 +328,15 @@ def current_names(saved: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Flags, then the dataset's preset for what was not given, then the defaults; validated. Raises UsageError."""
+def parse_config(argv: Sequence[str] | None = None, task: str | None = None) -> TrainConfig:
+    """Flags, then the dataset's preset for what was not given, then the defaults; validated. Raises UsageError.
+    ``task``: the label of a task given in Python (:func:`hpcdl.training.api.run`), recorded as ``--task`` is."""
     parser = build_parser()
     # argparse would print usage and exit 2: make it one line through the same path as every usage error.
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # type: ignore[method-assign]
     given = vars(parser.parse_args(argv))
+    if task is not None:
+        given["task"] = task
     dataset = given.get("dataset", FIELDS["dataset"].default)
     if given.get("lr_decay") and "lr_schedule" not in given:
         given["lr_schedule"] = "step"  # milestones mean a step schedule, whatever the preset's
@@ -366,18 +369,24 @@ def to_argv(config: TrainConfig) -> list[str]:
     argv: list[str] = []
     for name in FIELDS:
         value = getattr(config, name)
-        option = option_name(name)
         if config.task is not None and name in TASK_CONFLICTS:
             continue  # a task's run leaves them at their defaults, and --task refuses them
-        if isinstance(value, bool):
-            argv.append(option if value else "--no-" + option[2:])
-        elif value is None:
-            continue  # None is the default of every optional flag: leaving it out gives it back
-        elif isinstance(value, list):
-            argv += [option, *map(str, value)]
-        else:
-            argv += [option, repr(value) if isinstance(value, float) else str(value)]
+        argv += flag_words(name, value)
     return argv
+
+
+def flag_words(name: str, value: Any) -> list[str]:
+    """One flag's value as the command line's words: a switch on or off (--no-...), a list as several words, None
+    left out (the default of every optional flag: leaving it out gives it back). str of a float is its repr: the
+    words parse back to the same value."""
+    option = option_name(name)
+    if isinstance(value, bool):
+        return [option if value else "--no-" + option[2:]]
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [option, *map(str, value)]
+    return [option, str(value)]
 
 
 def check_amp_device(amp: str, device_type: str) -> None:
@@ -437,3 +446,38 @@ def check_kfac_preset(c: TrainConfig) -> None:
         raise UsageError(f"--kfac-preset {c.kfac_preset} holds the peak rate through the warm-up: "
                          f"--warmup-start-factor {c.warmup_start_factor:g} would ramp it, and with momentum a ramp "
                          "defeats the KL clip (docs/kfac.md); leave --warmup-start-factor out")
+
+
+def warmup_start_factor(c: TrainConfig) -> float | None:
+    """The warm-up's start factor the run means: a K-FAC preset holds the peak rate through the warm-up on any world
+    size (check_kfac_preset refuses a ramp asked for), since the ramp from --base-lr to N x --base-lr that N ranks
+    would otherwise take defeats its KL clip; else --warmup-start-factor's (None: the schedule's default ramp)."""
+    if c.kfac_preset != "none" and c.warmup_start_factor is None:
+        return 1.0
+    return c.warmup_start_factor
+
+
+@dataclass(frozen=True)
+class BatchUnits:
+    """A run's batch in its three units, multiplied out here only: ``per_pass`` examples in one forward and backward
+    on one rank (--batch-size), ``passes`` of them accumulated per step (--batches-per-allreduce), on ``ranks``."""
+
+    per_pass: int
+    passes: int
+    ranks: int
+
+    @classmethod
+    def of(cls, config: TrainConfig | dict[str, Any], ranks: int) -> BatchUnits:
+        """The units of a configuration (or of one saved as a dict, a checkpoint's) on ``ranks`` ranks."""
+        given = config if isinstance(config, dict) else vars(config)
+        return cls(given["batch_size"], given["batches_per_allreduce"], ranks)
+
+    @property
+    def per_rank_step(self) -> int:
+        """Examples one rank takes in one optimizer step."""
+        return self.per_pass * self.passes
+
+    @property
+    def global_batch(self) -> int:
+        """Examples per optimizer step, all ranks."""
+        return self.ranks * self.per_rank_step

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcdl.data import DataSpec, InputPipeline, build_pipeline
+from hpcdl.data import DataSpec, InputPipeline
 from hpcdl.persistence import checkpoint_files
 from hpcdl.persistence.checkpointer import Checkpointer
 from hpcdl.persistence.metrics import RunRecord
@@ -37,22 +37,13 @@ from hpcdl.runtime.signals import GracefulStop
 from hpcdl.runtime.watchdog import StallWatchdog
 from hpcdl.training import backend as backends
 from hpcdl.training import runstate
-from hpcdl.training.config import TrainConfig, check_amp_device
+from hpcdl.training.config import BatchUnits, TrainConfig, check_amp_device, warmup_start_factor
 from hpcdl.training.loop import LoopSettings, Trainer
-from hpcdl.training.models import build_model
 from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.phases import StepPhases, TraceWindow, parse_profile_steps
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
-from hpcdl.training.scoring import scoring_of
-from hpcdl.training.task import (
-    TaskSource,
-    check_first_batch,
-    load_task,
-    one_line,
-    task_data,
-    task_label,
-    task_optimizer,
-)
+from hpcdl.training.task import TaskSource
+from hpcdl.training.workload import build_workload
 
 
 @dataclass
@@ -77,9 +68,13 @@ class Job:
         return self.run_dir.path
 
     @property
+    def batch(self) -> BatchUnits:
+        return BatchUnits.of(self.config, self.world.size)
+
+    @property
     def global_batch(self) -> int:
         """Examples per optimizer step, all ranks."""
-        return self.world.size * self.config.batch_size * self.config.batches_per_allreduce
+        return self.batch.global_batch
 
     def save(self) -> None:
         """Write a checkpoint of the stateful parts (collective); ``best.pt`` follows the best evaluation saved."""
@@ -173,25 +168,6 @@ def refuse_earlier_checkpoints(path: Path, is_root: bool) -> None:
                          "choose another --output-dir")
 
 
-def try_one_batch(model: nn.Module, data: InputPipeline, config: TrainConfig, device: torch.device) -> None:
-    """Run the model once on a batch of the dataset's shape, so a model that cannot take this input fails with
-    one line naming the model, the input size and a fix, before any rank starts training."""
-    shape = (2, *data.input_shape)
-    try:
-        with torch.no_grad():
-            out = model.eval()(torch.zeros(shape, device=device))
-    except RuntimeError as exc:
-        raise UsageError(
-            f"--model {config.model} cannot take {config.dataset}'s {'x'.join(map(str, data.input_shape))} images "
-            f"({one_line(exc)}); choose a model made for this input size (e.g. resnet20-110 or "
-            f"{'digits_cnn' if data.input_shape[-1] <= 16 else 'resnet18'})") from exc
-    finally:
-        model.train()
-    if out.ndim != 2 or out.shape[1] != data.num_classes:
-        raise UsageError(f"--model {config.model} gives outputs of shape {tuple(out.shape)} for a batch of 2, "
-                         f"not (2, {data.num_classes}) for {config.dataset}'s {data.num_classes} classes")
-
-
 def compile_and_warm_up(model: nn.Module, data: InputPipeline, spec: DataSpec, device: torch.device,
                         amp_dtype: torch.dtype | None, micro_batches: int = 1) -> nn.Module:
     """torch.compile the model and compile its training graphs now, on a dummy batch, before the stall watchdog
@@ -278,49 +254,32 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
     if config.resume and resumed is None:
         print0("no checkpoint to resume from: starting from scratch")
     channels_last_wanted = config.channels_last == "on" or (config.channels_last == "auto" and cuda)
+    batch = BatchUnits.of(config, me.size)
     spec = DataSpec(
-        dataset=config.dataset, data_dir=config.data_dir, batch_size=config.batch_size * config.batches_per_allreduce,
+        dataset=config.dataset, data_dir=config.data_dir, batch_size=batch.per_rank_step,
         test_batch_size=config.test_batch_size, workers=config.workers, seed=config.seed, decode=config.decode,
         channels_last=channels_last_wanted, synthetic_shape=tuple(config.synthetic_shape),  # type: ignore[arg-type]
         synthetic_classes=config.synthetic_classes, synthetic_size=config.synthetic_size)
-    task = agree(lambda: load_task(task_source)) if task_source is not None else None  # after the seed: its weights
-    if task is None:
-        data = agree(lambda: build_pipeline(spec, me.rank, me.size, me.device))
-        model = agree(lambda: build_model(config.model, data.num_classes, data.input_shape[0])).to(me.device)
-    else:
-        model = task.model.to(me.device)
-        # Before the pipeline and the broadcast: what the model, loss or metrics cannot take is one line, and a
-        # lazy module gets its parameters (the same on every rank, drawn after the seed) before they are sent.
-        agree(lambda: check_first_batch(task, model, me.device))
-        data = agree(lambda: task_data(task, spec, me.rank, me.size, me.device))
+    work = build_workload(config, task_source, spec, me)  # after the seed: its initial weights
+    data, model = work.data, work.model
+    kfac_skip = [*config.kfac_skip_layers, *work.kfac_skip]
     if config.kfac:
-        agree(lambda: check_skip_names(model, [*config.kfac_skip_layers, *(task.kfac_skip if task else ())]))
+        agree(lambda: check_skip_names(model, kfac_skip))
     backend = backends.for_config(config, me.size)
     backend.broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
     channels_last = channels_last_wanted and is_convolutional(model)
     if channels_last:  # before the optimizer exists, so that its state is made in the same layout
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    if task is None:
-        agree(lambda: try_one_batch(model, data, config, me.device))
-
     compiled = (compile_and_warm_up(model, data, spec, me.device, amp_dtype, config.batches_per_allreduce)
                 if config.compile else model)
 
     peak_lr = config.base_lr * lr_scale(me.size, config.batches_per_allreduce, config.use_adasum, me.local_size, cuda)
-    # A K-FAC preset holds the peak rate through the warm-up on any world size (check_kfac_preset refuses a ramp
-    # asked for): the ramp from --base-lr to N x --base-lr that N ranks would otherwise take defeats its KL clip.
-    start_factor = 1.0 if config.kfac_preset != "none" and config.warmup_start_factor is None \
-        else config.warmup_start_factor
-    schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, start_factor), peak_lr,
+    schedule = LRSchedule(warmup_start(config.base_lr, peak_lr, warmup_start_factor(config)), peak_lr,
                           config.warmup_epochs, config.epochs, config.lr_schedule, config.lr_decay)
-    rule = build_update_rule(config, model, schedule(0.0))
-    if task is not None:
-        rule = agree(lambda: task_optimizer(rule, task, model))
-    optimizer = backend.wrap_optimizer(rule, model, config)
+    optimizer = backend.wrap_optimizer(work.optimizer(build_update_rule(config, model, schedule(0.0))), model, config)
     zero_momentum_buffers(optimizer)  # after wrapping: Horovod's wrapper builds a new optimizer from the groups
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    kfac_config = config if task is None else dataclasses.replace(
-        config, kfac_skip_layers=[*config.kfac_skip_layers, *task.kfac_skip])
+    kfac_config = dataclasses.replace(config, kfac_skip_layers=kfac_skip) if work.kfac_skip else config
     with warnings.catch_warnings(record=True) as said:  # K-FAC's warnings (layers it skips): one line, rank 0
         preconditioner = agree(lambda: build_preconditioner(kfac_config, model,
                                                             lambda *_: optimizer.param_groups[0]["lr"], scaler,
@@ -328,7 +287,6 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
     for warning in said:
         print0(f"hpcdl: {warning.category.__name__}: {warning.message}")
 
-    criterion = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing) if task is None else task.loss
     state = runstate.TrainState(model, optimizer, scaler, preconditioner)
     # A resume drops the records of the steps after its checkpoint: they were trained, then discarded.
     kept_through = (resumed["global_step"] if resumed is not None else 0) if config.resume else None
@@ -339,9 +297,9 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         trace = TraceWindow(parse_profile_steps(config.profile_steps), run_dir.path / "traces", me.rank, phases,
                             backend.timeline())
     trainer = Trainer(model=backend.wrap_model(compiled, config), state=state, schedule=schedule,
-                      criterion=criterion, amp_dtype=amp_dtype, data=data, world=me, comm=comm, watchdog=watchdog,
+                      criterion=work.criterion, amp_dtype=amp_dtype, data=data, world=me, comm=comm, watchdog=watchdog,
                       stop=GracefulStop(comm), faults=faults, settings=LoopSettings.of(config), backend=backend,
-                      scoring=scoring_of(task), phases=phases, trace=trace)
+                      scoring=work.scoring, phases=phases, trace=trace)
     job = Job(config=config, world=me, comm=comm, run_dir=run_dir, record=record, trainer=trainer,
               checkpointer=checkpointer)
     if resumed is not None:  # every rank restores the same broadcast checkpoint: replicas stay identical
@@ -349,10 +307,9 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         job.resumed = {key: value for key, value in resumed.items() if key not in state.parts() and key != "rng"}
         match_state_layouts(optimizer)
     watchdog.start()
-    what = f"{config.model} on {config.dataset}" if task_source is None else task_label(task_source)
     print0(
-        f"hpcdl: {what} | {me.size} rank(s) x batch {config.batch_size}"
-        f" x {config.batches_per_allreduce} = global batch {me.size * config.batch_size * config.batches_per_allreduce}"
+        f"hpcdl: {work.label} | {me.size} rank(s) x batch {batch.per_pass} x {batch.passes} = global batch "
+        f"{batch.global_batch}"
         f" | lr {config.base_lr} -> {peak_lr:g} | {data.steps_per_epoch} steps/epoch | {me.device}"
         f"{'' if cuda else f' ({me.threads} thread(s)/rank)'} | amp {amp_dtype or 'off'}"
         f"{' | channels_last' if channels_last else ''}{' | compiled' if config.compile else ''}"

@@ -13,7 +13,6 @@ convolution kernels), and Horovod wraps one optimizer, while timm's flattens a k
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch import nn
 
 from hpcdl.runtime.errors import UsageError
 from hpcdl.training.config import TrainConfig
+from hpcdl.training.task import import_function
 
 try:
     from pytorch_optimizer.optimizer.soap import SOAP
@@ -98,17 +98,8 @@ def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
-    """``module:function`` -> the function; a one-line UsageError when it cannot be imported."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise UsageError(f"--kfac-impl takes hpcdl or module:function (got {spec!r})")
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise UsageError(f"--kfac-impl {spec}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
-    if not callable(factory):
-        raise UsageError(f"--kfac-impl {spec} is not callable")
-    return factory
+    """``--kfac-impl module:function`` -> the function; a one-line UsageError when it cannot be imported."""
+    return import_function(spec, "--kfac-impl", form="hpcdl or module:function")
 
 
 def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Callable[..., float],

@@ -44,7 +44,7 @@ from hpcdl.persistence import checkpoint_files
 from hpcdl.persistence.checkpointer import Checkpointer, Stateful, load_parts, set_rng_state
 from hpcdl.runtime.console import print0
 from hpcdl.runtime.errors import StorageError, UsageError, agree, rank0_then_all
-from hpcdl.training.config import TrainConfig, current_names, option_name
+from hpcdl.training.config import BatchUnits, TrainConfig, current_names, option_name
 from hpcdl.training.task import one_line
 
 FORMAT = "hpcdl.train checkpoint"
@@ -265,8 +265,8 @@ def restore(state: TrainState, saved: dict[str, Any], config: TrainConfig, rank:
     if changes:
         print0("resuming with changed flags: " + "; ".join(changes))
     old = saved["config"]
-    saved_batch = saved["world_size"] * old["batch_size"] * old["batches_per_allreduce"]
-    batch = world_size * config.batch_size * config.batches_per_allreduce
+    saved_batch = BatchUnits.of(old, saved["world_size"]).global_batch
+    batch = BatchUnits.of(config, world_size).global_batch
     if saved["world_size"] != world_size:
         changes.append(f"world size {saved['world_size']} -> {world_size}")
     state.progress.resumed_with_changes = state.progress.resumed_with_changes + changes

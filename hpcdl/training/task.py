@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset, IterableDataset, default_collate
+from torch.utils.data import Dataset, default_collate
 
 from hpcdl.data.spec import DataSpec
-from hpcdl.data.user import DatasetPipeline
+from hpcdl.data.user import DatasetPipeline, check_map_style
 from hpcdl.runtime.errors import UsageError
 
 Metric = Callable[[Tensor, Tensor], Any]  # (outputs, targets) -> the batch's mean of a per-example number
@@ -74,11 +74,12 @@ def accuracy(outputs: Tensor, targets: Tensor) -> Tensor:
     return (outputs.argmax(1) == targets).float().mean()
 
 
-def import_function(spec: str, flag: str) -> Callable[..., Any]:
-    """``package.module:function`` -> the function, or one line saying why not."""
+def import_function(spec: str, flag: str, form: str = "package.module:function") -> Callable[..., Any]:
+    """``package.module:function`` -> the function, or one line saying why not (every flag that names a function:
+    --task, --model, --kfac-impl); ``form``: what the flag takes, for the line."""
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise UsageError(f"{flag} takes package.module:function (got {spec!r})")
+        raise UsageError(f"{flag} takes {form} (got {spec!r})")
     if module_name.endswith(".py") or "/" in module_name:
         dotted = module_name.removesuffix(".py").strip("./").replace("/", ".")
         raise UsageError(f"{flag} takes a module's name, not a file's: write {dotted}:{attribute} (run from the "
@@ -159,7 +160,7 @@ def check_task(task: Any, what: str) -> Task:
     if not isinstance(task.model, nn.Module):
         raise UsageError(f"{what}: Task.model is a {type(task.model).__name__}, not a torch.nn.Module")
     for name in ("train_data", "eval_data"):
-        check_dataset(getattr(task, name), f"{what}: Task.{name}")
+        check_map_style(getattr(task, name), f"{what}: Task.{name}")
     if not callable(task.loss):
         raise UsageError(f"{what}: Task.loss is a {type(task.loss).__name__}, not a function")
     bad = [name for name, metric in task.metrics.items() if not callable(metric)]
@@ -180,18 +181,6 @@ def check_task(task: Any, what: str) -> Task:
     if task.collate is not None and not callable(task.collate):
         raise UsageError(f"{what}: Task.collate is a {type(task.collate).__name__}, not a function")
     return replace(task, goal=task.goal or "min")
-
-
-def check_dataset(data: Any, what: str) -> None:
-    """A map-style dataset with at least one item; an IterableDataset cannot be sharded exactly, so it is refused."""
-    if isinstance(data, IterableDataset):
-        raise UsageError(f"{what} is an IterableDataset: hpcdl shards map-style datasets (__len__ and __getitem__) "
-                         "so that each example is seen once per epoch and a resume is exact")
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-        raise UsageError(f"{what} is a {type(data).__name__}: it needs __len__ and __getitem__ (a map-style "
-                         "torch.utils.data.Dataset)")
-    if len(data) < 1:
-        raise UsageError(f"{what} is empty")
 
 
 def describe(value: Any) -> str:

@@ -83,7 +83,7 @@ class Stream(IterableDataset):
 
 def test_an_iterable_dataset_is_refused_in_one_line() -> None:
     spec = DataSpec(dataset="task", data_dir=None, batch_size=8, test_batch_size=8, workers=0, seed=0)
-    with pytest.raises(UsageError, match="the evaluation dataset is not map-style") as raised:
+    with pytest.raises(UsageError, match="the evaluation dataset is an IterableDataset: hpcdl shards") as raised:
         DatasetPipeline(spec, 0, 1, CPU, train=Indexed(), test=Stream())
     assert "\n" not in str(raised.value)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpcdl.runtime.errors import UsageError
-from hpcdl.training.config import KFAC_PRESETS, TrainConfig, parse_config
+from hpcdl.training.config import KFAC_PRESETS, BatchUnits, TrainConfig, parse_config, warmup_start_factor
 from hpcdl.training.optimizers import build_preconditioner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,3 +67,19 @@ def test_the_preconditioner_built_from_the_preset_carries_its_values() -> None:
     assert (pre.inv_update_freq, pre.factor_update_freq, pre.factor_examples, pre.damping, pre.kl_clip) == (
         2, 1, 256, 0.003, 0.01)
     assert pre.grad_worker_fraction == 1.0  # auto on one rank: fraction 1, the only one there is
+
+
+def test_the_preset_holds_the_peak_rate_through_the_warm_up_unless_a_factor_is_given() -> None:
+    """The preset's warm-up meaning: no ramp (factor 1) where none was given; without the preset, the flag's value
+    or None (the schedule's own ramp)."""
+    assert warmup_start_factor(parse_config(["--kfac-preset", "large-batch"])) == 1.0
+    assert warmup_start_factor(parse_config(["--kfac-preset", "large-batch", "--warmup-start-factor", "1"])) == 1.0
+    assert warmup_start_factor(parse_config(["--kfac"])) is None
+    assert warmup_start_factor(parse_config(["--warmup-start-factor", "0.25"])) == 0.25
+
+
+def test_the_batch_units_multiply_out_from_a_config_or_a_saved_one() -> None:
+    config = parse_config(["--batch-size", "8", "--batches-per-allreduce", "3"])
+    units = BatchUnits.of(config, 4)
+    assert (units.per_pass, units.per_rank_step, units.global_batch) == (8, 24, 96)
+    assert BatchUnits.of(dataclasses.asdict(config), 4) == units  # a checkpoint's header holds the config as a dict
