@@ -100,9 +100,11 @@ record() {
 # --dry-run: the command is not run; each part of it that the real run depends on is checked here on the CPU:
 # the python module or script exists and its --help lists every --flag the command passes; shell scripts
 # exist and parse; the pytest selection collects tests.
+# HPCDL_GPU_SUITE_HELP_CACHE: a folder that keeps the --help texts for the next dry run of the same tree (the
+# tests' several dry runs); by default each run asks every program once.
 cached_help() { # PROGRAM... --help, once per program (imports take seconds)
   local file
-  file="$WORK/help-$(printf '%s' "$*" | md5sum | cut -c1-12)"
+  file="${HPCDL_GPU_SUITE_HELP_CACHE:-$WORK}/help-$(printf '%s' "$*" | md5sum | cut -c1-12)"
   [ -f "$file" ] || "$@" --help >"$file" 2>&1 || { cat "$file"; rm -f "$file"; return 1; }
   cat "$file"
 }

@@ -27,9 +27,9 @@ import os
 import subprocess
 import time
 from collections import defaultdict
-from functools import lru_cache
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +206,7 @@ def handed_elements(parts: Sequence[int], member: int) -> int:
     return sum(parts)
 
 
-@lru_cache(maxsize=None)
+@cache
 def scatter_chunk(parts: tuple[int, ...]) -> int:
     """The equal chunk scatter's allgather hands on (kfac's chunk_overlaps), kept: the price of every design at
     every scale asks it of the same few part lists, and each answer walks every element."""

@@ -19,8 +19,17 @@ SUITE = REPO / "benchmarks" / "gpu_suite.sh"
 GUIDE = REPO / "docs" / "gpu.md"
 
 
-def dry_run(root: Path, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OUT": str(out), "PYTHON": str(REPO / ".venv" / "bin" / "python"), **(env or {})}
+@pytest.fixture(scope="module")
+def help_texts(tmp_path_factory) -> Path:
+    """One folder of the programs' --help texts for all the dry runs here: each program's imports once, not per run
+    (the copies link the same programs; the suite's own text, what the tests vary, is read anew each run)."""
+    return tmp_path_factory.mktemp("help")
+
+
+def dry_run(root: Path, out: Path, *args: str, env: dict[str, str] | None = None,
+            help_cache: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(REPO / ".venv" / "bin" / "python"), **(env or {}),
+           **({"HPCDL_GPU_SUITE_HELP_CACHE": str(help_cache)} if help_cache else {})}
     return subprocess.run(["bash", str(root / "benchmarks" / "gpu_suite.sh"), "--dry-run", *args], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -37,8 +46,8 @@ def linked_copy(tmp_path: Path, suite_text: str | None = None) -> Path:
     return root
 
 
-def test_dry_run_checks_every_step_of_every_run_and_passes(tmp_path: Path) -> None:
-    result = dry_run(REPO, tmp_path)
+def test_dry_run_checks_every_step_of_every_run_and_passes(tmp_path: Path, help_texts: Path) -> None:
+    result = dry_run(REPO, tmp_path, help_cache=help_texts)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
     for step in ("A0 carried wheels", "A0 Open MPI", "A0 mpi4py", "A1 loop fp32 / amp / amp+cl", "A2 --amp auto",
@@ -56,17 +65,18 @@ def test_dry_run_checks_every_step_of_every_run_and_passes(tmp_path: Path) -> No
     assert (tmp_path / "results.tar.gz").is_file()
 
 
-def test_the_k_fac_step_is_skipped_while_its_script_is_absent_and_called_as_agreed_when_there(tmp_path: Path) -> None:
+def test_the_k_fac_step_is_skipped_while_its_script_is_absent_and_called_as_agreed_when_there(
+        tmp_path: Path, help_texts: Path) -> None:
     """Issue 44's benchmarks/kfac_gpu.sh may not be on this branch: skipped, said so; once there, the suite calls
     it with exactly --out DIR --budget SECONDS (--dry-run in the dry run)."""
     root = linked_copy(tmp_path)
-    result = dry_run(root, tmp_path / "absent", "--run", "A")
+    result = dry_run(root, tmp_path / "absent", "--run", "A", help_cache=help_texts)
     assert result.returncode == 0, result.stdout[-2000:]
     assert "A3 K-FAC (benchmarks/kfac_gpu.sh) skipped: benchmarks/kfac_gpu.sh" in \
         " ".join((tmp_path / "absent" / "summary.txt").read_text().split())
     calls = tmp_path / "calls"
     (root / "benchmarks" / "kfac_gpu.sh").write_text(f'#!/usr/bin/env bash\necho "$*" >>{calls}\n')
-    result = dry_run(root, tmp_path / "there", "--run", "A")
+    result = dry_run(root, tmp_path / "there", "--run", "A", help_cache=help_texts)
     assert result.returncode == 0, result.stdout[-2000:]
     words = calls.read_text().split()
     assert words[0] == "--out" and words[1].endswith("/results/kfac_gpu") and words[2:] == ["--budget", "35",
@@ -74,17 +84,17 @@ def test_the_k_fac_step_is_skipped_while_its_script_is_absent_and_called_as_agre
     assert re.search(r"A3 K-FAC.*dry-run ok", (tmp_path / "there" / "summary.txt").read_text())
 
 
-def test_dry_run_fails_on_a_flag_a_tool_does_not_have(tmp_path: Path) -> None:
+def test_dry_run_fails_on_a_flag_a_tool_does_not_have(tmp_path: Path, help_texts: Path) -> None:
     text = SUITE.read_text()
     assert "--warmup 5" in text
     root = linked_copy(tmp_path, text.replace("--warmup 5", "--warm-up 5"))
-    result = dry_run(root, tmp_path / "out", "--run", "A")
+    result = dry_run(root, tmp_path / "out", "--run", "A", help_cache=help_texts)
     assert result.returncode != 0
     assert re.search(r"A2 --amp auto.*DRY-RUN FAILED.*--warm-up", (tmp_path / "out" / "summary.txt").read_text())
 
 
-def test_a_plan_over_its_budget_fails_and_says_so(tmp_path: Path) -> None:
-    result = dry_run(REPO, tmp_path, "--run", "C", env={"HPCDL_GPU_SUITE_BUDGET": "100"})
+def test_a_plan_over_its_budget_fails_and_says_so(tmp_path: Path, help_texts: Path) -> None:
+    result = dry_run(REPO, tmp_path, "--run", "C", env={"HPCDL_GPU_SUITE_BUDGET": "100"}, help_cache=help_texts)
     assert result.returncode != 0
     assert re.search(r"run C: its steps' limits add up to \d+ s, over its 100 s budget", result.stdout)
 
