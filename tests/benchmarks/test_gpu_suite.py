@@ -63,6 +63,7 @@ def test_dry_run_checks_every_step_of_every_run_and_passes(tmp_path: Path, help_
     steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
     assert len(steps) >= 20 and all(set(step) == {"step", "status", "seconds", "limit"} for step in steps)
     assert (tmp_path / "results.tar.gz").is_file()
+    assert any(help_texts.glob("help-*")) and any(help_texts.glob("collect-*"))  # what the next dry runs reuse
 
 
 def test_the_k_fac_step_is_skipped_while_its_script_is_absent_and_called_as_agreed_when_there(
