@@ -112,7 +112,8 @@ def test_the_next_pack_removes_what_a_killed_pack_left(tmp_path: Path, capsys) -
     assert [p.name for p in tmp_path.glob(".out.partial-*")], "SIGKILL should have left the partial folder"
     capsys.readouterr()
     pack("mnist", tmp_path / "data", tmp_path / "out", shard_bytes=2**20, seed=0, force=False)
-    assert "left by an interrupted run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "hpcdl.pack: removed .out.partial-" in err and "left by an interrupted run" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out"]
 
 
