@@ -100,10 +100,18 @@ record() {
 # --dry-run: the command is not run; each part of it that the real run depends on is checked here on the CPU:
 # the python module or script exists and its --help lists every --flag the command passes; shell scripts
 # exist and parse; the pytest selection collects tests.
+# HPCDL_GPU_SUITE_HELP_CACHE: a folder that keeps the --help texts and pytest's counts for the next dry run of the
+# same tree (the tests' several dry runs); by default each run asks every program once.
 cached_help() { # PROGRAM... --help, once per program (imports take seconds)
   local file
-  file="$WORK/help-$(printf '%s' "$*" | md5sum | cut -c1-12)"
+  file="${HPCDL_GPU_SUITE_HELP_CACHE:-$WORK}/help-$(printf '%s' "$*" | md5sum | cut -c1-12)"
   [ -f "$file" ] || "$@" --help >"$file" 2>&1 || { cat "$file"; rm -f "$file"; return 1; }
+  cat "$file"
+}
+cached_collect() { # TEST... : how many of them pytest collects, once per selection (it imports torch)
+  local file
+  file="${HPCDL_GPU_SUITE_HELP_CACHE:-$WORK}/collect-$(printf '%s' "$*" | md5sum | cut -c1-12)"
+  [ -f "$file" ] || "$PY" -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep -c '::' >"$file"
   cat "$file"
 }
 check_command() {
@@ -139,7 +147,7 @@ check_command() {
     local tests=() arg count
     for arg in "${args[@]:$((i + 2))}"; do [[ "$arg" == tests/* ]] && tests+=("$arg"); done
     [ ${#tests[@]} -gt 0 ] || { echo "no test selected"; return 1; }
-    count="$("$PY" -m pytest --collect-only -q -p no:cacheprovider "${tests[@]}" 2>/dev/null | grep -c '::')"
+    count="$(cached_collect "${tests[@]}")"
     [ "$count" -eq ${#tests[@]} ] || { echo "pytest collects $count of the ${#tests[@]} tests named"; return 1; }
     echo "pytest collects the ${#tests[@]} tests"
     return 0

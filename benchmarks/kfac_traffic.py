@@ -29,6 +29,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -202,8 +203,20 @@ def handed_elements(parts: Sequence[int], member: int) -> int:
     if rule == "allgather":
         return parts[member]
     if rule == "scatter":
-        return parts[member] + chunk_overlaps(parts)[1]
+        return parts[member] + scatter_chunk(tuple(parts))
     return sum(parts)
+
+
+@cache
+def scatter_chunk(parts: tuple[int, ...]) -> int:
+    """The equal chunk scatter's allgather hands on (kfac's chunk_overlaps), kept: the price of every design at
+    every scale asks it of the same few part lists, and each answer walks every element."""
+    return chunk_overlaps(parts)[1]
+
+
+def factor_elements(layers: Layers) -> int:
+    """Elements of one round of factor statistics: both factors' upper triangles and two counts per layer."""
+    return sum(upper_size(x) + upper_size(y) + 2 for x, y in zip(layers.a_dims, layers.g_dims, strict=True))
 
 
 def kfac_round_bytes(layers: Layers, world: int, fraction: float, rank: int = 0) -> dict[str, int]:
@@ -214,8 +227,7 @@ def kfac_round_bytes(layers: Layers, world: int, fraction: float, rank: int = 0)
     the factors each member owns; directions (fraction < 1): one collective in the rank's receiver block
     sharing the preconditioned gradients of the layers each member is the grad worker for.
     """
-    factors = sum(upper_size(x) + upper_size(y) + 2 for x, y in zip(layers.a_dims, layers.g_dims, strict=True))
-    out = dict(factors=factors * FP32)
+    out = dict(factors=factor_elements(layers) * FP32)
     for kind, groups in member_parts(layers, world, fraction).items():
         group = next(k for k, grp in enumerate(_groups(world, fraction, kind)) if rank in grp)
         members = _groups(world, fraction, kind)[group]
@@ -275,7 +287,7 @@ def share_seconds(model: AlphaBeta, parts_bytes: Sequence[float], design: str, b
     if rule == "allgather":
         return (p - 1) * (model.alpha + max(parts_bytes) / model.bandwidth)
     if rule == "scatter":
-        chunk_bytes = chunk_overlaps([int(n) // element_bytes for n in parts_bytes])[1] * element_bytes
+        chunk_bytes = scatter_chunk(tuple(int(n) // element_bytes for n in parts_bytes)) * element_bytes
         alltoall = (p - 1) * model.alpha + max(parts_bytes) / model.bandwidth
         return alltoall + (p - 1) * (model.alpha + chunk_bytes / model.bandwidth)
     return model.ring_seconds(sum(parts_bytes), p)
@@ -283,16 +295,19 @@ def share_seconds(model: AlphaBeta, parts_bytes: Sequence[float], design: str, b
 
 def step_seconds(model: AlphaBeta, layers: Layers, world: int, fraction: float, factor_every: int,
                  inverse_every: int, design: str = "one collective", backend: str = "mpi",
-                 share_bytes: int = FP32, factor_bytes: int = FP32) -> dict[str, float]:
+                 share_bytes: int = FP32, factor_bytes: int = FP32,
+                 parts: dict[str, list[list[int]]] | None = None) -> dict[str, float]:
     """Seconds per optimizer step of each kind of collective, none overlapped with anything. Groups of one kind
     run side by side on disjoint ranks, so a round costs its slowest group. ``share_bytes``: bytes per shared
     element (2 for --kfac-comm-precision bf16); ``factor_bytes``: per summed factor element (2 for
     --kfac-factor-precision bf16, whose exact counts, 2 per layer, take one small allreduce more: recursive
-    doubling, the latency-bound algorithm MPI and NCCL's tree use at that size)."""
-    factors = kfac_round_bytes(layers, world, fraction)["factors"] // FP32 * factor_bytes
+    doubling, the latency-bound algorithm MPI and NCCL's tree use at that size). ``parts``: member_parts of this
+    world and fraction, when the caller prices several designs of one (it walks kfac's whole work assignment)."""
+    factors = factor_elements(layers) * factor_bytes
+    by_kind = parts or member_parts(layers, world, fraction)
     shared = {kind: max(share_seconds(model, [n * share_bytes for n in parts], design, backend, share_bytes)
                         for parts in groups)
-              for kind, groups in member_parts(layers, world, fraction).items()}
+              for kind, groups in by_kind.items()}
     counts = 0.0
     if factor_bytes != FP32 and world > 1:
         counts = math.ceil(math.log2(world)) * (model.alpha + 2 * len(layers.a_dims) * FP32 / model.bandwidth)
@@ -466,10 +481,11 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     for name, model in networks.items():
         for ranks in RANKS_AT_SCALE:
             for fraction in (1.0, 1 / 8, 1 / ranks):
+                parts = member_parts(layers, ranks, fraction)
                 for factor_every, inverse_every in FREQUENCIES:
                     for design, backend, share_bytes, factor_bytes in VARIANTS:
                         seconds = step_seconds(model, layers, ranks, fraction, factor_every, inverse_every, design,
-                                               backend, share_bytes, factor_bytes)
+                                               backend, share_bytes, factor_bytes, parts)
                         rows.append(dict(network=name, ranks=ranks, fraction=fraction, factor_every=factor_every,
                                          inverse_every=inverse_every, design=design, backend=backend,
                                          payload="bf16" if share_bytes == 2 else "fp32",

@@ -204,13 +204,17 @@ def test_committed_results_are_replaced_only_with_refresh_results(tmp_path: Path
     assert (results / "allreduce_np2.csv").read_text().startswith("implementation,")
 
 
-def test_default_results_go_to_a_new_folder_under_runs_bench(tmp_path: Path) -> None:
+def test_default_results_go_to_a_new_folder_under_runs_bench(tmp_path: Path, monkeypatch) -> None:
+    """One run writes under runs/bench/allreduce_np2/<new folder>/; the next run's folder is new because the rule
+    makes one per call: the call the program makes, made again here, gets another folder beside it."""
     first = run_mpi(2, QUICK, timeout=180, cwd=tmp_path, env={"PYTHONPATH": str(REPO)})
-    second = run_mpi(2, QUICK, timeout=180, cwd=tmp_path, env={"PYTHONPATH": str(REPO)})
-    assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + second.stderr[-2000:]
-    written = sorted(tmp_path.glob("runs/bench/allreduce_np2/*/allreduce_np2.csv"))
-    assert len(written) == 2 and written[0].parent != written[1].parent
+    assert first.returncode == 0, first.stderr[-2000:]
+    (written,) = tmp_path.glob("runs/bench/allreduce_np2/*/allreduce_np2.csv")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing else, no benchmarks/results
+    monkeypatch.chdir(tmp_path)
+    again = outputs.results_stem(None, "allreduce_np2", (".csv", ".json", ".png")).resolve()
+    assert again.name == "allreduce_np2" and again.parent.parent == written.parent.parent
+    assert again.parent != written.parent and not any(again.parent.iterdir())
 
 
 def test_existing_results_elsewhere_need_force(tmp_path: Path) -> None:

@@ -5,7 +5,9 @@
 :mod:`hpcdl.persistence.outputs`' deciding functions with a probe, runs the program as ``__main__`` in a
 scratch working directory and ends at the first decision (``os._exit``), before any measurement.
 REPORT gets, per case, what the program asked the one rule for (or that it never asked, and how it
-ended). Forking from one parent that has imported torch once keeps the whole probe to seconds.
+ended). Forking from one parent that has imported torch, torchvision, matplotlib and the training stack once
+keeps the whole probe to seconds. The programs reach the rule as ``outputs.<function>``, so the patch made in
+the child holds even for modules the parent imported.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch  # noqa: F401 - imported once here, so that every forked child starts with it
+import matplotlib.pyplot  # noqa: F401 - these heavy libraries are imported once here, so that every forked
+import torch  # noqa: F401 - child starts with them (torchvision alone takes seconds); none of them starts MPI
+import torchvision  # noqa: F401
 
+import hpcdl.training.job  # noqa: F401 - the training stack most programs import (it asks nothing of the rule)
 from hpcdl.persistence import outputs
 
 

@@ -19,8 +19,17 @@ SUITE = REPO / "benchmarks" / "gpu_suite.sh"
 GUIDE = REPO / "docs" / "gpu.md"
 
 
-def dry_run(root: Path, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OUT": str(out), "PYTHON": str(REPO / ".venv" / "bin" / "python"), **(env or {})}
+@pytest.fixture(scope="module")
+def help_texts(tmp_path_factory) -> Path:
+    """One folder of the programs' --help texts for all the dry runs here: each program's imports once, not per run
+    (the copies link the same programs; the suite's own text, what the tests vary, is read anew each run)."""
+    return tmp_path_factory.mktemp("help")
+
+
+def dry_run(root: Path, out: Path, *args: str, env: dict[str, str] | None = None,
+            help_cache: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(REPO / ".venv" / "bin" / "python"), **(env or {}),
+           **({"HPCDL_GPU_SUITE_HELP_CACHE": str(help_cache)} if help_cache else {})}
     return subprocess.run(["bash", str(root / "benchmarks" / "gpu_suite.sh"), "--dry-run", *args], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -37,8 +46,8 @@ def linked_copy(tmp_path: Path, suite_text: str | None = None) -> Path:
     return root
 
 
-def test_dry_run_checks_every_step_of_every_run_and_passes(tmp_path: Path) -> None:
-    result = dry_run(REPO, tmp_path)
+def test_dry_run_checks_every_step_of_every_run_and_passes(tmp_path: Path, help_texts: Path) -> None:
+    result = dry_run(REPO, tmp_path, help_cache=help_texts)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
     for step in ("A0 carried wheels", "A0 Open MPI", "A0 mpi4py", "A1 loop fp32 / amp / amp+cl", "A2 --amp auto",
@@ -54,6 +63,7 @@ def test_dry_run_checks_every_step_of_every_run_and_passes(tmp_path: Path) -> No
     steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
     assert len(steps) >= 20 and all(set(step) == {"step", "status", "seconds", "limit"} for step in steps)
     assert (tmp_path / "results.tar.gz").is_file()
+    assert any(help_texts.glob("help-*")) and any(help_texts.glob("collect-*"))  # what the next dry runs reuse
 
 
 def test_the_session_s_first_call_is_k_fac_s_benchmark_with_a_budget_its_plan_fits(tmp_path: Path) -> None:
@@ -78,17 +88,17 @@ def test_the_session_s_first_call_is_k_fac_s_benchmark_with_a_budget_its_plan_fi
     assert "--kfac-method newton" in printed[0] and "kfac-pytorch" in printed[0]
 
 
-def test_dry_run_fails_on_a_flag_a_tool_does_not_have(tmp_path: Path) -> None:
+def test_dry_run_fails_on_a_flag_a_tool_does_not_have(tmp_path: Path, help_texts: Path) -> None:
     text = SUITE.read_text()
     assert "--warmup 5" in text
     root = linked_copy(tmp_path, text.replace("--warmup 5", "--warm-up 5"))
-    result = dry_run(root, tmp_path / "out", "--run", "A")
+    result = dry_run(root, tmp_path / "out", "--run", "A", help_cache=help_texts)
     assert result.returncode != 0
     assert re.search(r"A2 --amp auto.*DRY-RUN FAILED.*--warm-up", (tmp_path / "out" / "summary.txt").read_text())
 
 
-def test_a_plan_over_its_budget_fails_and_says_so(tmp_path: Path) -> None:
-    result = dry_run(REPO, tmp_path, "--run", "C", env={"HPCDL_GPU_SUITE_BUDGET": "100"})
+def test_a_plan_over_its_budget_fails_and_says_so(tmp_path: Path, help_texts: Path) -> None:
+    result = dry_run(REPO, tmp_path, "--run", "C", env={"HPCDL_GPU_SUITE_BUDGET": "100"}, help_cache=help_texts)
     assert result.returncode != 0
     assert re.search(r"run C: its steps' limits add up to \d+ s, over its 100 s budget", result.stdout)
 

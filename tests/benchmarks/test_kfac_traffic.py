@@ -108,7 +108,9 @@ def test_at_scale_the_ring_terms_follow_the_alpha_beta_model(traffic: ModuleType
     # a ring allgatherv and the sum of zero-padded slots
     old = traffic.step_seconds(net, layers, 1024, 1.0, 1, 1, "broadcasts", "nccl")
     assert large["decompositions"] < old["decompositions"] / 5
-    parts = traffic.member_parts(layers, 1024, 1.0)["decompositions"][0]
+    by_kind = traffic.member_parts(layers, 1024, 1.0)
+    assert traffic.step_seconds(net, layers, 1024, 1.0, 1, 1, parts=by_kind) == large  # predict hands them in
+    parts = by_kind["decompositions"][0]
     assert traffic.share_by(parts) == "scatter"
     chunk = -(-sum(parts) // 1024) * 4
     assert large["decompositions"] == pytest.approx(

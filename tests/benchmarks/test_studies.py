@@ -34,10 +34,16 @@ def test_the_launch_is_checked_before_the_first_run() -> None:
 
 @pytest.mark.processes
 def test_a_two_rank_run_goes_through_the_launcher_as_root_and_trains(tmp_path: Path) -> None:
+    """Also how a run's metrics and summary are read back (the same reading at any number of ranks: one run
+    proves both; single-rank runs are read back in test_a_failed_run_keeps_its_one_line_error_and_no_rows here
+    and in the studies' end-to-end tests)."""
     run = studies.run_train(["--epochs", "1", "--max-steps", "2"], tmp_path / "run", ranks=2, timeout=300)
     assert run.returncode == 0, run.log_tail
     assert run.command[:2] == ["bash", str(studies.REPO / "launch" / "mpirun.sh")]
     assert run.summary is not None and run.summary["world_size"] == 2
+    # a run's metrics and summary are read back
+    assert [row["global_step"] for row in run.rows] == [2]
+    assert run.summary["global_steps"] == 2 and run.wall_seconds > 0
 
 
 def test_a_recorded_command_differs_from_now_s_by_the_settings_named() -> None:
@@ -69,11 +75,3 @@ def test_a_failed_run_keeps_its_one_line_error_and_no_rows(tmp_path: Path) -> No
     run = studies.run_train(["--epochs", "0"], tmp_path / "run", timeout=120)
     assert run.returncode == 2 and run.rows == [] and run.summary is None
     assert "--epochs must be >= 1" in run.log_tail
-
-
-@pytest.mark.processes
-def test_a_run_s_metrics_and_summary_are_read_back(tmp_path: Path) -> None:
-    run = studies.run_train(["--epochs", "1", "--max-steps", "3"], tmp_path / "run", timeout=300)
-    assert run.returncode == 0, run.log_tail
-    assert [row["global_step"] for row in run.rows] == [3] and run.summary is not None
-    assert run.summary["global_steps"] == 3 and run.wall_seconds > 0

@@ -99,7 +99,8 @@ def test_sigterm_during_a_pack_leaves_no_partial_folder(tmp_path: Path, previous
 
 
 @pytest.mark.processes
-def test_the_next_pack_removes_what_a_killed_pack_left(tmp_path: Path) -> None:
+def test_the_next_pack_removes_what_a_killed_pack_left(tmp_path: Path, capsys) -> None:
+    """The killed pack is a process (SIGKILL); the next pack is the same pack() its command line calls, run here."""
     write_mnist(tmp_path / "data", train=200, test=5)
     proc = start_slow_pack(tmp_path / "data", tmp_path / "out")
     try:
@@ -109,11 +110,10 @@ def test_the_next_pack_removes_what_a_killed_pack_left(tmp_path: Path) -> None:
     finally:
         proc.kill()
     assert [p.name for p in tmp_path.glob(".out.partial-*")], "SIGKILL should have left the partial folder"
-    done = subprocess.run([sys.executable, "-m", "hpcdl.pack", "--dataset", "mnist", "--data-dir",
-                           str(tmp_path / "data"), "--output", str(tmp_path / "out")], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "left by an interrupted run" in done.stderr
+    capsys.readouterr()
+    pack("mnist", tmp_path / "data", tmp_path / "out", shard_bytes=2**20, seed=0, force=False)
+    err = capsys.readouterr().err
+    assert "hpcdl.pack: removed .out.partial-" in err and "left by an interrupted run" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out"]
 
 

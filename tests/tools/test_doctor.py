@@ -24,9 +24,15 @@ def run_doctor(extra_path: Path | None = None) -> subprocess.CompletedProcess[st
     return subprocess.run([PYTHON, "-m", "hpcdl.doctor"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def plain_doctor() -> subprocess.CompletedProcess[str]:
+    """``python -m hpcdl.doctor`` in this environment, run once: the tests below read its one report."""
+    return run_doctor()
+
+
 @needs_horovod
-def test_healthy_environment_passes_and_reports_builds() -> None:
-    result = run_doctor()
+def test_healthy_environment_passes_and_reports_builds(plain_doctor: subprocess.CompletedProcess[str]) -> None:
+    result = plain_doctor
     assert result.returncode == 0, result.stderr
     for expected in ("torch", "torchvision", "horovod tensor ops", "MPI thread level", "MULTIPLE", "same MPI", "yes"):
         assert expected in result.stdout
@@ -100,10 +106,10 @@ def test_two_ranks_on_one_pretend_gpu_fail_the_doctor_with_one_line() -> None:
     assert ok.returncode == 0, ok.stderr
 
 
-def test_reports_which_torch_cuda_and_nccl() -> None:
+def test_reports_which_torch_cuda_and_nccl(plain_doctor: subprocess.CompletedProcess[str]) -> None:
     import torch
 
-    result = run_doctor()
+    result = plain_doctor
     assert result.returncode == 0, result.stderr
     torch_line = next(line for line in result.stdout.splitlines() if line.strip().startswith("torch "))
     assert torch.__version__ in torch_line and str(Path(torch.__file__).parent) in torch_line
