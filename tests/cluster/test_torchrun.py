@@ -22,7 +22,7 @@ import torch
 
 from hpcdl.runtime.rendezvous import free_port
 from tests.support.backends import needs_horovod
-from tests.support.mpi_harness import REPO, error_lines, kill_tree, mpi_env, run_train
+from tests.support.mpi_harness import REPO, error_lines, kill_tree, mpi_env, run_bounded, run_train
 from tests.support.reliability_runs import BASE_FLAGS, baseline_run, checkpoint_steps, load_checkpoint, same_weights
 
 pytestmark = pytest.mark.processes
@@ -42,15 +42,7 @@ def torch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``cmd`` under ``timeout``, its whole tree killed at the end of it (returncode 124)."""
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=torch_env(env), cwd=REPO, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        return subprocess.CompletedProcess(cmd, 124, out, err + f"\n[killed after {timeout} s]\n")
+    return run_bounded(cmd, timeout, torch_env(env), REPO, "torchrun test")
 
 
 def torchrun(nprocs: int, output_dir: Path, *flags: str, timeout: float = 240,

@@ -24,6 +24,7 @@ from hpcdl.training.models import build_model
 from hpcdl.training.optimizers import build_preconditioner
 from kfac import KFACPreconditioner, newton
 from kfac.methods import FactorJob, Newton, robust_damped_inverse, tikhonov_gammas, tikhonov_gammas_of
+from tests.support.kfac_models import DeepNarrow
 
 FLOAT32_TOL = 1e-3
 Sequence_ = list[list[tuple[str, torch.Tensor, torch.Tensor]]]
@@ -220,18 +221,6 @@ def test_a_singular_or_non_finite_factor_never_raises_nor_gives_a_non_finite_inv
     previous = (torch.eye(n) * 7.0,)
     kept, how = robust_damped_inverse(factor, gamma, torch.float32, previous)
     assert how == "kept_previous" and kept is previous
-
-
-class DeepNarrow(nn.Module):
-    """tests/kfac/test_kfac_robustness.py's singular case: A of 288 x 288 and rank 2 on a batch of 2."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(32, 8, 3, stride=2, padding=1, bias=False)
-        self.fc = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.relu(self.conv(torch.relu(x))).flatten(1))
 
 
 def test_training_on_singular_factors_with_newton_goes_on_and_warm_starts() -> None:

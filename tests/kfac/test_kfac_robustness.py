@@ -15,22 +15,10 @@ from torch import nn
 
 from kfac import KFACPreconditioner, solve
 from kfac.decompose import EigenJob, decompose_eigen
+from tests.support.kfac_models import DeepNarrow
 
 
 # ------------------------------------------------------------------ singular factors
-class DeepNarrow(nn.Module):
-    """A stride-2 3x3 conv over a 2x2 image, as in ResNet-50's layer4 on 32x32 inputs: on a batch of 2
-    its A factor (288 x 288) has rank 2, mostly zero rows, and float32 eigh fails to converge on it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(32, 8, 3, stride=2, padding=1, bias=False)
-        self.fc = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.relu(self.conv(torch.relu(x))).flatten(1))
-
-
 def _narrow_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return torch.randn(2, 32, 2, 2, generator=g), torch.randint(0, 3, (2,), generator=g)

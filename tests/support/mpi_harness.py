@@ -57,22 +57,22 @@ def run_mpi(
     """
     mpirun = shutil.which("mpirun") or "mpirun"
     cmd = [mpirun, "-np", str(nprocs), "--bind-to", "none", PYTHON, *args]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=mpi_env(env),
-        cwd=cwd or REPO,
-        start_new_session=True,
-    )
+    return run_bounded(cmd, timeout, mpi_env(env), cwd or REPO, "run_mpi")
+
+
+def run_bounded(cmd: Sequence[str], timeout: float, env: dict[str, str], cwd: str | os.PathLike[str],
+                who: str) -> subprocess.CompletedProcess[str]:
+    """``cmd`` in a session of its own; past ``timeout`` its whole tree is killed (returncode 124, and the output
+    gathered so far ends with a line naming ``who``)."""
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate()
-        return subprocess.CompletedProcess(cmd, 124, out, err + f"\n[run_mpi] killed after {timeout} s\n")
+        return subprocess.CompletedProcess(list(cmd), 124, out, err + f"\n[{who}] killed after {timeout} s\n")
 
 
 def kill_tree(pid: int) -> None:
