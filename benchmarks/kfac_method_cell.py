@@ -2,11 +2,14 @@
 
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/kfac_method_cell.py --seeds 0 1 2 --refresh-results
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/kfac_method_cell.py --dry-run   # the commands only
+    .venv/bin/python -m hpcdl.tools.vcluster up --nodes 2 --name lbone                 # 2 virtual nodes, then:
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/kfac_method_cell.py --ranks 2 --vcluster lbone \
+        --first-order muon --seeds 0 1 2 --refresh-results                              # the 2 x 1 cell
 
 kfac_large_batch.py's ``--target-cell`` run of hpcdl's K-FAC (its tuned rate and warm-up, one rank, one thread,
 one run at a time), once per ``--kfac-methods`` entry (``--kfac-method`` added to the preset's flags), seed by
 seed and method by method within a seed, so that a change in the shared machine's load falls on every method
-alike. Results: ``<out>.json`` (kfac_large_batch's format, the methods named ``kfac-<method>``) and the
+alike; ``--first-order`` adds first-order methods at their tuned settings to each seed's round. Results: ``<out>.json`` (kfac_large_batch's format, the methods named ``kfac-<method>``) and the
 markdown table on stdout: steps and training seconds to 98.5 % and 99 %, final accuracy, seconds a step.
 """
 
@@ -34,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--kfac-methods", nargs="+", choices=("eigen", "inverse", "newton"),
                         default=["eigen", "newton", "inverse"])
+    parser.add_argument("--first-order", nargs="*", default=[], choices=("muon", "lamb", "lars", "adamw", "sgd"),
+                        help="first-order methods run beside K-FAC in each seed's round, at their tuned settings")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--ranks", type=int, default=1, help="ranks of every run (one thread each)")
+    parser.add_argument("--vcluster", default=None, metavar="NAME",
+                        help="run on this virtual cluster, one rank a node (hpcdl.tools.vcluster up)")
     parser.add_argument("--data-dir", default=None, help="MNIST's IDX files (default: hpcdl.fetch_mnist's)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results stem (default: runs/bench/; benchmarks/results with --refresh-results)")
@@ -44,36 +52,50 @@ def main(argv: list[str] | None = None) -> int:
     results = outputs.checkout_results()
     if results is None:
         raise UsageError(f"no benchmarks/results here to read {TUNING} from: run from a source checkout")
+    stem = f"kfac_methods_{own.ranks}x1" if own.vcluster else "kfac_methods_1host"
     out = None if own.dry_run else outputs.results_stem(
-        own.out, "kfac_methods_1host", (".json",), refresh_results=own.refresh_results, force=own.force, flag="--out")
-    flags = ["--target-cell", "--tuned-from", str(results / TUNING), "--methods", "kfac", "--jobs", "1",
-             "--threads", "1"]
+        own.out, stem, (".json",), refresh_results=own.refresh_results, force=own.force, flag="--out")
+    flags = ["--target-cell", "--tuned-from", str(results / TUNING), "--methods", "kfac", *own.first_order,
+             "--jobs", "1", "--threads", "1", "--ranks", str(own.ranks)]
+    flags += ["--vcluster", own.vcluster] if own.vcluster else []
     args = study.parse_args(flags + (["--data-dir", own.data_dir] if own.data_dir else []))
     tuning = study.load_outcomes(args.tuned_from)
-    (tuned,) = [c for c in study.tuned_settings(tuning, study.tuning_seed(tuning, args.tuned_from))
-                if c.method == "kfac"]
-    plan = [(seed, method) for seed in own.seeds for method in own.kfac_methods]
+    tuned = {c.method: c for c in study.tuned_settings(tuning, study.tuning_seed(tuning, args.tuned_from))
+             if c.batch == 4096}
+    missing = sorted({"kfac", *own.first_order} - tuned.keys())
+    if missing:
+        raise UsageError(f"{TUNING} tuned no setting at batch 4096 for {', '.join(missing)}")
+    # A round per seed: each K-FAC method (named kfac-<method>), then the first-order methods.
+    plan = [(seed, name) for seed in own.seeds
+            for name in [f"kfac-{m}" for m in own.kfac_methods] + list(own.first_order)]
 
-    def cell_args(method: str) -> argparse.Namespace:
-        return argparse.Namespace(**{**vars(args), "kfac_flags": f"--kfac-method {method}"})
+    def cell_args(name: str) -> argparse.Namespace:
+        if not name.startswith("kfac-"):
+            return args
+        return argparse.Namespace(**{**vars(args), "kfac_flags": f"--kfac-method {name.removeprefix('kfac-')}"})
 
-    cells = {seed: study.Cell("kfac", 4096, tuned.lr, seed, tuned.warmup) for seed in own.seeds}
+    def cell(seed: int, name: str) -> study.Cell:
+        setting = tuned["kfac" if name.startswith("kfac-") else name]
+        return study.Cell(setting.method, 4096, setting.lr, seed, setting.warmup)
+
     if own.dry_run:
-        for seed, method in plan:
-            print(" ".join(study.train_command(cells[seed], cell_args(method), Path("/tmp") / method)))
+        for seed, name in plan:
+            print(" ".join(study.train_command(cell(seed, name), cell_args(name), Path("/tmp") / name)))
         return 0
     assert out is not None
-    for seed, method in plan:
-        studies.check_flags(study.train_flags(cells[seed], cell_args(method)))
+    studies.check_launch(own.ranks, own.vcluster, 1)
+    for seed, name in plan:
+        studies.check_flags(study.train_flags(cell(seed, name), cell_args(name)))
     meta = dict(load_before=os.getloadavg()[0], argv=sys.argv[1:] if argv is None else argv,
-                kfac_preset=study.RECORDED_PRESET, epochs=args.epochs, jobs=1, threads=1, ranks=1, planned=len(plan),
-                lr=tuned.lr, warmup=tuned.warmup)
+                kfac_preset=study.RECORDED_PRESET, epochs=args.epochs, jobs=1, threads=1, ranks=own.ranks,
+                vcluster=own.vcluster, planned=len(plan),
+                settings={name: {"lr": c.lr, "warmup": c.warmup} for name, c in tuned.items()})
     start = time.perf_counter()
     outcomes: list[study.Outcome] = []
     with studies.session("kfac_method_cell") as scratch:
-        for seed, method in plan:
-            (outcome,) = study.run_cells([cells[seed]], cell_args(method), scratch / method)
-            outcomes.append(replace(outcome, cell=replace(outcome.cell, method=f"kfac-{method}")))
+        for seed, name in plan:
+            (outcome,) = study.run_cells([cell(seed, name)], cell_args(name), scratch / name)
+            outcomes.append(replace(outcome, cell=replace(outcome.cell, method=name)))
             study.write_results(outcomes, out, meta)
     meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - start)
     study.write_results(outcomes, out, meta)
