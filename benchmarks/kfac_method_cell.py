@@ -10,7 +10,8 @@ kfac_large_batch.py's ``--target-cell`` run of hpcdl's K-FAC (its tuned rate and
 one run at a time), once per ``--kfac-methods`` entry (``--kfac-method`` added to the preset's flags), seed by
 seed and method by method within a seed, so that a change in the shared machine's load falls on every method
 alike; ``--first-order`` adds first-order methods at their tuned settings to each seed's round. Results:
-``<out>.json`` (kfac_large_batch's format, the methods named ``kfac-<method>``) and the markdown table on stdout: steps and training seconds to 98.5 % and 99 %, final accuracy, seconds a step.
+``<out>.json`` (kfac_large_batch's format, the methods named ``kfac-<method>``) and the markdown table on stdout:
+steps and training seconds to 98.5 % and 99 %, final accuracy, seconds a step.
 """
 
 from __future__ import annotations
