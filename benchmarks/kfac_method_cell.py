@@ -158,8 +158,54 @@ def _decomposition_short() -> str:
             f"Cholesky {times(min(chol))}-{times(max(chol))}")
 
 
+TWO_BY_ONE = "kfac_methods_2x1"  # 2 virtual nodes x 1 rank (1 thread, 1 Gbit/s), each method beside Muon
+
+
+def _against(other: str = "muon", name: str = TWO_BY_ONE) -> dict[str, tuple[float, float, int]]:
+    """Per method of results file ``name``: the median over seeds of its training seconds to 98.5 % over
+    ``other``'s in the same seed's round (a miss counts as beyond the budget), the median of its seconds a step
+    over ``other``'s (same seed), and the seeds."""
+    runs = study.outcomes_of(results(name))
+    by_seed: dict[int, dict[str, study.Outcome]] = {}
+    for o in runs:
+        by_seed.setdefault(o.cell.seed, {})[o.cell.method] = o
+    ratios: dict[str, tuple[float, float, int]] = {}
+    for method in dict.fromkeys(o.cell.method for o in runs if o.cell.method != other):
+        pairs = [(seed[method], seed[other]) for seed in by_seed.values() if method in seed and other in seed]
+        times_to = []
+        for mine, theirs in pairs:
+            a, b = mine.to_target(0.985), theirs.to_target(0.985)
+            times_to.append(float("inf") if a is None else 0.0 if b is None else a[1] / b[1])
+        steps = [(mine.seconds_per_step or 0.0) / (theirs.seconds_per_step or 1.0) for mine, theirs in pairs]
+        ratios[method] = (studies.median_or_inf(times_to), statistics.median(steps), len(pairs))
+    return ratios
+
+
+def _two_by_one_table() -> str:
+    rows = {r["method"]: r for r in results(TWO_BY_ONE)["summary"]}
+    against = _against()
+
+    def row(method: str, r: dict) -> list:
+        each = ", ".join(percent(a) for a in r["final_accuracy"])
+        time_ratio, step_ratio_, _ = against.get(method, (1.0, 1.0, 0))
+        return [method, r["seeds"], f"{percent(r['median_final'])} ({each})", _steps(r["steps_98.5"]),
+                _steps(r["seconds_98.5"] and round(r["seconds_98.5"], 1)), f"{r['seconds_per_step']:.2f}",
+                times(step_ratio_) if method != "muon" else "1", times(time_ratio) if method != "muon" else "1"]
+
+    return table(["method", "seeds", "final accuracy (median; each)", "steps to 98.5 %", "seconds to 98.5 %",
+                  "seconds a step", "step / Muon's", "time to 98.5 % / Muon's"],
+                 [row(m, r) for m, r in rows.items()])
+
+
+def _two_by_one_short() -> str:
+    parts = [f"{method.removeprefix('kfac-')} {times(ratio)}" for method, (ratio, _, _) in _against().items()]
+    seeds = max(n for _, _, n in _against().values())
+    return f"time to 98.5 % over Muon's on 2 nodes x 1 rank: {', '.join(parts)} ({seeds} seeds, medians)"
+
+
 FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
-           "methods.decomposition.short": _decomposition_short}
+           "methods.decomposition.short": _decomposition_short, "methods.2x1.table": _two_by_one_table,
+           "methods.2x1.short": _two_by_one_short}
 
 
 if __name__ == "__main__":
