@@ -48,7 +48,7 @@ from kfac.comm import Communicator, Group, Handle, chunk_overlaps
 from kfac.default_comm import default_communicator
 from kfac.factors import upper_size
 from kfac.layers import find_layers
-from kfac.preconditioner import share_by
+from kfac.sharing import share_by
 from kfac.solve import eigen_shapes
 
 REPO = Path(__file__).resolve().parents[1]

@@ -120,3 +120,14 @@ class LayerCapture:
 
 def _untimed(where: str) -> AbstractContextManager[None]:
     return contextlib.nullcontext()
+
+
+def examples_per_pass(total: int, rank: int, world: int, passes: int) -> list[int]:
+    """This rank's share of ``total`` factor examples for each of its ``passes`` backward passes.
+
+    The W·k (rank, pass) slots are numbered rank·k + pass, which is the micro-batch numbering of
+    gradient accumulation: one rank with k passes takes exactly the examples k ranks with one pass
+    take. Slot s gets ⌊total / (W·k)⌋, plus one for the first total mod W·k slots, at least one."""
+    slots = world * passes
+    base, extra = divmod(total, slots)
+    return [max(1, base + int(rank * passes + j < extra)) for j in range(passes)]

@@ -30,41 +30,24 @@ from torch import Tensor, nn
 
 from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work, auto_fraction
-from kfac.capture import LayerCapture
-from kfac.comm import Communicator, buffer_to_tensors, chunk_overlaps, tensors_to_buffer
+from kfac.capture import LayerCapture, examples_per_pass
+from kfac.comm import Communicator
 from kfac.decompose import Recoveries, Results
 from kfac.default_comm import default_communicator
-from kfac.factors import BatchStatistics, masked_running_averages, upper_size
+from kfac.exchange import StatisticsExchange
+from kfac.factors import masked_running_averages
 from kfac.layers import KFACLayer, SkipSpec, find_layers
-from kfac.methods import METHODS, Eigen, FactorJob, Inverse, Newton, tikhonov_gammas_of
+from kfac.methods import Eigen, FactorJob, Inverse, Newton, tikhonov_gammas_of
+from kfac.options import KFACOptions, Schedule
+from kfac.options import schedule_value as _value
 from kfac.precision import ieee_fp32
+from kfac.sharing import Sharing
 
-Schedule = float | Callable[[int], float]
 # The factors (A, G) one layer's decompositions were computed from, the step, and which call of that step
 # ("now", "first" or "late": the layers one call decomposed are batched together).
 Source = tuple[Tensor | None, Tensor | None, int, str]
-# The payload precisions offered for what K-FAC shares by allgather: bfloat16 has float32's exponent range
-# (eigenvalues cannot overflow as in float16).
-COMM_DTYPES = (None, torch.bfloat16)
 # The phases of ``step()`` in ``timings``, in the order they run.
 PHASES = ("statistics", "factor_reduction", "factors", "decompositions", "sharing", "precondition")
-
-
-def _value(schedule: Schedule, step: int) -> float:
-    return float(schedule(step)) if callable(schedule) else float(schedule)
-
-
-def _check_schedule(name: str, schedule: Schedule, below_one: bool = False) -> None:
-    """A constant hyperparameter must be finite and > 0 (``below_one``: in [0, 1)); a callable is the user's.
-
-    kfac/ stands alone (it imports nothing from hpcdl), so it states its two ranges itself."""
-    if callable(schedule):
-        return
-    value = float(schedule)
-    accepted = "[0, 1)" if below_one else "> 0"
-    inside = 0 <= value < 1 if below_one else 0 < value < math.inf
-    if not inside:
-        raise ValueError(f"{name} must be {accepted} or a callable of the step, got {schedule}")
 
 
 class KFACPreconditioner:
@@ -152,55 +135,11 @@ class KFACPreconditioner:
         bucket_cap_mb: float = 25.0,
         conv_approximation: str = "expand",
     ) -> None:
-        for name, freq in (
-            ("factor_update_freq", factor_update_freq),
-            ("inv_update_freq", inv_update_freq),
-            ("backward_passes_per_step", backward_passes_per_step),
-        ):
-            if not isinstance(freq, int) or freq < 1:
-                raise ValueError(f"{name} must be a positive integer, got {freq!r}")
-        _check_schedule("damping", damping)
-        _check_schedule("factor_decay", factor_decay, below_one=True)
-        if kl_clip is not None:
-            _check_schedule("kl_clip", kl_clip)
-        if isinstance(method, str):
-            if method not in METHODS:
-                raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
-            method = METHODS[method]()
-        elif not isinstance(method, (Eigen, Inverse)):
-            raise ValueError(f"method must be one of {tuple(METHODS)} or a kfac.methods instance, got {method!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if eigen_dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"eigen_dtype must be torch.float32 or torch.float64, got {eigen_dtype}")
-        if factor_examples is not None and (not isinstance(factor_examples, int) or factor_examples < 1):
-            raise ValueError(f"factor_examples must be a positive integer or None, got {factor_examples!r}")
-        if not isinstance(cpu_eigen_limit, int) or cpu_eigen_limit < 0:
-            raise ValueError(f"cpu_eigen_limit must be a non-negative integer, got {cpu_eigen_limit!r}")
-        for name, dtype in (("comm_dtype", comm_dtype), ("factor_comm_dtype", factor_comm_dtype)):
-            if dtype not in COMM_DTYPES:
-                raise ValueError(f"{name} must be one of {COMM_DTYPES}, got {dtype}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
-
-        self.factor_update_freq = factor_update_freq
-        self.inv_update_freq = inv_update_freq
-        self.damping = damping
-        self.factor_decay = factor_decay
-        self.kl_clip = kl_clip
-        self.lr = lr
-        self.method = method.name
-        self._method = method
-        self.eigen_dtype = eigen_dtype
-        self.loss_reduction = loss_reduction
+        arguments = dict(locals())  # before any other local: the options by name, checked together
+        self.options = options = KFACOptions.of(arguments)
+        self._method = options.solver
+        self.method = self._method.name
         self.grad_scaler = grad_scaler
-        self.backward_passes_per_step = backward_passes_per_step
-        self.late_decompositions = late_decompositions
-        self.factor_examples = factor_examples
-        self.cpu_eigen_limit = cpu_eigen_limit
-        self.comm_dtype = comm_dtype
-        self.factor_comm_dtype = factor_comm_dtype
-        self.share_rule = "auto"  # share_by's rule; tests force each collective
         self.steps = 0
         # Host seconds per phase (PHASES), for the trainer's step breakdown and benchmarks; on a GPU the
         # time to launch the work, not to finish it, unless ``synchronise_timings`` is set: then each phase
@@ -230,26 +169,21 @@ class KFACPreconditioner:
         self._restoring_held: dict[int, tuple[solve.Decomposition, solve.Decomposition]] = {}
         self._side_stream: Any = None
 
-        self.layers: list[KFACLayer] = find_layers(model, skip_layers, conv_approximation)
+        self.layers: list[KFACLayer] = find_layers(model, options.skip_layers, options.conv_approximation)
         if not self.layers:
             warnings.warn("K-FAC found no nn.Linear or nn.Conv2d layer to precondition", stacklevel=2)
         self.comm = communicator if communicator is not None else default_communicator()
-        if factor_comm_dtype == torch.bfloat16 and self.comm.size > 1 and not self.comm.sums_bfloat16:
-            raise ValueError(f"factor_comm_dtype bfloat16 needs a communicator that sums bfloat16; "
-                             f"{type(self.comm).__name__} cannot (use torch.distributed's)")
-        if grad_worker_fraction == "auto":
-            grad_worker_fraction = auto_fraction(
-                [math.prod(s) for i in range(len(self.layers)) for k in "AG" for s in self._decomposition_shapes(i, k)],
-                sum(layer.a_dim * layer.g_dim for layer in self.layers), self.comm.size, inv_update_freq)
-        elif not isinstance(grad_worker_fraction, (int, float)):
-            raise ValueError(f"grad_worker_fraction must be a number in (0, 1] or 'auto', got {grad_worker_fraction!r}")
-        self.grad_worker_fraction = float(grad_worker_fraction)
+        self._exchange = StatisticsExchange(self.comm, self.layers, options.backward_passes_per_step,
+                                            options.bucket_cap_mb, options.factor_comm_dtype, self.collectives)
+        self._sharing = Sharing(self.comm.rank, lambda: self.layers[0].device, options.comm_dtype, self.collectives,
+                                lambda: self._timed("sharing"))
+        self.grad_worker_fraction = self._resolved_fraction()
         self.assignment: WorkAssignment = assign_work(
             [layer.a_dim for layer in self.layers],
             [layer.g_dim for layer in self.layers],
             self.comm.size,
-            grad_worker_fraction,
-            colocate_factors,
+            self.grad_worker_fraction,
+            options.colocate_factors,
         )
         # Collective set-up of the rank groups, identical on every rank.
         self._worker_group = self.comm.groups(self.assignment.worker_groups())
@@ -262,24 +196,24 @@ class KFACPreconditioner:
         self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
         self._denominators: dict[Any, tuple[float, Tensor]] = {}
         self._batches: list[tuple[list[int], Tensor, Tensor, Tensor, Tensor]] = []  # layers of one shape
-        # Per layer, this step's statistics so far; per bucket of layers, the allreduce once it has started.
-        self._buckets = _buckets([self._stats_bytes(layer) for layer in self.layers], bucket_cap_mb * 2**20)
-        self._bucket_of = {index: b for b, bucket in enumerate(self._buckets) for index in bucket}
-        self._gathered: dict[int, BatchStatistics] = {}
-        self._passes: dict[int, int] = defaultdict(int)
-        self._in_flight: dict[int | str, Any] = {}
-        self._count_index: dict[tuple[int, torch.device], Tensor] = {}
-        self._counts: list[Tensor] = []  # with factor_comm_dtype: the launched buckets' counts, sent with the last
-        self._next_bucket = 0  # buckets whose allreduce this step has started
-        self._late: dict[int, BatchStatistics] = {}
-        per_example = float(backward_passes_per_step) if loss_reduction == "mean" else 0.0
+        passes = options.backward_passes_per_step
+        per_example = float(passes) if options.loss_reduction == "mean" else 0.0
         shares = None
-        if factor_examples is not None:
-            shares = examples_per_pass(factor_examples, self.comm.rank, self.comm.size, backward_passes_per_step)
+        if options.factor_examples is not None:
+            shares = examples_per_pass(options.factor_examples, self.comm.rank, self.comm.size, passes)
         self._captures = [
             LayerCapture(layer, self._capturing, per_example, self._collector(index), shares, self._hook_timed)
             for index, layer in enumerate(self.layers)
         ]
+
+    def _resolved_fraction(self) -> float:
+        """grad_worker_fraction as a number: 'auto' is the fraction whose groups receive the fewest elements."""
+        fraction = self.options.grad_worker_fraction
+        if fraction == "auto":
+            return auto_fraction(
+                [math.prod(s) for i in range(len(self.layers)) for k in "AG" for s in self._decomposition_shapes(i, k)],
+                sum(layer.a_dim * layer.g_dim for layer in self.layers), self.comm.size, self.options.inv_update_freq)
+        return float(fraction)
 
     # ------------------------------------------------------------------ public API
     def step(self, found_inf: Tensor | None = None) -> None:
@@ -294,13 +228,13 @@ class KFACPreconditioner:
         step = self.steps
         if self._restoring is not None:
             self._restore_decompositions()
-        if step % self.factor_update_freq == 0:
+        if step % self.options.factor_update_freq == 0:
             with self._timed("factors"):
                 self._update_factors(step, found_inf)
         stale = [
             i
             for i in range(len(self.layers))
-            if self.a_factors[i] is not None and (step % self.inv_update_freq == 0 or not self._decomposed[i])
+            if self.a_factors[i] is not None and (step % self.options.inv_update_freq == 0 or not self._decomposed[i])
         ]
         if stale:
             first = [i for i in stale if not self._decomposed[i]]
@@ -406,11 +340,11 @@ class KFACPreconditioner:
 
     def _note_sources(self, stale: list[int], first: list[int], step: int) -> None:
         """Record which factors the decompositions this step installed (or started late) come from."""
-        if not self.late_decompositions:
+        if not self.options.late_decompositions:
             self._sources.update({i: (self.a_factors[i], self.g_factors[i], step, "now") for i in stale})
             return
         self._sources.update({i: (self.a_factors[i], self.g_factors[i], step, "first") for i in first})
-        if step % self.inv_update_freq == 0:  # the pending ones were installed; the rest started late
+        if step % self.options.inv_update_freq == 0:  # the pending ones were installed; the rest started late
             self._sources.update(self._late_sources)
             self._late_sources = {i: (self.a_factors[i], self.g_factors[i], step, "late")
                                   for i in stale if i not in first}
@@ -434,12 +368,12 @@ class KFACPreconditioner:
         for (step, _), group in sorted(calls.items()):  # recoveries were counted when first computed: not again
             layers = [i for i in group if i not in held]  # every rank loaded the same state: the same layers
             if layers:
-                self._install(layers, self._compute_owned(layers, _value(self.damping, step), factors)[0], {})
+                self._install(layers, self._compute_owned(layers, _value(self.options.damping, step), factors)[0], {})
             self._sources.update({i: restoring["decomposed_from"][i] for i in group})
         late = restoring["late_from"]
         if late:
             step = next(iter(late.values()))[2]
-            self._start_late(sorted(late), _value(self.damping, step), self._source_factors(late))
+            self._start_late(sorted(late), _value(self.options.damping, step), self._source_factors(late))
             self._late_sources = dict(late)
 
     def _source_factors(self, sources: dict[int, Source]) -> tuple[list, list]:
@@ -456,7 +390,7 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------ factors
     def _capturing(self) -> bool:
-        return self.steps % self.factor_update_freq == 0
+        return self.steps % self.options.factor_update_freq == 0
 
     def _collector(self, index: int) -> Callable[[LayerCapture], None]:
         """Called when a layer's forward and backward of one pass are both done (inside backward)."""
@@ -468,119 +402,36 @@ class KFACPreconditioner:
         return collect
 
     def _collect(self, index: int, capture: LayerCapture) -> None:
-        """Keep one pass's statistics; start the bucket's allreduce once all its layers have their last pass."""
+        """Hand one pass's statistics to the exchange (which starts the bucket's allreduce once it is full)."""
         stats = capture.statistics()
         assert stats is not None
         capture.reset()  # a later pass in the same step (gradient accumulation) starts afresh
-        if self._bucket_of[index] < self._next_bucket:  # more passes than backward_passes_per_step: kept here
-            late = self._late.get(index)
-            self._late[index] = stats if late is None else BatchStatistics.merge([late, stats])
-            return
-        gathered = self._gathered.get(index)
-        self._gathered[index] = stats if gathered is None else BatchStatistics.merge([gathered, stats])
-        self._passes[index] += 1
-        if self.comm.size > 1 and self._passes[index] == self.backward_passes_per_step:
-            self._launch_ready()  # the allreduces of finished buckets overlap the rest of backward
-
-    def _launch_ready(self) -> None:
-        """Start the next buckets whose layers all had their last pass, strictly in bucket order, so that
-        every rank issues the same collectives in the same order (NCCL needs it) even if a rank skips a layer."""
-        for bucket in range(self._next_bucket, len(self._buckets)):
-            if not all(self._passes[i] == self.backward_passes_per_step for i in self._buckets[bucket]):
-                return
-            self._launch(bucket)
-
-    def _stats_bytes(self, layer: KFACLayer) -> int:
-        numel = upper_size(layer.a_dim) + upper_size(layer.g_dim) + 2
-        return numel * layer.dtype.itemsize
-
-    def _launch(self, bucket: int) -> None:
-        """One sum-allreduce per bucket per step on every rank, whatever the rank saw (buckets in a fixed order
-        given by backward, the same on every rank)."""
-        buffers = []
-        for index in self._buckets[bucket]:
-            layer = self.layers[index]
-            stats = self._gathered.pop(index, None)
-            if stats is None:  # this rank's pass never reached the layer: it still joins, with zero counts
-                buffers.append(BatchStatistics.empty_buffer(layer.a_dim, layer.g_dim, layer.dtype, layer.device))
-            else:
-                buffers.append(stats.pack())
-        self._next_bucket += 1
-        self.collectives["kfac.factors"] += 1
-        payload = torch.cat(buffers)
-        name = f"kfac.factors.{bucket}"
-        if self.factor_comm_dtype is None:
-            self._in_flight[bucket] = self.comm.allreduce_sum_async(payload, name)
-            return
-        # The sums travel in the narrow precision; the counts (integers bfloat16 cannot hold exactly) are kept
-        # in the statistics' own and go in one small allreduce with the last bucket.
-        self._in_flight[bucket] = self.comm.allreduce_sum_async(payload.to(self.factor_comm_dtype), name)
-        self._counts.append(payload[self._count_positions(bucket, payload.device)])
-        if self._next_bucket == len(self._buckets):
-            self.collectives["kfac.factor_counts"] += 1
-            self._in_flight["counts"] = self.comm.allreduce_sum_async(torch.cat(self._counts), "kfac.factor_counts")
-            self._counts = []
-
-    def _count_positions(self, bucket: int, device: torch.device) -> Tensor:
-        """Where the two counts of each layer of ``bucket`` sit in its packed buffer (kept on the device)."""
-        key = (bucket, device)
-        if key not in self._count_index:
-            ends = torch.tensor([upper_size(self.layers[i].a_dim) + upper_size(self.layers[i].g_dim) + 2
-                                 for i in self._buckets[bucket]]).cumsum(0)
-            self._count_index[key] = torch.stack([ends - 2, ends - 1], 1).reshape(-1).to(device)
-        return self._count_index[key]
-
-    def _receive_all(self) -> dict[int, Tensor]:
-        """Wait for every bucket's allreduce: per layer, its packed statistics in the layers' precision."""
-        received: dict[int, Tensor] = {}
-        counts = None if self.factor_comm_dtype is None else self.comm.wait(self._in_flight.pop("counts"))
-        offset = 0
-        for bucket, indices in enumerate(self._buckets):
-            summed = self.comm.wait(self._in_flight.pop(bucket))
-            if counts is not None:
-                summed = summed.to(counts.dtype)
-                summed[self._count_positions(bucket, summed.device)] = counts[offset : offset + 2 * len(indices)]
-                offset += 2 * len(indices)
-            sizes = [upper_size(self.layers[i].a_dim) + upper_size(self.layers[i].g_dim) + 2 for i in indices]
-            received.update(zip(indices, summed.split(sizes), strict=True))
-        return received
+        self._exchange.add(index, stats)
 
     def _update_factors(self, step: int, found_inf: Tensor | None) -> None:
-        decay = _value(self.factor_decay, step)
+        decay = _value(self.options.factor_decay, step)
         loss_scale = self._loss_scale()
-        received: dict[int, Tensor] = {}
         if self.comm.size > 1:
             with self._timed("factor_reduction"):
-                for bucket in range(self._next_bucket, len(self._buckets)):
-                    self._launch(bucket)
-                received = self._receive_all()
-        late = [self.layers[i].name for i in self._late]
-        if late:
+                self._exchange.reduce()
+        extra = [self.layers[i].name for i in self._exchange.extra_passes]
+        if extra:
             warnings.warn(
-                f"K-FAC: {', '.join(late)} ran more than backward_passes_per_step={self.backward_passes_per_step} "
-                "times in one step; the extra passes only count on this rank",
+                f"K-FAC: {', '.join(extra)} ran more than backward_passes_per_step="
+                f"{self.options.backward_passes_per_step} times in one step; the extra passes only count on this rank",
                 stacklevel=3,
             )
+        summed = self._exchange.take()
         batches: list[tuple[int, Tensor, Tensor]] = []  # (layer, A of this batch, G of this batch)
-        for index, layer in enumerate(self.layers):
+        for index in range(len(self.layers)):
             self._captures[index].new_step()
-            stats: BatchStatistics | None
-            if self.comm.size > 1:
-                stats = BatchStatistics.unpack(received[index], layer.a_dim, layer.g_dim)
-            else:
-                stats = self._gathered.pop(index) if index in self._gathered else None
-            extra = self._late.pop(index) if index in self._late else None
-            if extra is not None:
-                stats = extra if stats is None else BatchStatistics.merge([stats, extra])
+            stats = summed.get(index)
             if stats is None:
                 continue
             if not isinstance(stats.a_count, Tensor) and (stats.a_count == 0 or stats.g_count == 0):
                 continue  # counts known on the host: nothing ran. Device counts of 0 give 0/0 below, masked.
             scale = loss_scale.to(stats.g_sum.device) ** 2 if isinstance(loss_scale, Tensor) else loss_scale**2
             batches.append((index, stats.a_sum / stats.a_count, stats.g_sum / (stats.g_count * scale)))
-        self._gathered.clear()
-        self._passes.clear()
-        self._next_bucket = 0
         if batches:
             self._average_into_factors(batches, decay, found_inf)
 
@@ -635,15 +486,15 @@ class KFACPreconditioner:
         the previous one and starts the next in the background; a layer's first decompositions are
         always computed at once.
         """
-        damping = _value(self.damping, step)
+        damping = _value(self.options.damping, step)
         factors = (list(self.a_factors), list(self.g_factors))  # this step's factors (updates replace, never mutate)
-        if not self.late_decompositions:
+        if not self.options.late_decompositions:
             self._install(stale, *self._compute_owned(stale, damping, factors))
             return
         first = [i for i in stale if not self._decomposed[i]]
         if first:
             self._install(first, *self._compute_owned(first, damping, factors))
-        if step % self.inv_update_freq == 0:
+        if step % self.options.inv_update_freq == 0:
             self._install_pending()
             later = [i for i in stale if i not in first]
             if later:
@@ -663,27 +514,17 @@ class KFACPreconditioner:
             previous = self._decompositions[i]
             jobs.append(FactorJob((i, kind), factors[kind == "G"][i], gammas[i][kind == "G"] if gammas else 0.0,
                                   None if previous is None else previous[kind == "G"]))
-        dtype = self._decomposition_dtype(owned[0][0]) if owned else self.eigen_dtype
-        return self._method.decompose(jobs, dtype, self.cpu_eigen_limit)
+        dtype = self._decomposition_dtype(owned[0][0]) if owned else self.options.eigen_dtype
+        return self._method.decompose(jobs, dtype, self.options.cpu_eigen_limit)
 
     def _install(self, stale: list[int], results: Results, recoveries: Recoveries) -> None:
         """Record recoveries, gather every owner's decompositions in its worker group, keep the grad workers'."""
         rank = self.comm.rank
         self._record_recoveries(recoveries)
-        todo = set(stale)
         group = self._worker_group
         if len(group.ranks) > 1:
-            payloads = {}
-            for root in group.ranks:
-                items = [(i, kind) for i, kind in self.assignment.owned_factors(root) if i in todo]
-                shapes = [shape for i, kind in items for shape in self._decomposition_shapes(i, kind)]
-                sent = [t for item in items for t in results[item]] if root == rank else None
-                payloads[root] = (shapes, sent, self._decomposition_dtype(stale[0]))
-            received = self._gather_from_each(group, "kfac.decompositions", payloads)
-            for root, tensors in received.items():
-                items_of_root = iter(tensors)
-                for item in [(i, kind) for i, kind in self.assignment.owned_factors(root) if i in todo]:
-                    results[item] = tuple(next(items_of_root) for _ in self._decomposition_shapes(*item))
+            self._sharing.decompositions(group, self.assignment, stale, results, self._decomposition_shapes,
+                                         self._decomposition_dtype(stale[0]))
         for i in stale:
             if self.assignment.is_grad_worker(i, rank):
                 self._decompositions[i] = (results[(i, "A")], results[(i, "G")])
@@ -776,11 +617,11 @@ class KFACPreconditioner:
             self._batches.append((layers, qa, da, qg, dg))
 
     def _decomposition_dtype(self, index: int) -> torch.dtype:
-        return torch.promote_types(self.eigen_dtype, self.layers[index].dtype)
+        return torch.promote_types(self.options.eigen_dtype, self.layers[index].dtype)
 
     # ------------------------------------------------------------------ preconditioning
     def _precondition(self, step: int) -> None:
-        rank, damping = self.comm.rank, _value(self.damping, step)
+        rank, damping = self.comm.rank, _value(self.options.damping, step)
         grads: dict[int, Tensor] = {}
         directions: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
@@ -812,12 +653,12 @@ class KFACPreconditioner:
         self._share_directions(grads, directions)
 
         order = sorted(directions)
-        if self.kl_clip is not None and order:
-            lr = _value(self.lr, step)
+        if self.options.kl_clip is not None and order:
+            lr = _value(self.options.lr, step)
             # One reduction on the device for all layers, in layer order on every rank (the same sum to
             # the last bit), and the scale applied there too: no host read, the step stays asynchronous.
             dots = torch.stack([torch.dot(directions[i].reshape(-1), grads[i].reshape(-1)) for i in order])
-            scale = solve.kl_clip_scale_tensor(dots.sum().abs() * lr**2, _value(self.kl_clip, step))
+            scale = solve.kl_clip_scale_tensor(dots.sum().abs() * lr**2, _value(self.options.kl_clip, step))
             torch._foreach_mul_([directions[i] for i in order], scale)
         for i in order:
             self.layers[i].set_grad(directions[i])
@@ -835,60 +676,8 @@ class KFACPreconditioner:
         block = self._receiver_block
         if len(block.ranks) == 1 or not self.layers:
             return
-        payloads, layers_of = {}, {}
         dtype = next(iter(grads.values())).dtype if grads else self.layers[0].dtype
-        for root in block.ranks:
-            layers_of[root] = [i for i in grads if self.assignment.gradient_source(i, root) == root]
-            sent = [directions[i] for i in layers_of[root]] if root == self.comm.rank else None
-            payloads[root] = ([tuple(grads[i].shape) for i in layers_of[root]], sent, dtype)
-        for root, tensors in self._gather_from_each(block, "kfac.directions", payloads).items():
-            for i, tensor in zip(layers_of[root], tensors, strict=False):
-                # The root too takes the copy it sent: same memory layout, same rounding downstream.
-                directions[i] = tensor
-
-    def _gather_from_each(self, group: Any, name: str, payloads: dict[int, tuple]) -> dict[int, list[Tensor]]:
-        """Every member of ``group`` sends its tensors to the others in one collective (or scatter's two);
-        returns what each sent.
-
-        ``payloads[member]`` is (shapes, this rank's tensors if it is the member else None, dtype);
-        the shapes are known on every rank, so a member with nothing to send adds nothing to the
-        payload. With ``comm_dtype`` set the payload travels in that precision and is widened back to
-        ``dtype`` on arrival. :func:`share_by` picks how. An allgather when the members' payloads are
-        balanced; when a few members own most of it (ResNet-50's 54 layers on 1,024 ranks), an allgather,
-        whose ring carries the largest part through every hop, costs up to W times more than needed, so
-        either each member writes its part into its own slot of a zeroed buffer and the group sums it as
-        int32 words (one nonzero word plus zeros is that word: exact for every dtype), at twice the bytes
-        of a balanced allgather, or (scatter) an alltoall hands member j the j-th of W equal chunks of the
-        concatenated payload and an allgather of the chunks gives everyone all of it: max + Σ bytes a link
-        for two collectives. All three only move bits, so they give the same result bit for bit.
-        """
-        device = self.layers[0].device
-        dtype = next(iter(payloads.values()))[2]
-        wire = self.comm_dtype or dtype
-        sizes = [sum(torch.Size(shape).numel() for shape in payloads[m][0]) for m in group.ranks]
-        shapes, tensors, _ = payloads[self.comm.rank]
-        mine = tensors_to_buffer(tensors, wire, device) if shapes else torch.empty(0, dtype=wire, device=device)
-        rule = share_by(sizes, self.share_rule)
-        me = group.ranks.index(self.comm.rank)
-        with self._timed("sharing"):
-            if rule == "allgather":
-                parts = group.wait_gathered(group.allgather_async(mine, sizes, name))
-            elif rule == "sum":
-                total = sum(sizes)
-                words = -(-total * mine.element_size() // 4)  # the payload as whole int32 words
-                slots = torch.zeros(words * 4 // mine.element_size(), dtype=wire, device=device)
-                start = sum(sizes[:me])
-                slots[start : start + mine.numel()] = mine
-                summed = group.wait_sum(group.allreduce_sum_async(slots.view(torch.int32), name))
-                parts = list(summed.view(wire)[:total].split(sizes))
-            else:  # scatter: an alltoall and an allgather, or nothing when there is nothing to share
-                parts = _scatter_then_gather(group, mine, sizes, me, name)
-        self.collectives[name] += (2 if sum(sizes) else 0) if rule == "scatter" else 1
-        received = {}
-        for member, part in zip(group.ranks, parts, strict=True):
-            member_shapes = payloads[member][0]
-            received[member] = buffer_to_tensors(part.to(dtype), member_shapes) if member_shapes else []
-        return received
+        self._sharing.directions(block, self.assignment, grads, directions, dtype)
 
     @contextmanager
     def _hook_timed(self, where: str) -> Iterator[None]:
@@ -926,72 +715,6 @@ class KFACPreconditioner:
         if not self.synchronise_timings or not self.layers or self.layers[0].device.type != "cuda":
             return None
         return self.layers[0].device
-
-
-SHARING_RULES = ("allgather", "sum", "scatter")
-# What scatter's second collective costs beyond its bytes (a launch, Horovod's negotiation), in elements a link
-# carries meanwhile: scatter is picked only where it saves more than this (256 KiB of fp32) over the others.
-SCATTER_OVERHEAD_ELEMENTS = 1 << 16
-
-
-def share_by(sizes: Sequence[int], rule: str = "auto") -> str:
-    """'allgather', 'sum' or 'scatter' for parts of these sizes (elements; the same answer on every rank).
-
-    Elements a link carries, W members: a ring allgather(v) moves the largest part through each of the
-    W-1 hops, W·max; a sum of zero-padded slots, 2·Σ; scatter (an alltoall to W equal chunks, then an
-    allgather of the chunks), max + Σ plus SCATTER_OVERHEAD_ELEMENTS for its second collective. ``rule``
-    'auto' takes the cheapest (a tie goes to the one collective, allgather before sum); any of
-    SHARING_RULES forces it.
-    """
-    if rule != "auto":
-        if rule not in SHARING_RULES:
-            raise ValueError(f"rule must be 'auto' or one of {SHARING_RULES}, got {rule!r}")
-        return rule
-    largest, total = max(sizes, default=0), sum(sizes)
-    costs = {"allgather": len(sizes) * largest, "sum": 2 * total,
-             "scatter": largest + total + SCATTER_OVERHEAD_ELEMENTS}
-    return min(costs, key=lambda kind: costs[kind])  # the first of equals: dicts keep their order
-
-
-def _scatter_then_gather(group: Any, mine: Tensor, sizes: Sequence[int], me: int, name: str) -> list[Tensor]:
-    """Every member's part on every member (member ``me`` sends ``mine``): an alltoall hands member j the
-    j-th of W equal chunks of the concatenated parts (chunk_overlaps), an allgather of the chunks, padded
-    with zeros to equal length, brings them all to everyone, who cuts the parts back out."""
-    overlaps, chunk = chunk_overlaps(sizes)
-    total = sum(sizes)
-    if total == 0:  # every member knows the sizes: nothing travels
-        return [mine.new_empty(0) for _ in sizes]
-    received = group.wait_alltoall(group.alltoall_async(mine, overlaps[me], [row[me] for row in overlaps], name))
-    padded = mine.new_zeros(chunk)
-    padded[: received.numel()] = received
-    # A name of its own: Horovod keys its negotiation cache by name, and the alltoall's differs in kind.
-    chunks = group.wait_gathered(group.allgather_async(padded, [chunk] * len(sizes), f"{name}.chunks"))
-    return list(torch.cat(chunks)[:total].split(list(sizes)))
-
-
-def examples_per_pass(total: int, rank: int, world: int, passes: int) -> list[int]:
-    """This rank's share of ``total`` factor examples for each of its ``passes`` backward passes.
-
-    The W·k (rank, pass) slots are numbered rank·k + pass, which is the micro-batch numbering of
-    gradient accumulation: one rank with k passes takes exactly the examples k ranks with one pass
-    take. Slot s gets ⌊total / (W·k)⌋, plus one for the first total mod W·k slots, at least one."""
-    slots = world * passes
-    base, extra = divmod(total, slots)
-    return [max(1, base + int(rank * passes + j < extra)) for j in range(passes)]
-
-
-def _buckets(sizes: Sequence[int], cap: float) -> list[list[int]]:
-    """Consecutive layers, last first (the order backward reaches them), in buckets of at most ``cap`` bytes
-    (a layer larger than the cap is a bucket of its own)."""
-    buckets: list[list[int]] = []
-    filled = cap
-    for index in reversed(range(len(sizes))):
-        if filled + sizes[index] > cap:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(index)
-        filled += sizes[index]
-    return buckets
 
 
 def _usable(batches: list[tuple[int, Tensor, Tensor]], found_inf: Tensor | None) -> list[Tensor]:

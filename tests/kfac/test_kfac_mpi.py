@@ -16,6 +16,7 @@ from __future__ import annotations
 # back to mpi4py sub-communicators, tested below as well.
 import contextlib
 import copy
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,8 @@ from torch import nn
 
 from kfac import KFACPreconditioner
 from kfac.comm import Communicator, SingleProcess
+from kfac.default_comm import default_communicator
+from kfac.sharing import Sharing
 from tests.support.backends import BACKENDS, HOROVOD, needs_horovod
 from tests.support.mpi_harness import assert_all_ranks
 
@@ -379,7 +382,7 @@ def test_a_skipped_step_leaves_no_trace_in_the_factors_on_any_rank(dp: DataParal
     assert_all_ranks(ok, "factors of a run with a skipped step differ from a run without it")
 
 
-def _broadcast_from_each(pre: KFACPreconditioner, group, name: str, payloads: dict[int, tuple]) -> dict:
+def _broadcast_from_each(sharing: Sharing, group, name: str, payloads: dict[int, tuple]) -> dict:
     """The reference for sharing: every member broadcasts its payload in turn with MPI's own Bcast on the
     group's ranks (what K-FAC did before one allgather replaced the broadcasts)."""
     from mpi4py import MPI
@@ -392,7 +395,7 @@ def _broadcast_from_each(pre: KFACPreconditioner, group, name: str, payloads: di
     for member in group.ranks:
         shapes, tensors, dtype = payloads[member]
         size = sum(torch.Size(shape).numel() for shape in shapes)
-        buffer = (tensors_to_buffer(tensors, dtype, torch.device("cpu")) if member == pre.comm.rank
+        buffer = (tensors_to_buffer(tensors, dtype, torch.device("cpu")) if member == sharing.rank
                   else torch.zeros(size, dtype=dtype))
         if size:
             sub.Bcast(buffer.numpy(), root=group.ranks.index(member))
@@ -462,40 +465,6 @@ def test_bf16_factor_sums_stay_within_bf16_rounding_with_exact_counts(dp: DataPa
             problems.append(f"fraction {fraction}: replicas differ")
         if pre.collectives["kfac.factor_counts"] != STEPS:  # one per factor update, whatever the buckets
             problems.append(f"fraction {fraction}: collectives {dict(pre.collectives)}")
-    assert_all_ranks(not problems, "; ".join(problems))
-
-
-def test_bf16_factor_sums_carry_counts_bf16_cannot_hold() -> None:
-    """One bucket through the bf16 path with counts of 257 + rank (bf16 rounds 257 to 256): the counts
-    arrive exact, the sums within bf16's rounding of MPI's own float64 Allreduce."""
-    from mpi4py import MPI
-
-    from kfac.factors import BatchStatistics
-
-    dp = DataParallel("torch")
-    pre = KFACPreconditioner(_model(), skip_layers=["extra"], communicator=dp.communicator(),
-                             factor_comm_dtype=torch.bfloat16, **SETTINGS)
-    pre.remove_hooks()
-    g = torch.Generator().manual_seed(dp.rank)
-    sent = {}
-    for index, layer in enumerate(pre.layers):
-        a, b = torch.randn(layer.a_dim, layer.a_dim, generator=g), torch.randn(layer.g_dim, layer.g_dim, generator=g)
-        stats = BatchStatistics((a + a.T).to(DTYPE), 257.0 + dp.rank, (b + b.T).to(DTYPE), 1000.0 + dp.rank)
-        sent[index] = stats.pack()
-        pre._gathered[index] = stats
-    problems = []
-    for bucket in range(len(pre._buckets)):
-        pre._launch(bucket)
-    for index, got in sorted(pre._receive_all().items()):
-        want = sent[index].clone()
-        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, want.numpy(), op=MPI.SUM)
-        if got.dtype != DTYPE or not torch.equal(got[-2:], want[-2:]):
-            problems.append(f"layer {index}: counts {got[-2:].tolist()} != {want[-2:].tolist()} ({got.dtype})")
-        err = float((got[:-2] - want[:-2]).abs().max() / want[:-2].abs().max())
-        if not 0 < err < 2e-2:
-            problems.append(f"layer {index}: sums {err:.1e} off MPI's float64 sums")
-    if len(sent) != len(pre.layers) or pre.collectives["kfac.factor_counts"] != 1:
-        problems.append(f"{len(sent)} layers sent, collectives {dict(pre.collectives)}")
     assert_all_ranks(not problems, "; ".join(problems))
 
 
@@ -571,12 +540,13 @@ def _payload(member: int, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> 
 
 
 def test_every_sharing_rule_moves_the_same_bits(dp: DataParallel) -> None:
-    """_gather_from_each by allgather, sum and scatter hands every rank exactly what each member sent (through the
+    """gather_from_each by allgather, sum and scatter hands every rank exactly what each member sent (through the
     wire's precision), for fp64, fp32 and a bfloat16 wire, with members that send nothing, a total below the
     group's size and one dominant member; scatter counts as two collectives."""
     size, rank = dp.size, dp.rank
-    pre = KFACPreconditioner(_model(), communicator=dp.communicator(), skip_layers=["extra"], **SETTINGS)
-    group = pre.comm.groups([tuple(range(size))])
+    comm = dp.communicator() or default_communicator()
+    group = comm.groups([tuple(range(size))])
+    collectives: dict[str, int] = defaultdict(int)
     layouts = {
         "uneven": {m: [] if m == 1 else [(m + 1, 3), (2,)] for m in range(size)},
         "total below W": {m: [(1,)] if m == 0 else [] for m in range(size)},
@@ -584,16 +554,16 @@ def test_every_sharing_rule_moves_the_same_bits(dp: DataParallel) -> None:
     }
     problems = []
     for dtype, wire in ((torch.float64, None), (torch.float32, None), (torch.float32, torch.bfloat16)):
-        pre.comm_dtype = wire
+        sharing = Sharing(rank, lambda: torch.device("cpu"), wire, collectives)
         for label, shapes in layouts.items():
             sent = {m: _payload(m, shapes[m], dtype) for m in range(size)}
             want = {m: [t.to(wire or dtype).to(dtype) for t in sent[m]] for m in range(size)}
             payloads = {m: (shapes[m], sent[m] if m == rank else None, dtype) for m in range(size)}
             for rule in ("allgather", "sum", "scatter"):
-                pre.share_rule = rule
-                before = pre.collectives["test.share"]
-                got = pre._gather_from_each(group, "test.share", payloads)
-                issued = pre.collectives["test.share"] - before
+                sharing.rule = rule
+                before = collectives["test.share"]
+                got = sharing.gather_from_each(group, "test.share", payloads)
+                issued = collectives["test.share"] - before
                 same = all(len(got[m]) == len(want[m]) and all(
                     g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
                     for g, w in zip(got[m], want[m], strict=True)) for m in range(size))
@@ -633,28 +603,19 @@ def test_both_sharing_collectives_equal_the_broadcasts_bit_for_bit(rule: str, dp
     problems = []
     for fraction in _fractions(dp.size):
         with monkeypatch.context() as patch:
-            patch.setattr(KFACPreconditioner, "share_rule", rule, raising=False)
-            patch.setattr(KFACPreconditioner, "__init__", _with_rule(KFACPreconditioner.__init__, rule))
+            patch.setattr(Sharing, "rule", rule)
             forced, _ = _train_distributed(dp, fraction)
         with monkeypatch.context() as patch:
-            patch.setattr(KFACPreconditioner, "_gather_from_each", _broadcast_from_each)
+            patch.setattr(Sharing, "gather_from_each", _broadcast_from_each)
             broadcast, _ = _train_distributed(dp, fraction)
         if not torch.equal(forced, broadcast):
             problems.append(f"fraction {fraction}: {rule} and broadcasts differ by {_rel(forced, broadcast):.1e}")
     assert_all_ranks(not problems, "; ".join(problems))
 
 
-def _with_rule(init, rule: str):
-    def init_with_rule(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.share_rule = rule
-
-    return init_with_rule
-
-
 def test_share_by_takes_the_cheaper_collective() -> None:
-    from kfac.preconditioner import SCATTER_OVERHEAD_ELEMENTS as extra
-    from kfac.preconditioner import share_by
+    from kfac.sharing import SCATTER_OVERHEAD_ELEMENTS as extra
+    from kfac.sharing import share_by
 
     assert share_by([10, 10, 10, 10]) == "allgather"  # balanced: W·max = Σ
     assert share_by([100, 0, 0, 0]) == "sum"  # one owner: W·max = 4Σ > 2Σ

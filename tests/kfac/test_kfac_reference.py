@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac import KFACPreconditioner
-from kfac.preconditioner import examples_per_pass
+from kfac.capture import examples_per_pass
 
 TOL = 1e-5
 DTYPE = torch.float64

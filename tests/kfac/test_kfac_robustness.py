@@ -249,7 +249,7 @@ def test_late_decompositions_are_those_of_the_factors_one_inverse_update_earlier
 
 def test_late_decompositions_are_off_by_default_and_equal_the_synchronous_run_at_first() -> None:
     _, pre = _run([0, 1], skipped=set())
-    assert pre.late_decompositions is False
+    assert pre.options.late_decompositions is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, late = _run([0, 1], skipped=set(), late_decompositions=True)

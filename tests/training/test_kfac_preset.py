@@ -64,8 +64,9 @@ def test_the_preconditioner_built_from_the_preset_carries_its_values() -> None:
     config = parse_config(["--dataset", "mnist", "--kfac-preset", "large-batch"])
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
     pre = build_preconditioner(config, model, lambda *_: 0.2, None)
-    assert (pre.inv_update_freq, pre.factor_update_freq, pre.factor_examples, pre.damping, pre.kl_clip) == (
-        2, 1, 256, 0.003, 0.01)
+    options = pre.options
+    assert (options.inv_update_freq, options.factor_update_freq, options.factor_examples, options.damping,
+            options.kl_clip) == (2, 1, 256, 0.003, 0.01)
     assert pre.grad_worker_fraction == 1.0  # auto on one rank: fraction 1, the only one there is
 
 

@@ -1,0 +1,58 @@
+"""kfac.options: the preconditioner's settings are checked in one place, before the model is looked at."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+
+import pytest
+import torch
+from torch import nn
+
+from kfac import KFACPreconditioner
+from kfac.methods import Inverse, Newton
+from kfac.options import KFACOptions
+
+
+class Untouchable(nn.Module):
+    """A model that fails if K-FAC looks for its layers: the settings must be refused first."""
+
+    def named_modules(self, *args, **kwargs):
+        raise AssertionError("the model was looked at before the settings were checked")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(inv_update_freq=0), "inv_update_freq must be a positive integer"),
+        (dict(lr=0.1, damping=-1.0), "damping must be > 0"),
+        (dict(grad_worker_fraction="half"), "grad_worker_fraction must be a number in"),
+        (dict(comm_dtype=torch.float16), "comm_dtype must be one of"),
+        (dict(factor_comm_dtype=torch.float16), "factor_comm_dtype must be one of"),
+        (dict(cpu_eigen_limit=-1), "cpu_eigen_limit must be a non-negative integer"),
+        (dict(bucket_cap_mb=0.0), "bucket_cap_mb must be positive"),
+        (dict(conv_approximation="mean"), "conv_approximation must be one of"),
+        (dict(method=object()), "method must be one of"),
+    ],
+)
+def test_a_bad_setting_is_one_line_before_the_model_is_looked_at(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        KFACPreconditioner(Untouchable(), **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_the_options_are_the_constructor_s_settings() -> None:
+    """Every parameter but the model and the two collaborators (grad_scaler, communicator) is an option, so a
+    new setting cannot skip the checks; the defaults are the constructor's."""
+    parameters = inspect.signature(KFACPreconditioner).parameters
+    settings = [name for name in parameters if name not in ("model", "grad_scaler", "communicator")]
+    assert [field.name for field in fields(KFACOptions)] == settings
+    pre = KFACPreconditioner(nn.Linear(2, 2))
+    assert all(getattr(pre.options, name) == parameters[name].default for name in settings if name != "method")
+
+
+def test_a_method_name_becomes_its_class_and_an_instance_stays_itself() -> None:
+    pre = KFACPreconditioner(nn.Linear(2, 2), method="inverse")
+    assert type(pre.options.solver) is Inverse and pre.method == "inverse"
+    newton = Newton(tf32=True)
+    assert KFACPreconditioner(nn.Linear(2, 2), method=newton).options.solver is newton
