@@ -1,7 +1,7 @@
 """Time and epochs to a test-accuracy target: tuned SGD against SGD preconditioned by K-FAC, each run
 a ``python -m hpcdl.train`` process (the one training application: the study measures what users run).
 
-    python -m hpcdl.fetch_mnist                                             # once: real MNIST into ${XDG_CACHE_HOME:-~/.cache}/hpcdl/mnist
+    python -m hpcdl.fetch_mnist                                             # once: real MNIST
     nice -n 5 .venv/bin/python benchmarks/kfac_convergence.py --dataset mnist                  # 1 rank
     .venv/bin/python benchmarks/kfac_convergence.py --dataset mnist --ranks 2                  # each run under mpirun
     .venv/bin/python benchmarks/kfac_convergence.py                                           # digits (a minute)

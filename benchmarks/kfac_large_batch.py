@@ -96,18 +96,10 @@ SMALL_KFAC = dict(factors=10, inverse=100, damping=KFAC_DAMPING, kl_clip=0.001) 
 _PRESET = parse_config(["--kfac-preset", "large-batch"])  # what --kfac-preset large-batch sets
 LARGE_KFAC = dict(factors=_PRESET.kfac_factor_update_freq, inverse=_PRESET.kfac_inv_update_freq,
                   damping=_PRESET.kfac_damping, kl_clip=_PRESET.kfac_kl_clip)
-# What a results file records of the preset it ran (meta["kfac_preset"]), so that its runs stay named by the
-# preset of their time when the preset changes; "fraction" is absent from files of fraction 1's time.
+# Today's preset as a results file records it (meta["kfac_preset"]); a file written under earlier values records
+# those (and, where its runs carry another name, a "label"), so that its runs stay named by the preset of their time.
 RECORDED_PRESET = dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum,
                        fraction=_PRESET.kfac_grad_worker_fraction)
-# The preset's values before its statistics went to 256 examples and its decompositions to every 2nd step at
-# fraction auto: what the study's "earlier preset" runs and traces ran.
-BEFORE_HALVING = dict(factors=1, inverse=1, damping=0.003, kl_clip=0.01, factor_examples=512, momentum=0.5,
-                      fraction=1.0)
-# What --kfac-preset large-batch set before it took every step's factors from 512 examples (results files
-# without meta["kfac_preset"] were run with it).
-EARLIER_PRESET_FLAGS = ["--kfac", "--kfac-inv-update-freq", "5", "--kfac-factor-update-freq", "5",
-                        "--kfac-damping", "0.1", "--kfac-kl-clip", "0.01"]
 MNIST_TRAIN_EXAMPLES = 60_000
 # kfac-pytorch at large batches: its best measured frequencies (98.33 / 98.57 % at 4096 with the ramp; at
 # 5/5 without the ramp it ended at 97.26 %, and at batch 128 without the ramp at 88.24 %).
@@ -704,8 +696,8 @@ def selected(source: str, read: Callable[[str], dict[str, Any]]) -> list[Outcome
 
 def outcomes_of(results: dict[str, Any]) -> list[Outcome]:
     """The runs of a results file; hpcdl K-FAC runs at other settings than :func:`kfac_settings`'s (or the preset
-    of their time's) are named by them (damping, KL clip, decompositions every N steps, a warm-up ramp)."""
-    recorded = results.get("meta", {}).get("kfac_preset")
+    of their time's, meta["kfac_preset"]) are named by them (damping, KL clip, decompositions every N steps, a ramp)."""
+    recorded = results.get("meta", {}).get("kfac_preset") or {}
     outcomes = []
     for r in results["runs"]:
         command, method = r.get("command", "").split(), r["method"]
@@ -715,29 +707,32 @@ def outcomes_of(results: dict[str, Any]) -> list[Outcome]:
             if then is not None and "large-batch" in command:  # the preset's flag meant its values of then
                 at = command.index("large-batch")
                 flags = command[:at - 1] + then + command[at + 1:]
-            method = kfac_label(flags, r["batch"], then, earlier=recorded is None and r["batch"] > 512)
+            name = recorded.get("label", "kfac") if r["batch"] > 512 else "kfac"
+            method = kfac_label(flags, r["batch"], then, name)
         cell = Cell(method, r["batch"], r["lr"], r["seed"], r.get("warmup"))
         outcomes.append(Outcome(cell, r["returncode"], r["epochs"],
                                 r.get("wall_seconds", 0.0), command, r.get("error", "")))
     return outcomes
 
 
-def preset_of_their_time(recorded: dict[str, Any] | None) -> list[str] | None:
-    """The flags --kfac-preset large-batch stood for when a results file was written (its meta["kfac_preset"];
-    none: the earlier preset's), or None when that is today's preset (or the record is empty)."""
-    if recorded is None:
-        return list(EARLIER_PRESET_FLAGS)
-    values = {**RECORDED_PRESET, "fraction": 1.0, **recorded} if recorded else RECORDED_PRESET
-    return None if values == RECORDED_PRESET else preset_flags(values)
+def preset_of_their_time(recorded: dict[str, Any]) -> list[str] | None:
+    """The flags --kfac-preset large-batch stood for when a results file was written (its meta["kfac_preset"]), or
+    None when that is today's preset (or the record is empty or absent)."""
+    values = {key: value for key, value in recorded.items() if key != "label"}
+    return None if not values or values == RECORDED_PRESET else preset_flags(values)
 
 
 def preset_flags(values: dict[str, Any]) -> list[str]:
-    """hpcdl.train's flags for the preset's values as a results file records them (RECORDED_PRESET's keys)."""
-    examples = [] if values["factor_examples"] is None else ["--kfac-factor-examples", str(values["factor_examples"])]
-    return ["--kfac", "--kfac-factor-update-freq", str(values["factors"]),
-            "--kfac-inv-update-freq", str(values["inverse"]), "--kfac-damping", repr(values["damping"]),
-            "--kfac-kl-clip", repr(values["kl_clip"]), *examples, "--momentum", repr(values["momentum"]),
-            "--kfac-grad-worker-fraction", str(values["fraction"])]
+    """hpcdl.train's flags for the preset's values as a results file records them (RECORDED_PRESET's keys; an
+    absent key is a value the preset of that time did not set)."""
+    names = dict(factors="--kfac-factor-update-freq", inverse="--kfac-inv-update-freq", damping="--kfac-damping",
+                 kl_clip="--kfac-kl-clip", factor_examples="--kfac-factor-examples", momentum="--momentum",
+                 fraction="--kfac-grad-worker-fraction")
+    flags = ["--kfac"]
+    for key, flag in names.items():
+        if values.get(key) is not None:
+            flags += [flag, str(values[key])]
+    return flags
 
 
 # What a K-FAC run's label names when it differs from the study's own settings for its batch.
@@ -748,9 +743,9 @@ LABELS = {"kfac_factor_examples": "stats of {} examples", "momentum": "momentum 
 
 
 def kfac_label(command: Sequence[str], batch: int, preset_flags: Sequence[str] | None = None,
-               earlier: bool = False) -> str:
-    """"kfac" (or "kfac, earlier preset"), plus what an hpcdl K-FAC run's settings (its command, parsed by
-    hpcdl.train's own parser) have apart from the study's at ``batch``: the preset above 512 (``preset_flags``:
+               name: str = "kfac") -> str:
+    """``name`` ("kfac", or a results file's label for its runs), plus what an hpcdl K-FAC run's settings (its
+    command, by hpcdl.train's parser) have apart from the study's at ``batch``: the preset above 512 (``preset_flags``:
     what it stood for in the run's time, when not today's), the batch-128 study's settings up to it."""
     config = parse_config(list(command[command.index("hpcdl.train") + 1:]))
     if batch > 512:
@@ -761,7 +756,7 @@ def kfac_label(command: Sequence[str], batch: int, preset_flags: Sequence[str] |
                            "--kfac-inv-update-freq", str(small["inverse"]), "--kfac-damping", repr(small["damping"]),
                            "--kfac-kl-clip", repr(small["kl_clip"])]
     reference = parse_config([*reference_flags, "--weight-decay", "5e-4"])
-    parts = ["kfac, earlier preset" if earlier else "kfac"]
+    parts = [name]
     for name, text in LABELS.items():
         value = getattr(config, name)
         if value != getattr(reference, name):
