@@ -40,13 +40,11 @@ go through launch/mpirun.sh, checked once before the first run.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +55,10 @@ from typing import Any
 
 import kfac_pytorch_adapter
 import studies
+from kfac_pytorch_adapter import (  # noqa: F401 - the plugins --kfac-impl names as kfac_large_batch:...
+    kfac_pytorch_native_preconditioner,
+    kfac_pytorch_preconditioner,
+)
 
 from hpcdl.persistence import outputs
 from hpcdl.persistence.atomic import write_text_atomically
@@ -67,9 +69,6 @@ from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT as DEFAULT_MNIST_DIR
 from hpcdl.training.config import parse_config, seed_value
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_KFAC_PYTORCH_SITE = Path(os.environ.get("KFAC_PYTORCH_SITE", Path.home() / ".cache" / "hpcdl" / "kfac-pytorch"))
-# kfac-pytorch 0.4.2 (github.com/gpauloski/kfac-pytorch), the commit the committed results used.
-KFAC_PYTORCH_SOURCE = "git+https://github.com/gpauloski/kfac-pytorch@869cf110334e5a6e9ea054bafdc4558313a821e8"
 TARGETS = (0.985, 0.99)
 METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch", "kfac-pytorch-native", "adamw", "muon", "soap")
 # Methods that are an --optimizer of hpcdl.train alone (no K-FAC): Muon and LAMB/LARS are timm's, SOAP is
@@ -161,36 +160,6 @@ class Outcome:
         if not self.epochs:
             return None
         return float(self.epochs[-1]["train_seconds"]) / max(int(self.epochs[-1]["global_step"]), 1)
-
-
-# ---- kfac-pytorch inside hpcdl.train (imported by the training process through --kfac-impl) ----------
-
-
-def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any,
-                                carry_over: bool = True) -> Any:
-    """``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner``: kfac-pytorch with hpcdl's settings.
-
-    Damping and KL clip are hpcdl's divided by N² (N = examples per step on this rank): the
-    Linear-layer equivalence of docs/kfac.md. Conv layers have no single equivalent (their factor
-    ratio also depends on the output positions), which is kfac-pytorch's convention at work. Its
-    ``step`` takes the loop's ``found_inf`` and ignores it: kfac-pytorch has no non-finite skip (these
-    fp32 runs have no non-finite steps; a step that had one would feed its statistics to the factors).
-    """
-    import kfac  # kfac-pytorch: the study puts its site directory first on PYTHONPATH
-
-    if not hasattr(kfac, "preconditioner") or Path(kfac.__file__).resolve().is_relative_to(REPO):
-        raise RuntimeError(f"kfac-pytorch is not first on PYTHONPATH (kfac is {kfac.__file__})")
-    n = config.batch_size * config.batches_per_allreduce if carry_over else 1
-    return kfac_pytorch_adapter.build(
-        kfac, model, factor_update_steps=config.kfac_factor_update_freq,
-        inv_update_steps=config.kfac_inv_update_freq, damping=config.kfac_damping / n**2,
-        factor_decay=config.kfac_factor_decay, kl_clip=config.kfac_kl_clip / n**2, lr=lambda _step: current_lr(),
-        accumulation_steps=config.batches_per_allreduce, grad_scaler=scaler)
-
-
-# ``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--kfac-damping`` and
-# ``--kfac-kl-clip`` taken as kfac-pytorch values, in its own convention.
-kfac_pytorch_native_preconditioner = functools.partial(kfac_pytorch_preconditioner, carry_over=False)
 
 
 # ---- running the grid ---------------------------------------------------------------------------
@@ -558,7 +527,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--model", default="mnist_cnn")
     parser.add_argument("--data-dir", type=Path, default=None, help=f"MNIST's IDX files (default {DEFAULT_MNIST_DIR})")
-    parser.add_argument("--kfac-pytorch-site", type=Path, default=DEFAULT_KFAC_PYTORCH_SITE,
+    parser.add_argument("--kfac-pytorch-site", type=Path, default=kfac_pytorch_adapter.DEFAULT_SITE,
                         help="directory holding kfac-pytorch's installed `kfac` package (outside the repository)")
     parser.add_argument("--jobs", type=integer(1), default=2, help="runs at a time (each gets --threads threads)")
     parser.add_argument("--threads", type=integer(1), default=1)
@@ -592,7 +561,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true",
                         help="keep the successful runs already in <out>.json (and add to them) instead of rerunning; "
                              "a run recorded with another command than this study's is refused, naming the setting")
-    parser.add_argument("--install-kfac-pytorch", nargs="?", const=KFAC_PYTORCH_SOURCE, metavar="SOURCE",
+    parser.add_argument("--install-kfac-pytorch", nargs="?", const=kfac_pytorch_adapter.SOURCE, metavar="SOURCE",
                         help="pip-install kfac-pytorch (a local checkout or a pip URL; default: its public source at "
                              "the commit the results used) into --kfac-pytorch-site and exit")
     args = parser.parse_args(argv)
@@ -672,14 +641,6 @@ def target_rates(args: argparse.Namespace) -> dict[str, float]:
     if missing:
         raise UsageError(f"no rate for {', '.join(missing)}: give --lrs or --rates-from")
     return rates
-
-
-def install_kfac_pytorch(source: str, site: Path) -> int:
-    """kfac-pytorch into ``site``, a directory of its own outside the repository (never on hpcdl's path)."""
-    env = dict(os.environ, SETUPTOOLS_SCM_PRETEND_VERSION="0.4.2")  # a source archive carries no git tags
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--target", str(site), source]
-    print(" ".join(command), flush=True)
-    return subprocess.call(command, env=env)
 
 
 def load_outcomes(path: Path) -> list[Outcome]:
@@ -825,7 +786,7 @@ def report(sources: Sequence[str], out: Path) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.install_kfac_pytorch:
-        return install_kfac_pytorch(args.install_kfac_pytorch, args.kfac_pytorch_site)
+        return kfac_pytorch_adapter.install(args.install_kfac_pytorch, args.kfac_pytorch_site)
     if args.report:
         return report(args.report, output_stem(args))
     if args.reduced:
