@@ -7,34 +7,13 @@
     nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py                   # the full grid (hours on 2 cores)
     nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py --tune --methods ...  # the same tuning budget for each
 
-Every run is ``python -m hpcdl.train`` itself (same model, data, data order per seed, schedule,
-evaluation and clocks for every method): real MNIST, ``mnist_cnn``, cosine decay per step over
-``--epochs`` after a warm-up of ``--warmup-epochs``, weight decay 5e-4, momentum 0.9 (the K-FAC preset's own
-0.5 above batch 512), one rank whose global batch is ``--batch-size x --batches-per-allreduce``. The
-first-order methods ramp the rate up from 0.1x the peak (``--warmup-start-factor 0.1``, Goyal et al.), and
-so does kfac-pytorch (it did best so); hpcdl's
-K-FAC holds the peak rate during the warm-up (``--warmup-start-factor 1``): with momentum a ramp applies
-steps clipped under a small rate at a larger one, which defeats the KL clip (docs/kfac.md). Methods
-differ only in their flags: ``--optimizer sgd|lamb|lars``; hpcdl's K-FAC with ``--kfac-preset
-large-batch`` above batch 512 (the batch-128 study's settings below); kfac-pytorch's K-FAC through
-``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner``, which runs inside the same loop through that
-plugin point, at our update frequencies up to 512 and at its best measured ones (1, 10) above.
-kfac-pytorch is not a dependency of hpcdl: it is installed from its public source into a directory
-outside the repository (``--kfac-pytorch-site``, by ``--install-kfac-pytorch``), put first on that run's
-PYTHONPATH, and the run starts in a scratch directory, so that its ``kfac`` package is kfac-pytorch's,
-not the repository's. ``kfac-pytorch`` carries our damping and KL clip over by the Linear-layer rule of
-docs/kfac.md (λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one step);
-``kfac-pytorch-native`` takes its README's values instead.
-
-Test accuracy is measured ``--evals-per-epoch`` times an epoch (hpcdl.train's ``--eval-every``, which leaves
-the training unchanged); steps and training seconds (evaluation excluded) to 98.5 % and 99.0 % are those of
-the first evaluation that reaches them. ``--kfac-flags`` adds flags to hpcdl's K-FAC runs, for ablations.
-Results: ``<out>.json`` (the summary rows and every run's curve: step, training seconds and test accuracy at
-each evaluation, what the summaries read) and ``<out>.png``, saved after every run (a failed run is recorded as
-failed). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch
-folder with it; ``--keep`` then runs only what is missing, and keeps a recorded run only when its command is
-the one the study would run now (otherwise one line names the setting that differs). Runs of several ranks
-go through launch/mpirun.sh, checked once before the first run.
+Every run is ``python -m hpcdl.train`` itself: the same model, data, data order per seed, schedule, evaluation and
+clocks for every method, which differ only in their flags (:func:`train_flags`). The recipe and why each choice
+was made: benchmarks/results/kfac_large_batch.md; kfac-pytorch inside hpcdl.train and its damping carried over:
+docs/kfac.md. kfac-pytorch is not a dependency of hpcdl: it lives in a site folder outside the repository
+(benchmarks/kfac_pytorch_adapter.py), first on its runs' PYTHONPATH only. Results: ``<out>.json`` (the summary rows
+and every run's curve) and ``<out>.png``, saved after every run; Ctrl-C or SIGTERM ends the study in one line, and
+``--keep`` then runs only what is missing (studies.py).
 """
 
 from __future__ import annotations
@@ -180,7 +159,7 @@ def train_flags(cell: Cell, args: argparse.Namespace) -> list[str]:
         # the rate is per rank and backward pass, scaled by ranks x accumulation: the peak for the whole batch
         "--base-lr", repr(cell.lr / accumulate / args.ranks), "--lr-schedule", "cosine",
         "--warmup-epochs", str(args.warmup_epochs if cell.warmup is None else cell.warmup),
-        "--warmup-start-factor", "1.0" if cell.method == "kfac" else "0.1",  # docstring: why
+        "--warmup-start-factor", "1.0" if cell.method == "kfac" else "0.1",  # why: results/kfac_large_batch.md
         "--weight-decay", "5e-4", "--seed", str(cell.seed),
         "--device", "cpu", "--log-every", "1000",
         "--stall-timeout", "0",
@@ -570,8 +549,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return args
     if args.dataset == "mnist" and args.data_dir is None:
         args.data_dir = DEFAULT_MNIST_DIR
-    if args.dataset == "mnist" and not (args.dry_run or (args.data_dir / "train-images-idx3-ubyte").exists()
-                                        or (args.data_dir / "train-images-idx3-ubyte.gz").exists()):
+    if args.dataset == "mnist" and not (args.dry_run or studies.has_mnist(args.data_dir)):
         parser.error(f"no MNIST in {args.data_dir}: run `python -m hpcdl.fetch_mnist` first")
     wants_kfac_pytorch = any(m.startswith("kfac-pytorch") for m in args.methods)
     if wants_kfac_pytorch and not args.dry_run and not (args.kfac_pytorch_site / "kfac").is_dir():
@@ -738,18 +716,12 @@ def kept_outcomes(out: Path) -> list[Outcome]:
 
 
 def check_kept(kept: Sequence[Outcome], args: argparse.Namespace) -> None:
-    """UsageError (one line) naming the first kept run whose recorded command is not the one this study would run
-    for it now, and the settings that differ: a ``--max-steps 2`` trial is never kept as the real study's run.
-    Runs the study can no longer name (ablations labelled by their --kfac-flags) are carried as they are."""
+    """Refuses (studies.refuse_changed) a kept run whose recorded command is not the one this study would run for it
+    now; runs the study can no longer name (ablations labelled by their --kfac-flags) are carried as they are."""
     for outcome in kept:
-        if outcome.cell.method not in METHODS:
-            continue
-        now = train_command(outcome.cell, args, Path("run"))
-        differing = studies.differing_settings(outcome.command, now)
-        if differing:
-            raise UsageError(f"--keep: {outputs.output_file(args.out, '.json')} holds {outcome.cell.name} run with "
-                             f"other settings ({'; '.join(differing)}); rerun it without --keep (with --force to "
-                             "replace the file), or choose another --out")
+        if outcome.cell.method in METHODS:
+            studies.refuse_changed(args.out, outcome.cell.name, outcome.command,
+                                   train_command(outcome.cell, args, Path("run")))
 
 
 def markdown(outcomes: Sequence[Outcome]) -> list[str]:
@@ -850,10 +822,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 outcomes = first + run_cells([c for c in chosen if c not in done], args, scratch,
                                              lambda new: save(first + new))
     except studies.StudyStopped as stop:
-        print(f"kfac_large_batch: {stop}: {saved['runs']} finished run(s) saved in "
-              f"{outputs.output_file(args.out, '.json')}; the same command with --keep runs the rest",
-              file=sys.stderr, flush=True)
-        return stop.exit_code
+        return studies.stopped("kfac_large_batch", stop, saved["runs"], args.out)
     meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - start)
     write_results(outcomes, args.out, meta)
     where = f"{args.ranks} ranks on {args.vcluster}" if args.vcluster else f"{args.ranks} rank(s)"

@@ -100,17 +100,21 @@ def version_of(path: Path) -> str:
 
 
 def load_beside(path: Path, scratch: Path | None = None) -> ModuleType:
-    """kfac-pytorch from ``path``, imported as ``kfac_pytorch_beside`` so that it lives beside our ``kfac``: its
-    files are copied with their ``kfac`` imports renamed, next to a minimal dist-info."""
-    source = package_dir(path)
+    """kfac-pytorch from ``path``, imported as ``kfac_pytorch_beside`` so that it lives beside our ``kfac``, next to
+    a minimal dist-info."""
     scratch = scratch or Path(os.environ.get("TMPDIR", "/tmp")) / f"kfac_pytorch_{os.getpid()}"
-    target = scratch / RENAMED
-    for file in source.rglob("*.py"):
-        out = target / file.relative_to(source)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(_IMPORT.sub(rf"\g<1>{RENAMED}", file.read_text()))
     info = scratch / f"kfac_pytorch-{version_of(path)}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kfac-pytorch\nVersion: {version_of(path)}\n")
+    return renamed_copy(package_dir(path), RENAMED, scratch)
+
+
+def renamed_copy(source: Path, name: str, scratch: Path) -> ModuleType:
+    """The package ``source`` (any package named ``kfac``: kfac-pytorch's, or an older checkout's of ours) imported
+    as ``name``: its files copied under ``scratch`` with their ``kfac`` imports renamed."""
+    for file in source.rglob("*.py"):
+        out = scratch / name / file.relative_to(source)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(_IMPORT.sub(rf"\g<1>{name}", file.read_text()))
     sys.path.insert(0, str(scratch))
-    return importlib.import_module(RENAMED)
+    return importlib.import_module(name)
