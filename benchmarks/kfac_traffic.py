@@ -252,7 +252,6 @@ def _groups(world: int, fraction: float, kind: str) -> list[tuple[int, ...]]:
 # scatter: an alltoall then an allgather of equal chunks).
 
 BACKENDS = ("mpi", "nccl")
-DESIGNS = ("broadcasts", "one collective")
 
 
 def broadcast_seconds(model: AlphaBeta, nbytes: float, ranks: int, backend: str = "mpi") -> float:
