@@ -34,6 +34,7 @@ from typing import Any
 
 import kfac_pytorch_adapter
 import studies
+from figures import table
 from kfac_pytorch_adapter import (  # noqa: F401 - the plugins --kfac-impl names as kfac_large_batch:...
     kfac_pytorch_native_preconditioner,
     kfac_pytorch_preconditioner,
@@ -725,19 +726,17 @@ def check_kept(kept: Sequence[Outcome], args: argparse.Namespace) -> None:
 
 
 def markdown(outcomes: Sequence[Outcome]) -> list[str]:
-    """The summary as a markdown table (medians over seeds; times are training seconds, evaluation excluded)."""
-    lines = ["| global batch | method | peak lr | seeds | final accuracy (median; each seed) | steps / s to 98.5 % "
-             "| steps / s to 99.0 % | s per step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The summary as a markdown table's lines (medians over seeds; times are training seconds, evaluation excluded)."""
+    rows = []
     for r in sorted(summarise(outcomes), key=lambda r: (r["batch"], method_order(r["method"]), r["method"], r["lr"])):
         each = ", ".join("failed" if a is None else f"{100 * a:.2f}" for a in r["final_accuracy"])
-
         to = [f"not reached ({r[f'reached_{k}']})" if r[f"steps_{k}"] is None
               else f"{r[f'steps_{k}']:.0f} / {r[f'seconds_{k}']:.0f} ({r[f'reached_{k}']})" for k in ("98.5", "99.0")]
         rate = f"{r['lr']:g}" + (f" (warm-up {r['warmup']:g})" if "warmup" in r else "")
-        lines.append(f"| {r['batch']} | {r['method']} | {rate} | {r['seeds']} | "
-                     f"{100 * (r['median_final'] or 0):.2f} % ({each}) | {to[0]} | {to[1]} | "
-                     f"{r['seconds_per_step'] or 0:.2f} |")
-    return lines
+        rows.append((r["batch"], r["method"], rate, r["seeds"], f"{100 * (r['median_final'] or 0):.2f} % ({each})",
+                     *to, f"{r['seconds_per_step'] or 0:.2f}"))
+    return table(["global batch", "method", "peak lr", "seeds", "final accuracy (median; each seed)",
+                  "steps / s to 98.5 %", "steps / s to 99.0 %", "s per step"], rows).strip("\n").split("\n")
 
 
 def report(sources: Sequence[str], out: Path) -> int:
