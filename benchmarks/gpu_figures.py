@@ -88,8 +88,9 @@ def _backend_rows() -> list[tuple[str, ...]]:
 def _table() -> str:
     have = [name for name in FILES if _have(name)]
     if not have:
-        return ("\nNo GPU figures are measured yet: `bash benchmarks/kfac_gpu.sh` (K-FAC), then `bash benchmarks/gpu_suite.sh "
-                "--run A` (then `--run B`, `--run C`) on the device machine measure them, as docs/gpu.md says.\n")
+        return ("\nNo GPU figures are measured yet: `bash benchmarks/kfac_gpu.sh` (K-FAC), then "
+                "`bash benchmarks/gpu_suite.sh --run A` (then `--run B`, `--run C`) on the device machine measure "
+                "them, as docs/gpu.md says.\n")
     rows: list[tuple[str, ...]] = []
     if _have("train_throughput_cuda"):
         rows += _loop_rows("train_throughput_cuda", MODES)

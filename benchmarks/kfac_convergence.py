@@ -1,7 +1,7 @@
 """Time and epochs to a test-accuracy target: tuned SGD against SGD preconditioned by K-FAC, each run
 a ``python -m hpcdl.train`` process (the one training application: the study measures what users run).
 
-    python -m hpcdl.fetch_mnist                                             # once: real MNIST into ${XDG_CACHE_HOME:-~/.cache}/hpcdl/mnist
+    python -m hpcdl.fetch_mnist                                             # once: real MNIST
     nice -n 5 .venv/bin/python benchmarks/kfac_convergence.py --dataset mnist                  # 1 rank
     .venv/bin/python benchmarks/kfac_convergence.py --dataset mnist --ranks 2                  # each run under mpirun
     .venv/bin/python benchmarks/kfac_convergence.py                                           # digits (a minute)
@@ -46,12 +46,13 @@ from studies import (  # noqa: E402
     TrainRun,
     check_flags,
     check_launch,
-    differing_settings,
     first_reaching,
     interleaved,
     median_or_inf,
+    refuse_changed,
     run_train,
     session,
+    stopped,
     train_command,
 )
 
@@ -366,11 +367,7 @@ def study(args: argparse.Namespace, out: Path, scratch: Path, saved: dict[str, i
     for setting, run in kept_runs(out, args) if args.keep else []:
         now = train_command(train_flags(setting, run["seed"], recipe, args.dataset, data_dir, args.ranks,
                                         args.device), args.ranks, None, args.threads)
-        differing = differing_settings(run["command"], now)
-        if differing:
-            raise UsageError(f"--keep: {outputs.output_file(out, '.json')} holds {setting.name} seed {run['seed']} run "
-                             f"with other settings ({'; '.join(differing)}); rerun it without --keep (with --force "
-                             "to replace the file), or choose another --out")
+        refuse_changed(out, f"{setting.name} seed {run['seed']}", run["command"], now)
         runs[setting].append(run)
     done = {(s, r["seed"]) for s, kept in runs.items() for r in kept}
     todo = [(s, seed) for s, seed in plan if (s, seed) not in done]
@@ -448,10 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kfac_convergence: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except StudyStopped as stop:
-        where = f" in {outputs.output_file(out, '.json')}" if out is not None and saved["runs"] else ""
-        print(f"kfac_convergence: {stop}: {saved['runs']} finished run(s) saved{where}; the same command with "
-              "--keep runs the rest", file=sys.stderr, flush=True)
-        return stop.exit_code
+        return stopped("kfac_convergence", stop, saved["runs"], out)
     print("\n".join(write(report, out)))
     v = report["verdict"]
     if v:

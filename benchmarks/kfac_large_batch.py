@@ -7,46 +7,23 @@
     nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py                   # the full grid (hours on 2 cores)
     nice -n 5 .venv/bin/python benchmarks/kfac_large_batch.py --tune --methods ...  # the same tuning budget for each
 
-Every run is ``python -m hpcdl.train`` itself (same model, data, data order per seed, schedule,
-evaluation and clocks for every method): real MNIST, ``mnist_cnn``, cosine decay per step over
-``--epochs`` after a warm-up of ``--warmup-epochs``, weight decay 5e-4, momentum 0.9 (the K-FAC preset's own
-0.5 above batch 512), one rank whose global batch is ``--batch-size x --batches-per-allreduce``. The
-first-order methods ramp the rate up from 0.1x the peak (``--warmup-start-factor 0.1``, Goyal et al.), and
-so does kfac-pytorch (it did best so); hpcdl's
-K-FAC holds the peak rate during the warm-up (``--warmup-start-factor 1``): with momentum a ramp applies
-steps clipped under a small rate at a larger one, which defeats the KL clip (docs/kfac.md). Methods
-differ only in their flags: ``--optimizer sgd|lamb|lars``; hpcdl's K-FAC with ``--kfac-preset
-large-batch`` above batch 512 (the batch-128 study's settings below); kfac-pytorch's K-FAC through
-``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner``, which runs inside the same loop through that
-plugin point, at our update frequencies up to 512 and at its best measured ones (1, 10) above.
-kfac-pytorch is not a dependency of hpcdl: it is installed from its public source into a directory
-outside the repository (``--kfac-pytorch-site``, by ``--install-kfac-pytorch``), put first on that run's
-PYTHONPATH, and the run starts in a scratch directory, so that its ``kfac`` package is kfac-pytorch's,
-not the repository's. ``kfac-pytorch`` carries our damping and KL clip over by the Linear-layer rule of
-docs/kfac.md (λ_kfac-pytorch = λ / N², kl_clip likewise, N the batch of one step);
-``kfac-pytorch-native`` takes its README's values instead.
-
-Test accuracy is measured ``--evals-per-epoch`` times an epoch (hpcdl.train's ``--eval-every``, which leaves
-the training unchanged); steps and training seconds (evaluation excluded) to 98.5 % and 99.0 % are those of
-the first evaluation that reaches them. ``--kfac-flags`` adds flags to hpcdl's K-FAC runs, for ablations.
-Results: ``<out>.json`` (the summary rows and every run's curve: step, training seconds and test accuracy at
-each evaluation, what the summaries read) and ``<out>.png``, saved after every run (a failed run is recorded as
-failed). Ctrl-C or SIGTERM ends the study in one line, its runs and scratch
-folder with it; ``--keep`` then runs only what is missing, and keeps a recorded run only when its command is
-the one the study would run now (otherwise one line names the setting that differs). Runs of several ranks
-go through launch/mpirun.sh, checked once before the first run.
+Every run is ``python -m hpcdl.train`` itself: the same model, data, data order per seed, schedule, evaluation and
+clocks for every method, which differ only in their flags (:func:`train_flags`). The recipe and why each choice
+was made: benchmarks/results/kfac_large_batch.md; kfac-pytorch inside hpcdl.train and its damping carried over:
+docs/kfac.md. kfac-pytorch is not a dependency of hpcdl: it lives in a site folder outside the repository
+(benchmarks/kfac_pytorch_adapter.py), first on its runs' PYTHONPATH only. Results: ``<out>.json`` (the summary rows
+and every run's curve) and ``<out>.png``, saved after every run; Ctrl-C or SIGTERM ends the study in one line, and
+``--keep`` then runs only what is missing (studies.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +34,11 @@ from typing import Any
 
 import kfac_pytorch_adapter
 import studies
+from figures import table
+from kfac_pytorch_adapter import (  # noqa: F401 - the plugins --kfac-impl names as kfac_large_batch:...
+    kfac_pytorch_native_preconditioner,
+    kfac_pytorch_preconditioner,
+)
 
 from hpcdl.persistence import outputs
 from hpcdl.persistence.atomic import write_text_atomically
@@ -67,9 +49,6 @@ from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT as DEFAULT_MNIST_DIR
 from hpcdl.training.config import parse_config, seed_value
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_KFAC_PYTORCH_SITE = Path(os.environ.get("KFAC_PYTORCH_SITE", Path.home() / ".cache" / "hpcdl" / "kfac-pytorch"))
-# kfac-pytorch 0.4.2 (github.com/gpauloski/kfac-pytorch), the commit the committed results used.
-KFAC_PYTORCH_SOURCE = "git+https://github.com/gpauloski/kfac-pytorch@869cf110334e5a6e9ea054bafdc4558313a821e8"
 TARGETS = (0.985, 0.99)
 METHODS = ("sgd", "lamb", "lars", "kfac", "kfac-pytorch", "kfac-pytorch-native", "adamw", "muon", "soap")
 # Methods that are an --optimizer of hpcdl.train alone (no K-FAC): Muon and LAMB/LARS are timm's, SOAP is
@@ -96,18 +75,10 @@ SMALL_KFAC = dict(factors=10, inverse=100, damping=KFAC_DAMPING, kl_clip=0.001) 
 _PRESET = parse_config(["--kfac-preset", "large-batch"])  # what --kfac-preset large-batch sets
 LARGE_KFAC = dict(factors=_PRESET.kfac_factor_update_freq, inverse=_PRESET.kfac_inv_update_freq,
                   damping=_PRESET.kfac_damping, kl_clip=_PRESET.kfac_kl_clip)
-# What a results file records of the preset it ran (meta["kfac_preset"]), so that its runs stay named by the
-# preset of their time when the preset changes; "fraction" is absent from files of fraction 1's time.
+# Today's preset as a results file records it (meta["kfac_preset"]); a file written under earlier values records
+# those (and, where its runs carry another name, a "label"), so that its runs stay named by the preset of their time.
 RECORDED_PRESET = dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum,
                        fraction=_PRESET.kfac_grad_worker_fraction)
-# The preset's values before its statistics went to 256 examples and its decompositions to every 2nd step at
-# fraction auto: what the study's "earlier preset" runs and traces ran.
-BEFORE_HALVING = dict(factors=1, inverse=1, damping=0.003, kl_clip=0.01, factor_examples=512, momentum=0.5,
-                      fraction=1.0)
-# What --kfac-preset large-batch set before it took every step's factors from 512 examples (results files
-# without meta["kfac_preset"] were run with it).
-EARLIER_PRESET_FLAGS = ["--kfac", "--kfac-inv-update-freq", "5", "--kfac-factor-update-freq", "5",
-                        "--kfac-damping", "0.1", "--kfac-kl-clip", "0.01"]
 MNIST_TRAIN_EXAMPLES = 60_000
 # kfac-pytorch at large batches: its best measured frequencies (98.33 / 98.57 % at 4096 with the ramp; at
 # 5/5 without the ramp it ended at 97.26 %, and at batch 128 without the ramp at 88.24 %).
@@ -171,36 +142,6 @@ class Outcome:
         return float(self.epochs[-1]["train_seconds"]) / max(int(self.epochs[-1]["global_step"]), 1)
 
 
-# ---- kfac-pytorch inside hpcdl.train (imported by the training process through --kfac-impl) ----------
-
-
-def kfac_pytorch_preconditioner(config: Any, model: Any, current_lr: Callable[..., float], scaler: Any,
-                                carry_over: bool = True) -> Any:
-    """``--kfac-impl kfac_large_batch:kfac_pytorch_preconditioner``: kfac-pytorch with hpcdl's settings.
-
-    Damping and KL clip are hpcdl's divided by N² (N = examples per step on this rank): the
-    Linear-layer equivalence of docs/kfac.md. Conv layers have no single equivalent (their factor
-    ratio also depends on the output positions), which is kfac-pytorch's convention at work. Its
-    ``step`` takes the loop's ``found_inf`` and ignores it: kfac-pytorch has no non-finite skip (these
-    fp32 runs have no non-finite steps; a step that had one would feed its statistics to the factors).
-    """
-    import kfac  # kfac-pytorch: the study puts its site directory first on PYTHONPATH
-
-    if not hasattr(kfac, "preconditioner") or Path(kfac.__file__).resolve().is_relative_to(REPO):
-        raise RuntimeError(f"kfac-pytorch is not first on PYTHONPATH (kfac is {kfac.__file__})")
-    n = config.batch_size * config.batches_per_allreduce if carry_over else 1
-    return kfac_pytorch_adapter.build(
-        kfac, model, factor_update_steps=config.kfac_factor_update_freq,
-        inv_update_steps=config.kfac_inv_update_freq, damping=config.kfac_damping / n**2,
-        factor_decay=config.kfac_factor_decay, kl_clip=config.kfac_kl_clip / n**2, lr=lambda _step: current_lr(),
-        accumulation_steps=config.batches_per_allreduce, grad_scaler=scaler)
-
-
-# ``--kfac-impl kfac_large_batch:kfac_pytorch_native_preconditioner``: kfac-pytorch with ``--kfac-damping`` and
-# ``--kfac-kl-clip`` taken as kfac-pytorch values, in its own convention.
-kfac_pytorch_native_preconditioner = functools.partial(kfac_pytorch_preconditioner, carry_over=False)
-
-
 # ---- running the grid ---------------------------------------------------------------------------
 
 
@@ -219,7 +160,7 @@ def train_flags(cell: Cell, args: argparse.Namespace) -> list[str]:
         # the rate is per rank and backward pass, scaled by ranks x accumulation: the peak for the whole batch
         "--base-lr", repr(cell.lr / accumulate / args.ranks), "--lr-schedule", "cosine",
         "--warmup-epochs", str(args.warmup_epochs if cell.warmup is None else cell.warmup),
-        "--warmup-start-factor", "1.0" if cell.method == "kfac" else "0.1",  # docstring: why
+        "--warmup-start-factor", "1.0" if cell.method == "kfac" else "0.1",  # why: results/kfac_large_batch.md
         "--weight-decay", "5e-4", "--seed", str(cell.seed),
         "--device", "cpu", "--log-every", "1000",
         "--stall-timeout", "0",
@@ -566,7 +507,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--model", default="mnist_cnn")
     parser.add_argument("--data-dir", type=Path, default=None, help=f"MNIST's IDX files (default {DEFAULT_MNIST_DIR})")
-    parser.add_argument("--kfac-pytorch-site", type=Path, default=DEFAULT_KFAC_PYTORCH_SITE,
+    parser.add_argument("--kfac-pytorch-site", type=Path, default=kfac_pytorch_adapter.DEFAULT_SITE,
                         help="directory holding kfac-pytorch's installed `kfac` package (outside the repository)")
     parser.add_argument("--jobs", type=integer(1), default=2, help="runs at a time (each gets --threads threads)")
     parser.add_argument("--threads", type=integer(1), default=1)
@@ -600,7 +541,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true",
                         help="keep the successful runs already in <out>.json (and add to them) instead of rerunning; "
                              "a run recorded with another command than this study's is refused, naming the setting")
-    parser.add_argument("--install-kfac-pytorch", nargs="?", const=KFAC_PYTORCH_SOURCE, metavar="SOURCE",
+    parser.add_argument("--install-kfac-pytorch", nargs="?", const=kfac_pytorch_adapter.SOURCE, metavar="SOURCE",
                         help="pip-install kfac-pytorch (a local checkout or a pip URL; default: its public source at "
                              "the commit the results used) into --kfac-pytorch-site and exit")
     args = parser.parse_args(argv)
@@ -609,8 +550,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return args
     if args.dataset == "mnist" and args.data_dir is None:
         args.data_dir = DEFAULT_MNIST_DIR
-    if args.dataset == "mnist" and not (args.dry_run or (args.data_dir / "train-images-idx3-ubyte").exists()
-                                        or (args.data_dir / "train-images-idx3-ubyte.gz").exists()):
+    if args.dataset == "mnist" and not (args.dry_run or studies.has_mnist(args.data_dir)):
         parser.error(f"no MNIST in {args.data_dir}: run `python -m hpcdl.fetch_mnist` first")
     wants_kfac_pytorch = any(m.startswith("kfac-pytorch") for m in args.methods)
     if wants_kfac_pytorch and not args.dry_run and not (args.kfac_pytorch_site / "kfac").is_dir():
@@ -682,14 +622,6 @@ def target_rates(args: argparse.Namespace) -> dict[str, float]:
     return rates
 
 
-def install_kfac_pytorch(source: str, site: Path) -> int:
-    """kfac-pytorch into ``site``, a directory of its own outside the repository (never on hpcdl's path)."""
-    env = dict(os.environ, SETUPTOOLS_SCM_PRETEND_VERSION="0.4.2")  # a source archive carries no git tags
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--target", str(site), source]
-    print(" ".join(command), flush=True)
-    return subprocess.call(command, env=env)
-
-
 def load_outcomes(path: Path) -> list[Outcome]:
     return outcomes_of(json.loads(path.read_text()))
 
@@ -704,8 +636,8 @@ def selected(source: str, read: Callable[[str], dict[str, Any]]) -> list[Outcome
 
 def outcomes_of(results: dict[str, Any]) -> list[Outcome]:
     """The runs of a results file; hpcdl K-FAC runs at other settings than :func:`kfac_settings`'s (or the preset
-    of their time's) are named by them (damping, KL clip, decompositions every N steps, a warm-up ramp)."""
-    recorded = results.get("meta", {}).get("kfac_preset")
+    of their time's, meta["kfac_preset"]) are named by them (damping, KL clip, decompositions every N steps, a ramp)."""
+    recorded = results.get("meta", {}).get("kfac_preset") or {}
     outcomes = []
     for r in results["runs"]:
         command, method = r.get("command", "").split(), r["method"]
@@ -715,29 +647,32 @@ def outcomes_of(results: dict[str, Any]) -> list[Outcome]:
             if then is not None and "large-batch" in command:  # the preset's flag meant its values of then
                 at = command.index("large-batch")
                 flags = command[:at - 1] + then + command[at + 1:]
-            method = kfac_label(flags, r["batch"], then, earlier=recorded is None and r["batch"] > 512)
+            name = recorded.get("label", "kfac") if r["batch"] > 512 else "kfac"
+            method = kfac_label(flags, r["batch"], then, name)
         cell = Cell(method, r["batch"], r["lr"], r["seed"], r.get("warmup"))
         outcomes.append(Outcome(cell, r["returncode"], r["epochs"],
                                 r.get("wall_seconds", 0.0), command, r.get("error", "")))
     return outcomes
 
 
-def preset_of_their_time(recorded: dict[str, Any] | None) -> list[str] | None:
-    """The flags --kfac-preset large-batch stood for when a results file was written (its meta["kfac_preset"];
-    none: the earlier preset's), or None when that is today's preset (or the record is empty)."""
-    if recorded is None:
-        return list(EARLIER_PRESET_FLAGS)
-    values = {**RECORDED_PRESET, "fraction": 1.0, **recorded} if recorded else RECORDED_PRESET
-    return None if values == RECORDED_PRESET else preset_flags(values)
+def preset_of_their_time(recorded: dict[str, Any]) -> list[str] | None:
+    """The flags --kfac-preset large-batch stood for when a results file was written (its meta["kfac_preset"]), or
+    None when that is today's preset (or the record is empty or absent)."""
+    values = {key: value for key, value in recorded.items() if key != "label"}
+    return None if not values or values == RECORDED_PRESET else preset_flags(values)
 
 
 def preset_flags(values: dict[str, Any]) -> list[str]:
-    """hpcdl.train's flags for the preset's values as a results file records them (RECORDED_PRESET's keys)."""
-    examples = [] if values["factor_examples"] is None else ["--kfac-factor-examples", str(values["factor_examples"])]
-    return ["--kfac", "--kfac-factor-update-freq", str(values["factors"]),
-            "--kfac-inv-update-freq", str(values["inverse"]), "--kfac-damping", repr(values["damping"]),
-            "--kfac-kl-clip", repr(values["kl_clip"]), *examples, "--momentum", repr(values["momentum"]),
-            "--kfac-grad-worker-fraction", str(values["fraction"])]
+    """hpcdl.train's flags for the preset's values as a results file records them (RECORDED_PRESET's keys; an
+    absent key is a value the preset of that time did not set)."""
+    names = dict(factors="--kfac-factor-update-freq", inverse="--kfac-inv-update-freq", damping="--kfac-damping",
+                 kl_clip="--kfac-kl-clip", factor_examples="--kfac-factor-examples", momentum="--momentum",
+                 fraction="--kfac-grad-worker-fraction")
+    flags = ["--kfac"]
+    for key, flag in names.items():
+        if values.get(key) is not None:
+            flags += [flag, str(values[key])]
+    return flags
 
 
 # What a K-FAC run's label names when it differs from the study's own settings for its batch.
@@ -748,9 +683,9 @@ LABELS = {"kfac_factor_examples": "stats of {} examples", "momentum": "momentum 
 
 
 def kfac_label(command: Sequence[str], batch: int, preset_flags: Sequence[str] | None = None,
-               earlier: bool = False) -> str:
-    """"kfac" (or "kfac, earlier preset"), plus what an hpcdl K-FAC run's settings (its command, parsed by
-    hpcdl.train's own parser) have apart from the study's at ``batch``: the preset above 512 (``preset_flags``:
+               name: str = "kfac") -> str:
+    """``name`` ("kfac", or a results file's label for its runs), plus what an hpcdl K-FAC run's settings (its
+    command, by hpcdl.train's parser) have apart from the study's at ``batch``: the preset above 512 (``preset_flags``:
     what it stood for in the run's time, when not today's), the batch-128 study's settings up to it."""
     config = parse_config(list(command[command.index("hpcdl.train") + 1:]))
     if batch > 512:
@@ -761,7 +696,7 @@ def kfac_label(command: Sequence[str], batch: int, preset_flags: Sequence[str] |
                            "--kfac-inv-update-freq", str(small["inverse"]), "--kfac-damping", repr(small["damping"]),
                            "--kfac-kl-clip", repr(small["kl_clip"])]
     reference = parse_config([*reference_flags, "--weight-decay", "5e-4"])
-    parts = ["kfac, earlier preset" if earlier else "kfac"]
+    parts = [name]
     for name, text in LABELS.items():
         value = getattr(config, name)
         if value != getattr(reference, name):
@@ -782,34 +717,26 @@ def kept_outcomes(out: Path) -> list[Outcome]:
 
 
 def check_kept(kept: Sequence[Outcome], args: argparse.Namespace) -> None:
-    """UsageError (one line) naming the first kept run whose recorded command is not the one this study would run
-    for it now, and the settings that differ: a ``--max-steps 2`` trial is never kept as the real study's run.
-    Runs the study can no longer name (ablations labelled by their --kfac-flags) are carried as they are."""
+    """Refuses (studies.refuse_changed) a kept run whose recorded command is not the one this study would run for it
+    now; runs the study can no longer name (ablations labelled by their --kfac-flags) are carried as they are."""
     for outcome in kept:
-        if outcome.cell.method not in METHODS:
-            continue
-        now = train_command(outcome.cell, args, Path("run"))
-        differing = studies.differing_settings(outcome.command, now)
-        if differing:
-            raise UsageError(f"--keep: {outputs.output_file(args.out, '.json')} holds {outcome.cell.name} run with "
-                             f"other settings ({'; '.join(differing)}); rerun it without --keep (with --force to "
-                             "replace the file), or choose another --out")
+        if outcome.cell.method in METHODS:
+            studies.refuse_changed(args.out, outcome.cell.name, outcome.command,
+                                   train_command(outcome.cell, args, Path("run")))
 
 
 def markdown(outcomes: Sequence[Outcome]) -> list[str]:
-    """The summary as a markdown table (medians over seeds; times are training seconds, evaluation excluded)."""
-    lines = ["| global batch | method | peak lr | seeds | final accuracy (median; each seed) | steps / s to 98.5 % "
-             "| steps / s to 99.0 % | s per step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The summary as a markdown table's lines (medians over seeds; times are training seconds, evaluation excluded)."""
+    rows = []
     for r in sorted(summarise(outcomes), key=lambda r: (r["batch"], method_order(r["method"]), r["method"], r["lr"])):
         each = ", ".join("failed" if a is None else f"{100 * a:.2f}" for a in r["final_accuracy"])
-
         to = [f"not reached ({r[f'reached_{k}']})" if r[f"steps_{k}"] is None
               else f"{r[f'steps_{k}']:.0f} / {r[f'seconds_{k}']:.0f} ({r[f'reached_{k}']})" for k in ("98.5", "99.0")]
         rate = f"{r['lr']:g}" + (f" (warm-up {r['warmup']:g})" if "warmup" in r else "")
-        lines.append(f"| {r['batch']} | {r['method']} | {rate} | {r['seeds']} | "
-                     f"{100 * (r['median_final'] or 0):.2f} % ({each}) | {to[0]} | {to[1]} | "
-                     f"{r['seconds_per_step'] or 0:.2f} |")
-    return lines
+        rows.append((r["batch"], r["method"], rate, r["seeds"], f"{100 * (r['median_final'] or 0):.2f} % ({each})",
+                     *to, f"{r['seconds_per_step'] or 0:.2f}"))
+    return table(["global batch", "method", "peak lr", "seeds", "final accuracy (median; each seed)",
+                  "steps / s to 98.5 %", "steps / s to 99.0 %", "s per step"], rows).strip("\n").split("\n")
 
 
 def report(sources: Sequence[str], out: Path) -> int:
@@ -830,7 +757,7 @@ def report(sources: Sequence[str], out: Path) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.install_kfac_pytorch:
-        return install_kfac_pytorch(args.install_kfac_pytorch, args.kfac_pytorch_site)
+        return kfac_pytorch_adapter.install(args.install_kfac_pytorch, args.kfac_pytorch_site)
     if args.report:
         return report(args.report, output_stem(args))
     if args.reduced:
@@ -894,10 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 outcomes = first + run_cells([c for c in chosen if c not in done], args, scratch,
                                              lambda new: save(first + new))
     except studies.StudyStopped as stop:
-        print(f"kfac_large_batch: {stop}: {saved['runs']} finished run(s) saved in "
-              f"{outputs.output_file(args.out, '.json')}; the same command with --keep runs the rest",
-              file=sys.stderr, flush=True)
-        return stop.exit_code
+        return studies.stopped("kfac_large_batch", stop, saved["runs"], args.out)
     meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - start)
     write_results(outcomes, args.out, meta)
     where = f"{args.ranks} ranks on {args.vcluster}" if args.vcluster else f"{args.ranks} rank(s)"

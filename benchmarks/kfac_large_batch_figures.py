@@ -270,42 +270,37 @@ def _two_by_one_short(name: str) -> str:
     return f"{times(ratio)} {NAMES[other]}'s time, its step {times(step['kfac'] / step[other])}"
 
 
+def _variants(base: str, variant: str) -> dict[str, dict[str, float]]:
+    """K-FAC's runs of results file ``base`` and every run of ``variant`` (the same cell and seeds): each side's
+    median final accuracy, steps to 98.5 % (a miss beyond the budget) and seconds per step, and the seeds."""
+    runs = {"base": [o for o in outcomes(base) if o.cell.method == "kfac"], "variant": outcomes(variant)}
+    return {side: dict(final=_median_final(each), step=1000 * _median_step(each), seeds=len(each),
+                       steps=median_or_inf([hit and hit[0] for hit in (o.to_target(0.985) for o in each)]))
+            for side, each in runs.items()}
+
+
 def _two_by_one_bf16() -> str:
     """K-FAC with --kfac-comm-precision bf16 against the fp32 payload, the same cell and seeds (2 nodes x 1 rank)."""
-    runs = {"fp32": [o for o in outcomes("kfac_large_batch_2x1") if o.cell.method == "kfac"],
-            "bf16": outcomes("kfac_large_batch_2x1_bf16")}
-    final = {name: _median_final(each) for name, each in runs.items()}
-    steps = {name: median_or_inf([hit and hit[0] for hit in (o.to_target(0.985) for o in each)])
-             for name, each in runs.items()}
-    return (f"final accuracy {percent(final['bf16'])} with bf16 against {percent(final['fp32'])} with fp32, "
-            f"{steps['bf16']:.0f} steps to 98.5 % against {steps['fp32']:.0f} (medians of {len(runs['bf16'])} seeds)")
+    fp32, bf16 = _variants("kfac_large_batch_2x1", "kfac_large_batch_2x1_bf16").values()
+    return (f"final accuracy {percent(bf16['final'])} with bf16 against {percent(fp32['final'])} with fp32, "
+            f"{bf16['steps']:.0f} steps to 98.5 % against {fp32['steps']:.0f} (medians of {bf16['seeds']} seeds)")
 
 
 def _two_by_one_bf16_factors() -> str:
     """K-FAC with both payloads in bf16 (--kfac-comm-precision and --kfac-factor-precision) against fp32, both
     under --backend torch (Horovod cannot sum bf16), the same cell and seeds (2 nodes x 1 rank)."""
-    runs = {"fp32": [o for o in outcomes("kfac_large_batch_2x1_torch") if o.cell.method == "kfac"],
-            "bf16": outcomes("kfac_large_batch_2x1_torch_bf16")}
-    final = {name: _median_final(each) for name, each in runs.items()}
-    steps = {name: median_or_inf([hit and hit[0] for hit in (o.to_target(0.985) for o in each)])
-             for name, each in runs.items()}
-    step = {name: _median_step(each) for name, each in runs.items()}
-    return (f"final accuracy {percent(final['bf16'])} with both in bf16 against {percent(final['fp32'])} with fp32, "
-            f"{steps['bf16']:.0f} steps to 98.5 % against {steps['fp32']:.0f}, {1000 * step['bf16']:.0f} against "
-            f"{1000 * step['fp32']:.0f} ms a step (medians of {len(runs['bf16'])} seeds)")
+    fp32, bf16 = _variants("kfac_large_batch_2x1_torch", "kfac_large_batch_2x1_torch_bf16").values()
+    return (f"final accuracy {percent(bf16['final'])} with both in bf16 against {percent(fp32['final'])} with fp32, "
+            f"{bf16['steps']:.0f} steps to 98.5 % against {fp32['steps']:.0f}, {bf16['step']:.0f} against "
+            f"{fp32['step']:.0f} ms a step (medians of {bf16['seeds']} seeds)")
 
 
 def _two_by_one_reduce() -> str:
     """K-FAC with --kfac-conv-approx reduce against expand (the preset's), Horovod, 2 nodes x 1 rank, same seeds."""
-    runs = {"expand": [o for o in outcomes("kfac_large_batch_2x1") if o.cell.method == "kfac"],
-            "reduce": outcomes("kfac_large_batch_2x1_reduce")}
-    steps = {name: median_or_inf([hit and hit[0] for hit in (o.to_target(0.985) for o in each)])
-             for name, each in runs.items()}
-    step = {name: _median_step(each) for name, each in runs.items()}
-    return (f"{steps['reduce']:.0f} steps to 98.5 % against expand's {steps['expand']:.0f}, "
-            f"{1000 * step['reduce']:.0f} against {1000 * step['expand']:.0f} ms a step, final "
-            f"{percent(_median_final(runs['reduce']))} against {percent(_median_final(runs['expand']))} "
-            f"(medians of {len(runs['reduce'])} seeds)")
+    expand, reduce = _variants("kfac_large_batch_2x1", "kfac_large_batch_2x1_reduce").values()
+    return (f"{reduce['steps']:.0f} steps to 98.5 % against expand's {expand['steps']:.0f}, "
+            f"{reduce['step']:.0f} against {expand['step']:.0f} ms a step, final "
+            f"{percent(reduce['final'])} against {percent(expand['final'])} (medians of {reduce['seeds']} seeds)")
 
 
 def _one_host_halved() -> str:

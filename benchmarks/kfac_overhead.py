@@ -152,15 +152,8 @@ def import_kfac(directory: Path | None) -> Any:
     """The kfac package of this checkout, or the one in ``directory`` (imported under another name)."""
     if directory is None:
         return importlib.import_module("kfac")
-    name = "kfac_baseline"
-    source = directory / "kfac"
-    target = Path(os.environ.get("TMPDIR", "/tmp")) / f"kfac_baseline_{os.getpid()}" / name
-    target.mkdir(parents=True, exist_ok=True)
-    for path in source.glob("*.py"):  # the same code with its imports renamed
-        text = path.read_text().replace("from kfac", f"from {name}").replace("import kfac", f"import {name}")
-        (target / path.name).write_text(text)
-    sys.path.insert(0, str(target.parent))
-    return importlib.import_module(name)
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"kfac_baseline_{os.getpid()}"
+    return kfac_pytorch_adapter.renamed_copy(directory / "kfac", "kfac_baseline", scratch)
 
 
 def _sync(device: str) -> None:

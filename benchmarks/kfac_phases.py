@@ -9,9 +9,9 @@
 Three runs one after another, one thread per rank, each of --steps steps with --profile-steps on its last
 two: K-FAC with the large-batch preset (256 factor examples a step dealt over the ranks, decompositions every
 2nd step, fraction auto), K-FAC with the preset's earlier values (512 examples, decompositions every step,
-fraction 1: kfac_large_batch.BEFORE_HALVING), and Muon at its tuned rate. Each run's summary.json phases (per
-rank) go to <out>.json and a stacked bar per rank to <out>.png (hpcdl.plot --phases); the traces stay in the
-runs' folders under --keep (default: removed).
+fraction 1: what results/kfac_large_batch_2x1.json's meta records), and Muon at its tuned rate. Each run's
+summary.json phases (per rank) go to <out>.json and a stacked bar per rank to <out>.png (hpcdl.plot --phases);
+the traces stay in the runs' folders under --keep (default: removed).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from figures import results, table
-from kfac_large_batch import BEFORE_HALVING, preset_flags
-from studies import finish_train, start_train
+from figures import RESULTS, results, table
+from kfac_large_batch import preset_flags
+from studies import finish_train, has_mnist, start_train
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
@@ -37,10 +37,15 @@ GLOBAL_BATCH = 4096
 RATES = {"kfac": 0.4, "muon": 0.02}  # the tuned peak rates of the large-batch study (kfac_large_batch.REDUCED_LRS)
 
 
+def earlier_preset() -> list[str]:
+    """The flags of the preset's earlier values: those the 2 x 1 cell's first results file ran under (its meta)."""
+    return preset_flags(json.loads((RESULTS / "kfac_large_batch_2x1.json").read_text())["meta"]["kfac_preset"])
+
+
 def runs(ranks: int) -> dict[str, list[str]]:
     kfac = ["--optimizer", "sgd", "--kfac-preset", "large-batch", "--warmup-start-factor", "1.0",
             "--base-lr", repr(RATES["kfac"] / ranks)]
-    return {"K-FAC": kfac, "K-FAC, earlier preset": [*kfac, *preset_flags(BEFORE_HALVING)],
+    return {"K-FAC": kfac, "K-FAC, earlier preset": [*kfac, *earlier_preset()],
             "Muon": ["--optimizer", "muon", "--momentum", "0.9", "--base-lr", repr(RATES["muon"] / ranks)]}
 
 
@@ -62,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UsageError(f"--ranks {args.ranks} does not divide the global batch {GLOBAL_BATCH}")
     stem = outputs.results_stem(args.out, "kfac_phases", (".json", ".png"), refresh_results=args.refresh_results,
                                 force=args.force, flag="--out")
-    if not (args.data_dir / "train-images-idx3-ubyte").exists():
+    if not has_mnist(args.data_dir):
         raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
     scratch = Path(tempfile.mkdtemp(prefix="kfac_phases-")) if args.keep is None else args.keep
     common = ["--dataset", "mnist", "--data-dir", str(args.data_dir), "--model", "mnist_cnn",

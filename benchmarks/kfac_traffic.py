@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from figures import results, table, times
+from studies import has_mnist
 from torch import Tensor, nn
 
 from hpcdl.bench.alphabeta import AlphaBeta, fit_ring, network
@@ -240,14 +241,6 @@ def _groups(world: int, fraction: float, kind: str) -> list[tuple[int, ...]]:
     return work.worker_groups() if kind == "decompositions" else work.receiver_blocks()
 
 
-def per_step_bytes(layers: Layers, world: int, fraction: float, factor_every: int,
-                   inverse_every: int) -> dict[str, float]:
-    """Average payload bytes per optimizer step handed over by rank 0, gradients included."""
-    rounds = kfac_round_bytes(layers, world, fraction)
-    return dict(gradients=layers.parameters * FP32, factors=rounds["factors"] / factor_every,
-                decompositions=rounds["decompositions"] / inverse_every, directions=rounds["directions"])
-
-
 # ---- the alpha-beta model of one step's collectives ---------------------------------------------------------
 # Each backend's algorithms, with a message of n bytes between two ranks costing alpha + n/B:
 #   MPI (Horovod on CPUs, Open MPI's tuned collectives): broadcast = the better of a binomial tree and
@@ -259,7 +252,6 @@ def per_step_bytes(layers: Layers, world: int, fraction: float, factor_every: in
 # scatter: an alltoall then an allgather of equal chunks).
 
 BACKENDS = ("mpi", "nccl")
-DESIGNS = ("broadcasts", "one collective")
 
 
 def broadcast_seconds(model: AlphaBeta, nbytes: float, ranks: int, backend: str = "mpi") -> float:
@@ -527,7 +519,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     fraction * args.ranks):
                 raise UsageError(f"--fractions: {fraction:g} x {args.ranks} ranks is not a whole divisor of the ranks")
         check_launch(args.ranks, args.vcluster)  # a virtual cluster that is not there: one line, before any run
-        if not (args.data_dir / "train-images-idx3-ubyte").exists():
+        if not has_mnist(args.data_dir):
             raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
     if args.phase == "predict" and args.measured:
         check_measured(args.measured)

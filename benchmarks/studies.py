@@ -221,6 +221,28 @@ _PLACE_FLAGS = {"--output-dir": 1, "--no-progress": 0}
 _PLACE_FIELDS = {"output_dir", "progress", "resume", "keep_checkpoints", "stall_timeout"}
 
 
+def refuse_changed(out: Path, name: str, recorded: str | Sequence[str], now: str | Sequence[str]) -> None:
+    """``--keep``'s UsageError (one line) when run ``name`` kept in ``out``.json was made with other settings than
+    the study would use now: a ``--max-steps 2`` trial is never kept as the real study's run."""
+    if differing := differing_settings(recorded, now):
+        raise UsageError(f"--keep: {output_file(out, '.json')} holds {name} run with other settings "
+                         f"({'; '.join(differing)}); rerun it without --keep (with --force to replace the file), "
+                         "or choose another --out")
+
+
+def stopped(program: str, stop: StudyStopped, runs: int, out: Path | None) -> int:
+    """Says in one line what a stopped study saved; its exit status."""
+    where = f" in {output_file(out, '.json')}" if out is not None and runs else ""
+    print(f"{program}: {stop}: {runs} finished run(s) saved{where}; the same command with --keep runs the rest",
+          file=sys.stderr, flush=True)
+    return stop.exit_code
+
+
+def has_mnist(data_dir: Path) -> bool:
+    """Whether ``data_dir`` holds MNIST's training images (hpcdl.fetch_mnist's files, packed or not)."""
+    return any((data_dir / f"train-images-idx3-ubyte{end}").exists() for end in ("", ".gz"))
+
+
 def split_command(command: str | Sequence[str]) -> tuple[dict[str, str], list[str]]:
     """A recorded run's command as (how it was launched: ranks, threads, vcluster; hpcdl.train's flags without
     those naming where it wrote). Understands ``python -m hpcdl.train``, ``mpirun -np N ... hpcdl.train`` and

@@ -102,15 +102,25 @@ def test_kfac_runs_are_named_by_what_differs_from_the_preset_of_their_time(study
     assert labels(["--momentum", "0.9", "--kfac-factor-examples", "4096"], now) == [
         "kfac stats of 4096 examples momentum 0.9"]
     assert labels(["--kfac-grad-worker-fraction", "0.5"], now) == ["kfac fraction 0.5"]
-    # a file of the preset's earlier values (fraction 1's time: no "fraction" recorded) names its runs against them
-    inv1 = dict(kfac_preset=dict(factors=1, inverse=1, damping=0.003, kl_clip=0.01, factor_examples=512, momentum=0.5))
+    # a file of the preset's earlier values (its meta records them) names its runs against them
+    inv1 = dict(kfac_preset=dict(factors=1, inverse=1, damping=0.003, kl_clip=0.01, factor_examples=512, momentum=0.5,
+                                 fraction=1.0))
     assert labels([], inv1) == ["kfac"]
     assert labels(["--kfac-inv-update-freq", "2"], inv1) == ["kfac inv every 2"]
     assert labels(["--kfac-grad-worker-fraction", "auto"], inv1) == ["kfac fraction auto"]  # a word, not a number
     assert labels(["--kfac-inv-update-freq", "1"], now) == ["kfac inv every 1"]  # today's preset: every 2nd step
-    assert labels([], {}) == ["kfac, earlier preset"]  # a file from before meta["kfac_preset"]
-    assert labels(["--kfac-damping", "1"], {}) == ["kfac, earlier preset d 1"]
-    assert labels(["--damping", "1"], {}) == ["kfac, earlier preset d 1"]  # a file written under the old name
+    assert labels([], {}) == ["kfac"]  # no record: today's preset
+    earlier = dict(kfac_preset=dict(factors=5, inverse=5, damping=0.1, kl_clip=0.01, label="kfac, earlier preset"))
+    assert labels([], earlier) == ["kfac, earlier preset"]  # a preset that set neither examples nor momentum
+    assert labels(["--kfac-damping", "1"], earlier) == ["kfac, earlier preset d 1"]
+    assert labels(["--damping", "1"], earlier) == ["kfac, earlier preset d 1"]  # a file written under the old name
+
+
+def test_committed_results_record_the_preset_they_ran_under() -> None:
+    """Item 5 of issue 47: the preset's earlier values live in the results files' meta, not in the code."""
+    for path in sorted((REPO / "benchmarks" / "results").glob("kfac_large_batch*.json")):
+        recorded = json.loads(path.read_text())["meta"]["kfac_preset"]
+        assert {"factors", "inverse", "damping", "kl_clip"} <= recorded.keys(), path.name
 
 
 def test_report_takes_only_the_batches_named_after_a_file(study: Any, tmp_path: Path, capsys) -> None:
