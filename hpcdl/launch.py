@@ -18,6 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from hpcdl.launching.args import SCRIPTS, fail, help_shell, parser_for, shell_assignments, split_words
+from hpcdl.launching.cores import usable_cores
 from hpcdl.launching.plan import Machine, launch_shell, modules_to_load, plan
 from hpcdl.launching.rank_command import LaunchError
 
@@ -44,8 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.help:
         sys.stdout.write(help_shell(parser))
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    machine = Machine(env=env, path=env.get("PATH", ""), cores=cores, root=root)
+    machine = Machine(env=env, path=env.get("PATH", ""), cores=usable_cores(), root=root)
     try:
         if step == "modules":
             sys.stdout.write(shell_assignments({"LAUNCH_MODULES": modules_to_load(script, options, env)}))

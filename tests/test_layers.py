@@ -1,7 +1,7 @@
 """The layout states the architecture: each layer imports only the layers below it, and no module
 imports itself back through others (lazy imports inside functions count too).
 
-Layers, lowest first: launching, runtime; collectives, data, kfac; persistence; training; bench, demos, tools; the
+Layers, lowest first: launching; runtime; collectives, data, kfac; persistence; training; bench, demos, tools; the
 entry modules at the package root (``python -m hpcdl.train`` ...).
 """
 
@@ -15,7 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {
-    "launching": 0, "runtime": 0,
+    "launching": -1,  # the planner, under the runtime: world and placement read its rule for a host's cores
+    "runtime": 0,
     "collectives": 1, "data": 1, "kfac": 1,
     "persistence": 2,
     "training": 3,

@@ -36,6 +36,7 @@ from hpcdl.launching.args import (
     shell_assignments,
     total_slots,
 )
+from hpcdl.launching.cores import CoreShare
 from hpcdl.launching.rank_command import (
     RUNTIMES,
     LaunchError,
@@ -56,7 +57,7 @@ class Machine:
 
     env: Mapping[str, str]
     path: str  # the caller's PATH: a python3 shim (pyenv) may have changed ours
-    cores: int
+    cores: int  # this process may run on (hpcdl.launching.cores.usable_cores)
     root: str  # the repository (launch/vcluster-rsh lives there)
     gpus: int | None = None  # None: ask nvidia-smi
     versions: dict[str, str] = field(default_factory=dict)
@@ -252,7 +253,7 @@ def decide_mpirun(options: argparse.Namespace, entry_args: list[str], machine: M
             if np > machine.cores and not oversubscribe:
                 notes.append(f"{np} ranks on {machine.cores} cores: adding --oversubscribe")
                 oversubscribe = True
-    threads = threads or max(1, machine.cores // ranks_per_host)
+    threads = CoreShare(machine.cores, ranks_per_host).threads(threads)
 
     mpirun = options.mpirun
     found = machine.which(mpirun)
@@ -422,7 +423,7 @@ def frontera_command(options: argparse.Namespace, entry_args: list[str], machine
     per_node = math.ceil(tasks / nodes)
     cores_text = env.get("SLURM_CPUS_ON_NODE") or str(machine.cores)
     cores = int(cores_text) if COUNT.match(cores_text) else 1
-    threads = options.threads or str(max(1, cores // per_node))
+    threads = options.threads or str(CoreShare(cores, per_node).per_rank)
     notes = [f"warning: {per_node} tasks per node but an rtx node has 4 GPUs; use -n = 4 x -N"] if per_node > 4 else []
     launcher = options.launcher or ("ibrun" if machine.which("ibrun") else "srun")
     inner: list[str] = []  # a launcher that runs inside the image

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hpcdl.launching.cores import CoreShare, usable_cores
 from hpcdl.runtime.errors import UsageError
 
 FAKE_GPUS_VAR = "HPCDL_FAKE_GPU_UUIDS"
@@ -174,7 +175,7 @@ def placement_error(rows: Sequence[RankRow], gpu_requested: bool,
 
 def core_share(row: RankRow) -> int:
     """The cores a rank should have: its node's cores divided among the ranks on that node."""
-    return max(1, row.node_cores // max(1, row.local_size))
+    return CoreShare(row.node_cores, row.local_size).per_rank
 
 
 def starved(row: RankRow) -> bool:
@@ -239,12 +240,6 @@ def cpu_list_size(text: str) -> int:
     return total
 
 
-def affinity_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def visible_gpu_uuids() -> tuple[str, ...]:
     """UUIDs of the GPUs this process sees (or the test hook's pretend ones)."""
     fake = os.environ.get(FAKE_GPUS_VAR, "").strip()
@@ -282,7 +277,7 @@ def local_row(me: Seat) -> RankRow:
         gpu_uuid=uuid,
         visible_gpus=visible,
         cuda_build=bool(torch.version.cuda) or bool(os.environ.get(FAKE_GPUS_VAR)),
-        affinity_cores=affinity_cores(),
+        affinity_cores=usable_cores(),
         node_cores=node_cores(),
         problem=problem,
     )

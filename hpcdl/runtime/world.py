@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
+from hpcdl.launching.cores import threads_per_rank
 from hpcdl.runtime import allocator, coordination, launch_env, placement, rendezvous
 from hpcdl.runtime.errors import UsageError
 from hpcdl.runtime.launcher import local_rank_from_env, local_size_from_env
 from hpcdl.runtime.placement import WorldError, choose_device
 
-__all__ = ["World", "WorldError", "choose_device", "comm", "fix_reduction_order", "get", "init", "threads_per_rank"]
+__all__ = ["World", "WorldError", "choose_device", "comm", "fix_reduction_order", "get", "init"]
 
 
 @dataclass(frozen=True)
@@ -52,20 +53,6 @@ class World:
 
 _world: World | None = None
 _gloo_comm: coordination.GlooComm | None = None  # the coordination of a job started without MPI
-
-
-def threads_per_rank(local_size: int, cores: int | None = None, env: Mapping[str, str] | None = None) -> int:
-    """Intra-op threads for one rank so that the ranks on a host do not oversubscribe its cores.
-
-    An explicit OMP_NUM_THREADS (what launch scripts and Slurm's --cpus-per-task set) wins.
-    """
-    env = os.environ if env is None else env
-    explicit = env.get("OMP_NUM_THREADS", "").strip()
-    if explicit.isdigit() and int(explicit) > 0:
-        return int(explicit)
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_size))
 
 
 def _mpi():
@@ -144,7 +131,7 @@ def _place(local_rank: int) -> torch.device:
 def _seat(rank: int, size: int, local_rank: int, local_size: int, hostname: str, horovod: bool) -> World:
     """The World before any process group: device, threads, allocator settings."""
     device = _place(local_rank)
-    threads = threads_per_rank(local_size)
+    threads = threads_per_rank(local_size)  # the planner's rule: OMP_NUM_THREADS, else this host's core share
     torch.set_num_threads(threads)
     allocator.keep_freed_memory()
     return World(rank=rank, size=size, local_rank=local_rank, local_size=local_size, hostname=hostname,

@@ -19,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from hpcdl.launching.cores import usable_cores
+
 TAG = 7021
 SIOCGIFADDR = 0x8915
 CONNECT_TIMEOUT = 3.0
@@ -67,7 +69,7 @@ def chosen_interface(addresses: dict[str, str], wanted: str | None) -> tuple[str
 def my_facts(rank: int) -> NodeFacts:
     wanted = os.environ.get("OMPI_MCA_btl_tcp_if_include") or os.environ.get("HOROVOD_GLOO_IFACE")  # noqa: SIM112 (Open MPI spells it so)
     interface, address = chosen_interface(interface_addresses(), wanted)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     try:
         import torch
 

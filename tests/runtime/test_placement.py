@@ -13,7 +13,6 @@ import itertools
 import pytest
 import torch
 
-from hpcdl.runtime import world
 from hpcdl.runtime.launcher import LOCAL_RANK_VARS, local_rank_from_env, local_size_from_env
 from hpcdl.runtime.world import WorldError, choose_device
 
@@ -98,12 +97,6 @@ def test_physical_gpus_are_distinct_under_both_slurm_styles() -> None:
             device = choose_device(local_rank_from_env({"SLURM_LOCALID": str(local_rank)}), len(ids))
             physical.append(ids[device.index])
         assert sorted(physical) == ["0", "1", "2", "3"]
-
-
-def test_threads_per_rank_share_the_cores() -> None:
-    assert world.threads_per_rank(4, cores=16, env={}) == 4
-    assert world.threads_per_rank(3, cores=2, env={}) == 1  # never zero
-    assert world.threads_per_rank(4, cores=16, env={"OMP_NUM_THREADS": "2"}) == 2  # the launch script's choice wins
 
 
 # ---------------------------------------------------------------- placement verdicts (hpcdl.placement)
