@@ -100,7 +100,7 @@ def container_runtime(settings: RankSettings, which: Callable[[str], str | None]
     if programs == ["ch-run"]:
         named = "charliecloud: ch-run" if name else "ch-run, Charliecloud's,"
         raise LaunchError(f"no container runtime found ({named} is not on PATH): install charliecloud-runtime "
-                          "(bash containers/prereqs.sh) or module load charliecloud")
+                          "(make image-prereqs) or module load charliecloud")
     named = f"{name}: {RUNTIMES[name]} is not on PATH" if name else one_of(AUTO_RUNTIMES)
     raise LaunchError(f"no container runtime found ({named}); on TACC systems: module load tacc-apptainer")
 
