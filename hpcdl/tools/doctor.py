@@ -159,8 +159,6 @@ def check_launcher_agrees(world_size: int, env: dict[str, str] | None = None) ->
 
 IMAGE_FILE = Path("/opt/hpcdl/image")  # written by containers/build.sh: kind, environment and source keys
 IMAGE_SOURCE = Path("/opt/hpcdl/src")  # the source the image was built from (its own hpcdl)
-# The folders containers/build.sh keys an image's source by (its SOURCES).
-SOURCE_FOLDERS = ("pyproject.toml", "README.md", "hpcdl", "kfac", "launch", "scripts", "containers")
 LABELS_FILE = Path("/opt/hpcdl/labels")  # written by containers/install.sh: MPI family and versions
 
 
@@ -210,12 +208,17 @@ def container_rows(env: dict[str, str], mpi_library: str, world_size: int,
     ]
 
 
-def source_key(root: Path) -> str:
-    """The key containers/build.sh gives the source under ``root`` before it mixes in the mount points: the first 8
-    hex digits of the sha256 of ``sha256sum``'s lines for every file of :data:`SOURCE_FOLDERS` (caches left out),
-    in byte order of their paths."""
+def image_folders(image_source: Path = IMAGE_SOURCE) -> list[str]:
+    """The files and folders the image's source was copied from (the build's list, read off the copy itself)."""
+    return sorted(p.name for p in image_source.iterdir())
+
+
+def source_key(root: Path, folders: Sequence[str]) -> str:
+    """The key the image build gives the source under ``root`` before it mixes in the mount points: the first 8
+    hex digits of the sha256 of ``sha256sum``'s lines for every file of ``folders`` (caches left out), in byte
+    order of their paths."""
     paths = []
-    for name in SOURCE_FOLDERS:
+    for name in folders:
         top = root / name
         found = [top] if top.is_file() else [p for p in top.rglob("*") if p.is_file()] if top.is_dir() else []
         paths += [p.relative_to(root).as_posix() for p in found
@@ -239,7 +242,8 @@ def code_rows(env: dict[str, str], running: Path, image_source: Path = IMAGE_SOU
     if not image_source.is_dir():
         return [*rows, Row("its source", f"no {image_source} in this image to compare it with")]
     try:
-        mine, image = source_key(running), source_key(image_source)
+        folders = image_folders(image_source)
+        mine, image = source_key(running, folders), source_key(image_source, folders)
     except OSError as exc:
         return [*rows, Row("its source", f"cannot compare with the image's ({exc.strerror or exc})")]
     rows.append(Row("its source", f"the image's (key {image})" if mine == image else

@@ -73,18 +73,22 @@ def test_a_bad_choice_ends_python_in_one_line_before_any_hpcdl_runs(tmp_path: Pa
 
 @pytest.mark.processes  # runs python / build.sh
 def test_the_source_key_is_build_sh_s(tmp_path: Path) -> None:
-    """Against containers/build.sh's own pipeline (find | sort | sha256sum), on a copy of the repository's source."""
-    for name in doctor.SOURCE_FOLDERS:
+    """Against containers/build.sh's own list (SOURCES) and pipeline (find | sort | sha256sum), on a copy of the
+    repository's source made as the build makes the image's: the doctor reads the list off that copy."""
+    (line,) = [x for x in (REPO / "containers" / "build.sh").read_text().splitlines() if x.startswith("SOURCES=(")]
+    sources = line.removeprefix("SOURCES=(").removesuffix(")").split()
+    for name in sources:
         source = REPO / name
         (shutil.copy2 if source.is_file() else shutil.copytree)(source, tmp_path / name)
     (tmp_path / "hpcdl" / "__pycache__").mkdir(exist_ok=True)
     (tmp_path / "hpcdl" / "__pycache__" / "x.pyc").write_bytes(b"left out")
-    pipeline = (f"cd {tmp_path} && find {' '.join(doctor.SOURCE_FOLDERS)} -type f ! -path '*/__pycache__/*' "
+    assert doctor.image_folders(tmp_path) == sorted(sources)
+    pipeline = (f"cd {tmp_path} && find {' '.join(sources)} -type f ! -path '*/__pycache__/*' "
                 "! -name '*.pyc' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-8")
     expected = subprocess.run(["bash", "-c", pipeline], capture_output=True, text=True, check=True).stdout.strip()
-    assert doctor.source_key(tmp_path) == expected
+    assert doctor.source_key(tmp_path, doctor.image_folders(tmp_path)) == expected
     (tmp_path / "hpcdl" / "train.py").write_text("# changed by a git pull\n")
-    assert doctor.source_key(tmp_path) != expected
+    assert doctor.source_key(tmp_path, doctor.image_folders(tmp_path)) != expected
 
 
 def test_the_doctor_says_which_hpcdl_runs_and_whether_it_is_the_image_s(tmp_path: Path) -> None:
@@ -98,7 +102,7 @@ def test_the_doctor_says_which_hpcdl_runs_and_whether_it_is_the_image_s(tmp_path
 
     asked = doctor.code_rows({"HPCDL_CODE_CHOSEN": str(mine), "HPCDL_CODE": "checkout"}, mine, image)
     assert "asked for by HPCDL_CODE=checkout" in asked[0].value
-    assert asked[1].value == f"the image's (key {doctor.source_key(image)})"
+    assert asked[1].value == f"the image's (key {doctor.source_key(image, ['hpcdl'])})"
 
     (mine / "hpcdl" / "__init__.py").write_text("version = 2\n")  # a git pull since the image was built
     shadowed = doctor.code_rows({"HPCDL_CODE_CHOSEN": "image"}, mine, image)
