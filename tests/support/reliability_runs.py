@@ -8,8 +8,10 @@ need a run directory with checkpoints in it, instead of training again for each.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.mpi_harness import run_train
+from tests.support.mpi_harness import REPO, kill_tree, run_train
 
 # The uninterrupted reference: 2 ranks x batch 32 on digits = 22 steps per epoch, checkpoints at 22 and 44.
 BASE_RANKS = 2
@@ -83,6 +85,29 @@ def run_job_once_more_if(spoilt: Callable[[Job], bool], nprocs: int, output_dir:
     if spoilt(job):
         job = run_job(nprocs, output_dir.with_name(output_dir.name + "-again"), *flags, **kwargs)
     return job
+
+
+def signal_once_training(cmd: list[str], env: dict[str, str], sig: signal.Signals,
+                         marker: str = "epoch   1/15") -> tuple[int, str, str]:
+    """Start a launcher (mpirun, torchrun), send ``sig`` to the launcher itself once its output shows
+    ``marker`` (training under way), and wait for it: (returncode, stdout, stderr). A launcher still up
+    120 s after the signal is killed with everything below it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
+    seen = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(marker):
+                os.kill(proc.pid, sig)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
+    return proc.returncode, "".join(seen) + out, err
 
 
 _baseline: dict[str, Path] = {}
