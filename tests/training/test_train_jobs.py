@@ -118,15 +118,15 @@ def test_adasum_trains_on_two_ranks(tmp_path: Path) -> None:
     assert summary["final_accuracy"] > 0.7, summary["final_accuracy"]  # chance is 0.1; 0.875 when written
 
 
-def test_eval_every_adds_mid_epoch_rows_without_changing_the_training(tmp_path: Path) -> None:
+def test_eval_every_adds_mid_epoch_rows_without_changing_the_training(tmp_path_factory, tmp_path: Path) -> None:
     """--eval-every 5 on 2 ranks x 32 (22 steps an epoch): rows at steps 5, 10, ... labelled with the fractional
-    epoch, the epoch's own row still covers the whole epoch, and the weights end bit-identical to a run without."""
-    flags = ["--epochs", "2", "--seed", "4"]
-    plain = run_train(2, tmp_path / "plain", *flags)
-    every = run_train(2, tmp_path / "every", *flags, "--eval-every", "5")
-    assert plain.returncode == 0 and every.returncode == 0, plain.stderr[-2000:] + every.stderr[-2000:]
+    epoch, the epoch's own row still covers the whole epoch, and the weights end bit-identical to a run without
+    (the shared reference run of tests/support/reliability_runs.py: same ranks and flags)."""
+    plain = baseline_run(tmp_path_factory)
+    every = run_train(BASE_RANKS, tmp_path / "every", *BASE_FLAGS, "--eval-every", "5")
+    assert every.returncode == 0, every.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "every" / "metrics.jsonl").read_text().splitlines()]
-    plain_rows = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    plain_rows = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
     assert [r["global_step"] for r in rows] == [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]
     assert [r["epoch"] for r in rows] == [round(s / 22, 4) if s % 22 else s // 22 for s in (5, 10, 15, 20, 22, 25, 30,
                                                                                              35, 40, 44)]
@@ -135,7 +135,7 @@ def test_eval_every_adds_mid_epoch_rows_without_changing_the_training(tmp_path: 
     for end, ref in zip(ends, plain_rows, strict=True):  # the epoch's row: the same sums over the whole epoch
         assert end["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-6)
         assert end["test_accuracy"] == ref["test_accuracy"]
-    a, b = final_weights(tmp_path / "plain"), final_weights(tmp_path / "every")
+    a, b = final_weights(plain), final_weights(tmp_path / "every")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
