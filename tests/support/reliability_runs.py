@@ -124,6 +124,21 @@ def baseline_run(tmp_path_factory) -> Path:
     return _baseline["run"]
 
 
+# The reference run again with an evaluation every 5 steps (rows at 5, 10, 15, 20, 22, 25, ...), metrics read back
+# every 5 steps, and no stall watchdog: read by the --eval-every and stop-at-an-evaluation tests.
+EVAL_EVERY_FLAGS = (*BASE_FLAGS, "--eval-every", "5", "--log-every", "5", "--stall-timeout", "0")
+_eval_every: dict[str, Job] = {}
+
+
+def eval_every_run(tmp_path_factory) -> Job:
+    """The uninterrupted run of EVAL_EVERY_FLAGS (made once per test process; read it, never change it)."""
+    if "job" not in _eval_every:
+        job = run_job(BASE_RANKS, tmp_path_factory.mktemp("eval-every") / "run", *EVAL_EVERY_FLAGS)
+        assert job.rc == 0, job.tail()
+        _eval_every["job"] = job
+    return _eval_every["job"]
+
+
 def copy_run(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)
     return target

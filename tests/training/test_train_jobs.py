@@ -10,7 +10,7 @@ import torch
 
 from tests.support.backends import BACKENDS, needs_horovod
 from tests.support.mpi_harness import run_train
-from tests.support.reliability_runs import BASE_FLAGS, BASE_RANKS, STEPS_PER_EPOCH, baseline_run
+from tests.support.reliability_runs import BASE_FLAGS, BASE_RANKS, STEPS_PER_EPOCH, baseline_run, eval_every_run
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
@@ -118,24 +118,22 @@ def test_adasum_trains_on_two_ranks(tmp_path: Path) -> None:
     assert summary["final_accuracy"] > 0.7, summary["final_accuracy"]  # chance is 0.1; 0.875 when written
 
 
-def test_eval_every_adds_mid_epoch_rows_without_changing_the_training(tmp_path_factory, tmp_path: Path) -> None:
+def test_eval_every_adds_mid_epoch_rows_without_changing_the_training(tmp_path_factory) -> None:
     """--eval-every 5 on 2 ranks x 32 (22 steps an epoch): rows at steps 5, 10, ... labelled with the fractional
     epoch, the epoch's own row still covers the whole epoch, and the weights end bit-identical to a run without
-    (the shared reference run of tests/support/reliability_runs.py: same ranks and flags)."""
-    plain = baseline_run(tmp_path_factory)
-    every = run_train(BASE_RANKS, tmp_path / "every", *BASE_FLAGS, "--eval-every", "5")
-    assert every.returncode == 0, every.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "every" / "metrics.jsonl").read_text().splitlines()]
+    (both runs shared, tests/support/reliability_runs.py: the same 2 ranks x 2 epochs and seed)."""
+    plain, every = baseline_run(tmp_path_factory), eval_every_run(tmp_path_factory)
+    rows = [json.loads(line) for line in (every.output_dir / "metrics.jsonl").read_text().splitlines()]
     plain_rows = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
     assert [r["global_step"] for r in rows] == [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]
     assert [r["epoch"] for r in rows] == [round(s / 22, 4) if s % 22 else s // 22 for s in (5, 10, 15, 20, 22, 25, 30,
                                                                                              35, 40, 44)]
-    assert "step 5 (epoch 0.23/2) | train loss" in every.stdout and "epoch   2/2" in every.stdout
+    assert "step 5 (epoch 0.23/2) | train loss" in every.out and "epoch   2/2" in every.out
     ends = [r for r in rows if isinstance(r["epoch"], int)]
     for end, ref in zip(ends, plain_rows, strict=True):  # the epoch's row: the same sums over the whole epoch
         assert end["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-6)
         assert end["test_accuracy"] == ref["test_accuracy"]
-    a, b = final_weights(plain), final_weights(tmp_path / "every")
+    a, b = final_weights(plain), final_weights(every.output_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
