@@ -1,9 +1,10 @@
-"""Shared pieces of the reliability and bad-input job tests (tests/runtime/test_reliability.py, tests/training/test_bad_input.py).
+"""Shared pieces of the job tests (tests/runtime/test_reliability.py, tests/training/test_bad_input.py and others).
 
 Every job is a real ``mpirun -np N python -m hpcdl.train`` on the embedded digits data, kept tiny
 (1-4 epochs of 11-22 steps) because most of its time is Python start-up. One uninterrupted
-2-rank run (:func:`baseline_run`) is made once per test process and copied by the tests that
-need a run directory with checkpoints in it, instead of training again for each.
+2-rank run (:func:`baseline_run`), and the same run with an evaluation every 5 steps
+(:func:`eval_every_run`), are made once per test process and read (or copied) by the tests that
+need them, instead of training again for each.
 """
 
 from __future__ import annotations
