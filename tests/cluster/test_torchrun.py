@@ -7,7 +7,6 @@ Every job is tiny (digits, a few steps) and sits under a timeout that kills its 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -23,7 +22,14 @@ import torch
 from hpcdl.runtime.rendezvous import free_port
 from tests.support.backends import needs_horovod
 from tests.support.mpi_harness import REPO, error_lines, kill_tree, mpi_env, run_bounded, run_train
-from tests.support.reliability_runs import BASE_FLAGS, baseline_run, checkpoint_steps, load_checkpoint, same_weights
+from tests.support.reliability_runs import (
+    BASE_FLAGS,
+    baseline_run,
+    checkpoint_steps,
+    load_checkpoint,
+    same_weights,
+    signal_once_training,
+)
 
 pytestmark = pytest.mark.processes
 
@@ -262,25 +268,10 @@ def test_a_signal_to_torchrun_reaches_every_rank_and_checkpoints(sig: signal.Sig
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *forwarded,
            "-m", "hpcdl.train", "--output-dir", str(run_dir), "--no-progress", "--epochs", "15", "--backend", "torch",
            "--workers", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=torch_env(), start_new_session=True)
-    seen = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # training under way: signal torchrun itself
-            seen.append(line)
-            if line.startswith("epoch   1/15"):
-                os.kill(proc.pid, sig)
-                break
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-            proc.wait()
-    out = "".join(seen) + out
+    rc, out, err = signal_once_training(cmd, torch_env(), sig)
     assert re.search(rf"hpcdl: {sig.name} received by all 2 ranks: (checkpoint written at step \d+|stopped after "
                      r"epoch \d+)", out), out[-2000:] + err[-3000:]
     assert "epoch  15/15" not in out and not (run_dir / "summary.json").exists()
     assert checkpoint_steps(run_dir) and checkpoint_steps(run_dir)[-1] >= 22
     # torchrun itself exits 1 after a signal, whatever its ranks did (docs/cluster.md says so)
-    assert proc.returncode == 1 and f"got signal: {int(sig)}" in err, err[-2000:]
+    assert rc == 1 and f"got signal: {int(sig)}" in err, err[-2000:]

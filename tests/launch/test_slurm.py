@@ -171,7 +171,9 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm: SlurmCluster,
 
     With --no-resume too: that says the first start is a new run; the requeued start is the same job
     and resumes its own checkpoint (it used to refuse its own folder and end FAILED)."""
-    epochs = 30  # long after the first epoch, where the signal is sent: a fast machine ran 4 in 0.5 s
+    # Long after the first epoch, where the signal is sent: a fast machine ran 4 in 0.5 s, so 15 more leave it
+    # about 2 s for the signal to reach the ranks (a 2-core CI machine: about 15 s).
+    epochs = 16
     job = submit_training(slurm, tmp_path, *script_args, "--epochs", str(epochs))
     metrics = tmp_path / "runs" / f"hpcdl-{job}" / "metrics.jsonl"
     deadline = time.monotonic() + 240

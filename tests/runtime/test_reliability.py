@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.support.backends import BACKENDS, backend_param, needs_horovod
-from tests.support.mpi_harness import PYTHON, REPO, kill_tree, mpi_env
+from tests.support.mpi_harness import PYTHON, mpi_env
 from tests.support.reliability_runs import (
     BASE_FLAGS,
     BASE_RANKS,
@@ -35,6 +35,7 @@ from tests.support.reliability_runs import (
     run_job,
     run_job_once_more_if,
     same_weights,
+    signal_once_training,
 )
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
@@ -192,22 +193,8 @@ def test_sigusr1_to_mpirun_reaches_every_rank_and_checkpoints(backend: str, tmp_
     run_dir = tmp_path / "run"
     cmd = ["mpirun", "-np", "2", "--bind-to", "none", PYTHON, "-m", "hpcdl.train", "--output-dir", str(run_dir),
            "--no-progress", "--epochs", "15", "--backend", backend]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=mpi_env({"HPCDL_FAULT": ""}), start_new_session=True)
-    try:
-        seen = []
-        for line in proc.stdout:  # wait until training is under way, then signal mpirun itself
-            seen.append(line)
-            if line.startswith("epoch   1/15"):
-                os.kill(proc.pid, signal.SIGUSR1)
-                break
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-            proc.wait()
-    out = "".join(seen) + out
-    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    rc, out, err = signal_once_training(cmd, mpi_env({"HPCDL_FAULT": ""}), signal.SIGUSR1)
+    assert rc == 0, out[-2000:] + err[-2000:]
     assert "mpirun: Forwarding signal 10 to job" in err
     assert re.search(r"hpcdl: SIGUSR1 received by all 2 ranks: (checkpoint written at step \d+|stopped after epoch \d+)",
                      out), out

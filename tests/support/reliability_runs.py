@@ -1,15 +1,18 @@
-"""Shared pieces of the reliability and bad-input job tests (tests/runtime/test_reliability.py, tests/training/test_bad_input.py).
+"""Shared pieces of the job tests (tests/runtime/test_reliability.py, tests/training/test_bad_input.py and others).
 
 Every job is a real ``mpirun -np N python -m hpcdl.train`` on the embedded digits data, kept tiny
 (1-4 epochs of 11-22 steps) because most of its time is Python start-up. One uninterrupted
-2-rank run (:func:`baseline_run`) is made once per test process and copied by the tests that
-need a run directory with checkpoints in it, instead of training again for each.
+2-rank run (:func:`baseline_run`), and the same run with an evaluation every 5 steps
+(:func:`eval_every_run`), are made once per test process and read (or copied) by the tests that
+need them, instead of training again for each.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.mpi_harness import run_train
+from tests.support.mpi_harness import REPO, kill_tree, run_train
 
 # The uninterrupted reference: 2 ranks x batch 32 on digits = 22 steps per epoch, checkpoints at 22 and 44.
 BASE_RANKS = 2
@@ -85,6 +88,29 @@ def run_job_once_more_if(spoilt: Callable[[Job], bool], nprocs: int, output_dir:
     return job
 
 
+def signal_once_training(cmd: list[str], env: dict[str, str], sig: signal.Signals,
+                         marker: str = "epoch   1/15") -> tuple[int, str, str]:
+    """Start a launcher (mpirun, torchrun), send ``sig`` to the launcher itself once its output shows
+    ``marker`` (training under way), and wait for it: (returncode, stdout, stderr). A launcher still up
+    120 s after the signal is killed with everything below it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
+    seen = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(marker):
+                os.kill(proc.pid, sig)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
+    return proc.returncode, "".join(seen) + out, err
+
+
 _baseline: dict[str, Path] = {}
 
 
@@ -97,6 +123,21 @@ def baseline_run(tmp_path_factory) -> Path:
         assert checkpoint_steps(run_dir) == [22, 44]
         _baseline["run"] = run_dir
     return _baseline["run"]
+
+
+# The reference run again with an evaluation every 5 steps (rows at 5, 10, 15, 20, 22, 25, ...), metrics read back
+# every 5 steps, and no stall watchdog: read by the --eval-every and stop-at-an-evaluation tests.
+EVAL_EVERY_FLAGS = (*BASE_FLAGS, "--eval-every", "5", "--log-every", "5", "--stall-timeout", "0")
+_eval_every: dict[str, Job] = {}
+
+
+def eval_every_run(tmp_path_factory) -> Job:
+    """The uninterrupted run of EVAL_EVERY_FLAGS (made once per test process; read it, never change it)."""
+    if "job" not in _eval_every:
+        job = run_job(BASE_RANKS, tmp_path_factory.mktemp("eval-every") / "run", *EVAL_EVERY_FLAGS)
+        assert job.rc == 0, job.tail()
+        _eval_every["job"] = job
+    return _eval_every["job"]
 
 
 def copy_run(source: Path, target: Path) -> Path:

@@ -297,6 +297,9 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 ReturnToService=2
 KillWait=5
+# A requeued job may start again cred_expire (10 s) after it ended, but only the main scheduling pass
+# starts it, every 60 s by default: 2 s here, so a requeue test waits for the requeue, not the pass.
+SchedulerParameters=sched_interval=2
 InactiveLimit=0
 GresTypes=gpu
 {"DebugFlags=NO_CONF_HASH" if self.vcluster else ""}

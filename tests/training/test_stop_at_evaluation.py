@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.reliability_runs import checkpoint_steps, run_job
+from tests.support.reliability_runs import EVAL_EVERY_FLAGS, checkpoint_steps, eval_every_run, run_job
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
 # digits on 2 ranks x 32: 22 steps an epoch, evaluations at steps 5, 10, 15, 20, 22 (the epoch's end), 25, ...
-FLAGS = ("--epochs", "2", "--seed", "5", "--eval-every", "5", "--log-every", "5", "--stall-timeout", "0")
+FLAGS = EVAL_EVERY_FLAGS  # 2 epochs, --eval-every 5, --log-every 5, no watchdog
 # What a row says about the training itself (its clocks and world size differ between sessions by nature).
 TRAINING_FIELDS = ("epoch", "global_step", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "lr",
                    "images_seen", "skipped_steps")
@@ -34,10 +34,8 @@ def training_rows(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[dict]:
-    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    job = run_job(2, run_dir, *FLAGS)
-    assert job.rc == 0, job.tail()
-    rows = training_rows(run_dir)
+    """The rows of the run never stopped (shared with test_train_jobs' --eval-every test)."""
+    rows = training_rows(eval_every_run(tmp_path_factory).output_dir)
     assert [r["global_step"] for r in rows] == EVALUATION_STEPS
     return rows
 

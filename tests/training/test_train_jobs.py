@@ -10,6 +10,7 @@ import torch
 
 from tests.support.backends import BACKENDS, needs_horovod
 from tests.support.mpi_harness import run_train
+from tests.support.reliability_runs import BASE_FLAGS, BASE_RANKS, STEPS_PER_EPOCH, baseline_run, eval_every_run
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
@@ -77,22 +78,21 @@ def test_one_rank_and_two_ranks_take_the_same_steps(backend: str, tmp_path: Path
     assert initial["global_step"] == 6  # the comparison is after real steps, not of the initial weights
 
 
-def test_resume_after_a_kill_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
-    """Kill rank 0 during epoch 3; --resume continues from epoch 3 and ends bit-identical."""
-    flags = ["--epochs", "4", "--seed", "5"]
-    steps_per_epoch = 1437 // 64  # digits train split, 2 ranks x 32
-    full = run_train(2, tmp_path / "full", *flags)
-    assert full.returncode == 0, full.stderr[-2000:]
-    killed = run_train(2, tmp_path / "cut", *flags, env={"HPCDL_FAULT": f"0:{2 * steps_per_epoch + 3}:kill"})
+def test_resume_after_a_kill_ends_like_an_uninterrupted_run(tmp_path_factory, tmp_path: Path) -> None:
+    """Kill rank 0 during the last epoch (2 of 2); --resume continues from epoch 2 and ends bit-identical to the
+    uninterrupted run (the shared reference of tests/support/reliability_runs.py: same ranks and flags)."""
+    full = baseline_run(tmp_path_factory)
+    cut = tmp_path / "cut"
+    killed = run_train(BASE_RANKS, cut, *BASE_FLAGS, env={"HPCDL_FAULT": f"0:{STEPS_PER_EPOCH[BASE_RANKS] + 3}:kill"})
     assert killed.returncode != 0
-    assert not (tmp_path / "cut" / "summary.json").exists()
-    resumed = run_train(2, tmp_path / "cut", *flags, "--resume")
+    assert not (cut / "summary.json").exists()
+    resumed = run_train(BASE_RANKS, cut, *BASE_FLAGS, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from" in resumed.stdout and "epoch   3/4" in resumed.stdout
-    assert "epoch   1/4" not in resumed.stdout
-    rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in rows] == [1, 2, 3, 4]
-    a, b = final_weights(tmp_path / "full"), final_weights(tmp_path / "cut")
+    assert "resuming from" in resumed.stdout and "epoch   2/2" in resumed.stdout
+    assert "epoch   1/2" not in resumed.stdout
+    rows = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2]
+    a, b = final_weights(full), final_weights(cut)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -118,24 +118,22 @@ def test_adasum_trains_on_two_ranks(tmp_path: Path) -> None:
     assert summary["final_accuracy"] > 0.7, summary["final_accuracy"]  # chance is 0.1; 0.875 when written
 
 
-def test_eval_every_adds_mid_epoch_rows_without_changing_the_training(tmp_path: Path) -> None:
+def test_eval_every_adds_mid_epoch_rows_without_changing_the_training(tmp_path_factory) -> None:
     """--eval-every 5 on 2 ranks x 32 (22 steps an epoch): rows at steps 5, 10, ... labelled with the fractional
-    epoch, the epoch's own row still covers the whole epoch, and the weights end bit-identical to a run without."""
-    flags = ["--epochs", "2", "--seed", "4"]
-    plain = run_train(2, tmp_path / "plain", *flags)
-    every = run_train(2, tmp_path / "every", *flags, "--eval-every", "5")
-    assert plain.returncode == 0 and every.returncode == 0, plain.stderr[-2000:] + every.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "every" / "metrics.jsonl").read_text().splitlines()]
-    plain_rows = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    epoch, the epoch's own row still covers the whole epoch, and the weights end bit-identical to a run without
+    (both runs shared, tests/support/reliability_runs.py: the same 2 ranks x 2 epochs and seed)."""
+    plain, every = baseline_run(tmp_path_factory), eval_every_run(tmp_path_factory)
+    rows = [json.loads(line) for line in (every.output_dir / "metrics.jsonl").read_text().splitlines()]
+    plain_rows = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
     assert [r["global_step"] for r in rows] == [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]
     assert [r["epoch"] for r in rows] == [round(s / 22, 4) if s % 22 else s // 22 for s in (5, 10, 15, 20, 22, 25, 30,
                                                                                              35, 40, 44)]
-    assert "step 5 (epoch 0.23/2) | train loss" in every.stdout and "epoch   2/2" in every.stdout
+    assert "step 5 (epoch 0.23/2) | train loss" in every.out and "epoch   2/2" in every.out
     ends = [r for r in rows if isinstance(r["epoch"], int)]
     for end, ref in zip(ends, plain_rows, strict=True):  # the epoch's row: the same sums over the whole epoch
         assert end["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-6)
         assert end["test_accuracy"] == ref["test_accuracy"]
-    a, b = final_weights(tmp_path / "plain"), final_weights(tmp_path / "every")
+    a, b = final_weights(plain), final_weights(every.output_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
