@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(load_before=os.getloadavg()[0], argv=sys.argv[1:] if argv is None else argv,
                 kfac_preset=study.RECORDED_PRESET, epochs=args.epochs, jobs=1, threads=1, ranks=own.ranks,
                 vcluster=own.vcluster, planned=len(plan),
-                settings={name: {"lr": c.lr, "warmup": c.warmup} for name, c in tuned.items()})
+                settings={name: {"lr": tuned[name].lr, "warmup": tuned[name].warmup}
+                          for name in ("kfac", *own.first_order)})
     start = time.perf_counter()
     outcomes: list[study.Outcome] = []
     with studies.session("kfac_method_cell") as scratch:

@@ -1,0 +1,40 @@
+"""benchmarks/kfac_method_cell.py: each seed's round runs every K-FAC method and the first-order companions at
+their tuned settings, on the ranks and virtual cluster asked for, and every command is one hpcdl.train takes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from hpcdl.training.config import parse_config
+from tests.support.data_files import write_mnist
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "kfac_method_cell.py"
+
+
+def dry_run(*flags: str) -> list[list[str]]:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *flags], capture_output=True, text=True,
+                          cwd=REPO, env={"PYTHONPATH": f"{REPO}:{REPO / 'benchmarks'}", "PATH": "/usr/bin:/bin"},
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [line.split() for line in done.stdout.splitlines() if line.strip()]
+
+
+def test_the_2x1_round_runs_each_method_then_muon_at_their_tuned_settings(tmp_path: Path) -> None:
+    write_mnist(tmp_path)
+    commands = dry_run("--data-dir", str(tmp_path), "--ranks", "2", "--vcluster", "vc", "--first-order", "muon",
+                       "--seeds", "3", "4")
+    tuned = {"kfac": 0.4, "muon": 0.02}  # the tuning's picks at batch 4096 (kfac_large_batch_modern.md's table)
+    names = []
+    for words in commands:
+        assert words[words.index("--vcluster") + 1] == "vc" and words[words.index("-np") + 1] == "2"
+        flags = words[words.index("--") + 1:]
+        config = parse_config(flags)
+        method = f"kfac-{config.kfac_method}" if config.kfac else config.optimizer
+        names.append((config.seed, method))
+        # hpcdl.train's rate is per rank's batch: twice it is the tuned global rate at 2 ranks x 2048.
+        assert config.batch_size * 2 == 4096
+        assert abs(2 * config.base_lr - tuned["kfac" if config.kfac else method]) < 1e-9
+    assert names == [(seed, m) for seed in (3, 4) for m in ("kfac-eigen", "kfac-newton", "kfac-inverse", "muon")]
