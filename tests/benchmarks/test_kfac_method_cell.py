@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hpcdl.training.config import parse_config
 from tests.support.data_files import write_mnist
 
@@ -22,6 +24,7 @@ def dry_run(*flags: str) -> list[list[str]]:
     return [line.split() for line in done.stdout.splitlines() if line.strip()]
 
 
+@pytest.mark.processes  # runs the benchmark's --dry-run
 def test_the_2x1_round_runs_each_method_then_muon_at_their_tuned_settings(tmp_path: Path) -> None:
     write_mnist(tmp_path)
     commands = dry_run("--data-dir", str(tmp_path), "--ranks", "2", "--vcluster", "vc", "--first-order", "muon",
