@@ -195,7 +195,8 @@ class KFACPreconditioner:
         self._decompositions: list[tuple[solve.Decomposition, solve.Decomposition] | None] = [None] * n
         self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
         self._denominators: dict[Any, tuple[float, Tensor]] = {}
-        self._batches: list[tuple[list[int], Tensor, Tensor, Tensor, Tensor]] = []  # layers of one shape
+        # Layers of one shape: (their indices, the stacked A-side and G-side decompositions).
+        self._batches: list[tuple[list[int], solve.Decomposition, solve.Decomposition]] = []
         passes = options.backward_passes_per_step
         per_example = float(passes) if options.loss_reduction == "mean" else 0.0
         shares = None
@@ -593,28 +594,28 @@ class KFACPreconditioner:
             self._pending = None
 
     def _stack_same_shapes(self) -> None:
-        """Stack the eigenbases of layers with the same shapes, so that one batched product serves them all.
+        """Stack the decompositions of layers with the same shapes (eigenbases, or damped inverses), so that one
+        batched product serves them all.
 
         ResNets have many layers of one shape; a batched matmul per shape replaces a handful of
-        small ones per layer. The layers' own decompositions become views of the stacks.
+        small ones per layer (on a GPU, a kernel launch each). The layers' own decompositions become views of
+        the stacks.
         """
         self._batches, self._denominators = [], {}
-        if self.method != "eigen":
-            return
         by_shape: dict[tuple, list[int]] = defaultdict(list)
         for i, decomposition in enumerate(self._decompositions):
             if decomposition is not None:
-                (qa, _), (qg, _) = decomposition
-                by_shape[(qa.shape[0], qg.shape[0], qa.dtype, qa.device)].append(i)
+                a, g = decomposition
+                by_shape[(a[0].shape[0], g[0].shape[0], a[0].dtype, a[0].device)].append(i)
         for layers in by_shape.values():
             if len(layers) < 2:
                 continue
-            held = [self._decompositions[i] for i in layers]
-            stacks = [torch.stack([d[side][part] for d in held if d is not None]) for side in (0, 1) for part in (0, 1)]
-            qa, da, qg, dg = stacks
+            held = [cast(tuple[solve.Decomposition, solve.Decomposition], self._decompositions[i]) for i in layers]
+            a_stack, g_stack = (tuple(torch.stack([d[side][part] for d in held]) for part in range(len(held[0][side])))
+                                for side in (0, 1))
             for k, i in enumerate(layers):
-                self._decompositions[i] = ((qa[k], da[k]), (qg[k], dg[k]))
-            self._batches.append((layers, qa, da, qg, dg))
+                self._decompositions[i] = (tuple(t[k] for t in a_stack), tuple(t[k] for t in g_stack))
+            self._batches.append((layers, a_stack, g_stack))
 
     def _decomposition_dtype(self, index: int) -> torch.dtype:
         return torch.promote_types(self.options.eigen_dtype, self.layers[index].dtype)
@@ -635,21 +636,18 @@ class KFACPreconditioner:
                     layer.g_dim, layer.a_dim, dtype=self._decomposition_dtype(i), device=layer.device
                 )
             grads[i] = grad
-        for b, (layers, qa, da, qg, dg) in enumerate(self._batches):
+        for b, (layers, a_stack, g_stack) in enumerate(self._batches):
             present = [i for i in layers if i in grads]
             if len(present) < len(layers):  # a layer without gradient (single process): one by one below
                 continue
-            denominator = self._denominator(("batch", b), damping, da, dg)
-            stacked = solve.precondition_eigen(torch.stack([grads[i] for i in layers]), (qa, da), (qg, dg), denominator)
+            stacked = self._precondition_one(("batch", b), torch.stack([grads[i] for i in layers]), a_stack, g_stack,
+                                             damping)
             directions.update(zip(layers, stacked, strict=False))
         for i in grads:
             if i in directions or not self.assignment.is_grad_worker(i, rank):
                 continue
             a, g = self._decompositions[i]  # type: ignore[misc]
-            if self.method == "eigen":
-                directions[i] = solve.precondition_eigen(grads[i], a, g, self._denominator(i, damping, a[1], g[1]))
-            else:
-                directions[i] = cast(Inverse, self._method).precondition(grads[i], a, g)
+            directions[i] = self._precondition_one(i, grads[i], a, g, damping)
         self._share_directions(grads, directions)
 
         order = sorted(directions)
@@ -662,6 +660,13 @@ class KFACPreconditioner:
             torch._foreach_mul_([directions[i] for i in order], scale)
         for i in order:
             self.layers[i].set_grad(directions[i])
+
+    def _precondition_one(self, key: Any, grad: Tensor, a: solve.Decomposition, g: solve.Decomposition,
+                          damping: float) -> Tensor:
+        """One layer's direction, or a stack's (every tensor with a leading batch dimension)."""
+        if self.method == "eigen":
+            return solve.precondition_eigen(grad, a, g, self._denominator(key, damping, a[1], g[1]))
+        return cast(Inverse, self._method).precondition(grad, a, g)
 
     def _denominator(self, key: Any, damping: float, da: Tensor, dg: Tensor) -> Tensor:
         """d_G d_Aᵀ + λ for the eigen method, kept until the decompositions or the damping change."""
