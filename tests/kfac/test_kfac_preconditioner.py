@@ -260,3 +260,27 @@ def test_gradient_accumulation_gives_the_factors_of_the_whole_batch() -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
     got, want = split_model.fc.weight.grad, whole_model.fc.weight.grad
     assert float((got - want).norm() / want.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("method, products_per_call", [("eigen", 4), ("inverse", 2), ("newton", 2)])
+def test_layers_of_one_shape_take_one_batched_product_whatever_the_method(method: str, products_per_call: int) -> None:
+    """resnet32's 32 layers come in 7 shapes: one preconditioning call per shape (a batched one where several
+    layers share it), counted by torch.profiler, not a call per layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hpcdl.training.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("resnet32", 10, 3)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    pre = KFACPreconditioner(model, method=method, inv_update_freq=100, factor_update_freq=100)
+    F.cross_entropy(model(x), y).backward()
+    pre.step()  # the first step: factors and decompositions
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pre._precondition(pre.steps)
+    shapes = {(layer.a_dim, layer.g_dim) for layer in pre.layers}
+    calls = sum(e.count for e in prof.key_averages() if e.key == "aten::matmul")
+    assert len(pre.layers) == 32 and len(shapes) == 7
+    assert calls == products_per_call * len(shapes), (method, calls)
