@@ -228,8 +228,6 @@ class TrainConfig:
                                      "inverses, factored Tikhonov damping) or newton (the same inverses from matrix "
                                      "products: for GPUs; docs/kfac.md)", choices=("eigen", "inverse", "newton"),
                              group=KFAC)
-    kfac_bucket_mb: float = flag(25.0, "factor statistics of consecutive layers share one allreduce of up to this "
-                                       "many MB", parse=float, valid=POSITIVE, group=KFAC)
     # run control
     output_dir: str | None = flag(None, "run directory (default: a new runs/<time>-<id>)", parse=str)
     resume: bool = flag(False, "continue from the newest valid checkpoint in --output-dir")

@@ -137,5 +137,4 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
         factor_comm_dtype=torch.bfloat16 if config.kfac_factor_precision == "bf16" else None,
         conv_approximation=config.kfac_conv_approx,
         method=config.kfac_method,
-        bucket_cap_mb=config.kfac_bucket_mb,
     )
