@@ -11,7 +11,7 @@ from shards into memory, the inverse of ``python -m hpcdl.pack``), ``in_memory``
 (the pipelines), ``prefetch`` (the device-decode thread), ``build`` (spec -> pipeline).
 """
 
-from hpcdl.data.build import build_pipeline
+from hpcdl.data.from_spec import build_pipeline
 from hpcdl.data.in_memory import TensorSplits
 from hpcdl.data.pipeline import InputPipeline
 from hpcdl.data.registry import DATASETS, REGISTRY, FileSplits, read_dataset

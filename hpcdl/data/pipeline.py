@@ -1,6 +1,6 @@
 """The input pipeline the training loop calls: this rank's batches, on the device, ready for the model.
 
-Two kinds, chosen by :func:`hpcdl.data.build.build_pipeline`:
+Two kinds, chosen by :func:`hpcdl.data.from_spec.build_pipeline`:
 
 * :class:`ResidentPipeline` -- datasets that fit in memory (digits, MNIST, CIFAR-10, synthetic).
   The uint8 images move to the device once; a batch is an index_select, the CIFAR crop/flip a

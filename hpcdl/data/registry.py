@@ -1,5 +1,5 @@
 """The datasets hpcdl knows, by name: the one place a name becomes a reader, a normalisation and an
-augmentation. Training (:mod:`hpcdl.data.build`), packing (``hpcdl.pack``) and the benchmarks all ask here.
+augmentation. Training (:mod:`hpcdl.data.from_spec`), packing (``hpcdl.pack``) and the benchmarks all ask here.
 
 Each dataset has one reader per format it comes in (its standard layout, or packed shards), one
 augmentation (none; CIFAR's padded random crop and flip, :func:`hpcdl.data.augment.pad_crop_flip`;

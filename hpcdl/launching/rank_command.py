@@ -191,7 +191,7 @@ def _user_name() -> str:
 
 
 def image_mpi_family(image: str) -> str:
-    """The MPI family inside an hpcdl image (openmpi, mpich), from the labels containers/install.sh writes;
+    """The MPI family inside an hpcdl image (openmpi, mpich), from the labels the image's install step writes;
     "" when unknown (a SIF, or an image not built by hpcdl)."""
     labels = ""
     if os.path.isdir(image):

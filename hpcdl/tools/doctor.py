@@ -157,9 +157,9 @@ def check_launcher_agrees(world_size: int, env: dict[str, str] | None = None) ->
 
 # ---------------------------------------------------------------- inside an image
 
-IMAGE_FILE = Path("/opt/hpcdl/image")  # written by containers/build.sh: kind, environment and source keys
+IMAGE_FILE = Path("/opt/hpcdl/image")  # written by the image build (make image): kind, environment and source keys
 IMAGE_SOURCE = Path("/opt/hpcdl/src")  # the source the image was built from (its own hpcdl)
-LABELS_FILE = Path("/opt/hpcdl/labels")  # written by containers/install.sh: MPI family and versions
+LABELS_FILE = Path("/opt/hpcdl/labels")  # written by the image's install step: MPI family and versions
 
 
 def image_labels(path: Path = LABELS_FILE) -> dict[str, str]:
@@ -229,7 +229,7 @@ def source_key(root: Path, folders: Sequence[str]) -> str:
 
 
 def code_rows(env: dict[str, str], running: Path, image_source: Path = IMAGE_SOURCE) -> list[Row]:
-    """Which hpcdl runs inside the image and from where (containers/hpcdl_code.py decides: the image's own unless
+    """Which hpcdl runs inside the image and from where (the image's entry decides: its own unless
     HPCDL_CODE asks for a checkout), and whether its source is the one the image was built from."""
     chosen = env.get("HPCDL_CODE_CHOSEN", "")
     own = running.resolve() == image_source.resolve()
