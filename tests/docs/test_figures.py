@@ -63,13 +63,11 @@ def test_every_committed_results_file_is_read_by_a_figure_or_named_by_a_document
     assert unneeded == [], "nothing reads these results files: remove them, or name them where they matter"
 
 
-def test_readme_quotes_each_study_with_marked_figures(figures: Any) -> None:
-    readme = (REPO / "README.md").read_text()
-    rows = [line for line in readme[readme.index("## Results"):].splitlines() if line.startswith("| [")]
-    assert len(rows) >= 8
-    studies = {p.name for p in (REPO / "benchmarks" / "results").glob("*.md")}
-    linked = {m for row in rows for m in re.findall(r"benchmarks/results/(\w+\.md)", row)}
-    assert studies <= linked, "a study document without a line in README's Results"
+def table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| [")]
+
+
+def assert_every_figure_marked(rows: list[str], document: str, figures: Any) -> None:
     for row in rows:
         assert figures.MARKER.search(row), row
         unmarked = figures.MARKER.sub("", row)
@@ -77,7 +75,27 @@ def test_readme_quotes_each_study_with_marked_figures(figures: Any) -> None:
         # a row names (99.0 %, 98.5 %) are conditions, not measurements
         loose = [f for f in re.findall(r"\d+(?:\.\d+)?\s*(?:×|x\b|%|ms\b|s\b|img/s)", unmarked)
                  if f not in ("99.0 %", "98.5 %")]
-        assert loose == [], f"figures outside a marker in README: {loose}"
+        assert loose == [], f"figures outside a marker in {document}: {loose}"
+
+
+def test_the_results_index_quotes_each_study_with_marked_figures(figures: Any) -> None:
+    index = REPO / "benchmarks" / "results" / "README.md"
+    rows = table_rows(index.read_text())
+    assert len(rows) >= 8
+    studies = {p.name for p in index.parent.glob("*.md")} - {"README.md"}
+    linked = {m for row in rows for m in re.findall(r"\]\((\w+\.md)", row)}
+    assert studies <= linked, f"a study document without a line in the results index: {studies - linked}"
+    assert_every_figure_marked(rows, "the results index", figures)
+
+
+def test_readme_s_headlines_link_their_study_and_mark_every_figure(figures: Any) -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Results"):]
+    assert "(benchmarks/results/README.md)" in section
+    rows = table_rows(section[:section.index("\n## ", 1)])
+    assert len(rows) >= 4
+    assert all(re.search(r"\]\(benchmarks/results/\w+\.md", row) for row in rows), rows
+    assert_every_figure_marked(rows, "README", figures)
 
 
 def test_a_figure_edited_by_hand_fails(figures: Any) -> None:
