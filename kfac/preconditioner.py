@@ -135,8 +135,15 @@ class KFACPreconditioner:
         bucket_cap_mb: float = 25.0,
         conv_approximation: str = "expand",
     ) -> None:
-        arguments = dict(locals())  # before any other local: the options by name, checked together
-        self.options = options = KFACOptions.of(arguments)
+        self.options = options = KFACOptions(
+            factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq, damping=damping,
+            factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, grad_worker_fraction=grad_worker_fraction,
+            method=method, eigen_dtype=eigen_dtype, loss_reduction=loss_reduction, skip_layers=skip_layers,
+            colocate_factors=colocate_factors, backward_passes_per_step=backward_passes_per_step,
+            late_decompositions=late_decompositions, factor_examples=factor_examples,
+            cpu_eigen_limit=cpu_eigen_limit, comm_dtype=comm_dtype, factor_comm_dtype=factor_comm_dtype,
+            bucket_cap_mb=bucket_cap_mb, conv_approximation=conv_approximation,
+        )
         self._method = options.solver
         self.method = self._method.name
         self.grad_scaler = grad_scaler
