@@ -21,7 +21,6 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -36,6 +35,7 @@ from kfac.decompose import Recoveries, Results
 from kfac.default_comm import default_communicator
 from kfac.exchange import StatisticsExchange
 from kfac.factors import masked_running_averages
+from kfac.late import LateDecompositions
 from kfac.layers import KFACLayer, SkipSpec, find_layers
 from kfac.methods import Eigen, FactorJob, Inverse, Newton, tikhonov_gammas_of
 from kfac.options import KFACOptions, Schedule
@@ -165,8 +165,7 @@ class KFACPreconditioner:
         self.eigen_recoveries: dict[str, int] = {kind: 0 for kind in solve.RECOVERIES}
         self._warned_recovery = False
         self._skipped_updates: Tensor | None = None  # on the device: layer factor updates left out
-        self._pending: tuple[list[int], Future, Any] | None = None  # late decompositions in flight
-        self._late_runner: ThreadPoolExecutor | None = None
+        self._late = LateDecompositions()
         # Per layer, the factors its installed decompositions were computed from, with the step and call that
         # computed them (Source); and those of the late decompositions in flight. A checkpoint saves them.
         self._sources: dict[int, Source] = {}
@@ -174,7 +173,6 @@ class KFACPreconditioner:
         self._restoring: dict[str, dict[int, Source]] | None = None  # loaded, recomputed at the next step()
         # Loaded decompositions of a warm-started method (newton), installed as they are at the next step().
         self._restoring_held: dict[int, tuple[solve.Decomposition, solve.Decomposition]] = {}
-        self._side_stream: Any = None
 
         self.layers: list[KFACLayer] = find_layers(model, options.skip_layers, options.conv_approximation)
         if not self.layers:
@@ -339,7 +337,7 @@ class KFACPreconditioner:
             self._restoring_held = {int(i): (moved(int(i), a), moved(int(i), g)) for i, (a, g) in saved["held"].items()}
         self.steps = int(state["steps"])
         self.eigen_recoveries.update(state.get("eigen_recoveries", {}))
-        self._discard_pending()  # late decompositions of the old factors are of no use now
+        self._late.discard()  # late decompositions of the old factors are of no use now
         self._decompositions = [None] * len(self.layers)
         self._decomposed = [False] * len(self.layers)
         self._sources, self._late_sources = {}, {}
@@ -503,7 +501,9 @@ class KFACPreconditioner:
         if first:
             self._install(first, *self._compute_owned(first, damping, factors))
         if step % self.options.inv_update_freq == 0:
-            self._install_pending()
+            taken = self._late.take()
+            if taken is not None:
+                self._install(*taken)
             later = [i for i in stale if i not in first]
             if later:
                 self._start_late(later, damping, factors)
@@ -556,49 +556,10 @@ class KFACPreconditioner:
             )
 
     def _start_late(self, stale: list[int], damping: float, factors: tuple[list, list]) -> None:
-        """Compute this rank's decompositions of ``factors`` in a background thread (a side stream on a GPU)."""
-        if self._late_runner is None:
-            self._late_runner = ThreadPoolExecutor(1, thread_name_prefix="kfac-late")
-        device = self.layers[stale[0]].device
-        ready = None
-        if device.type == "cuda":
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device)
-            ready = torch.cuda.current_stream(device).record_event()
-            for side in factors:
-                for i in stale:
-                    factor = side[i]
-                    assert factor is not None
-                    factor.record_stream(self._side_stream)
-
-        def run() -> tuple[Results, Recoveries, Any]:
-            if ready is None:
-                return (*self._compute_owned(stale, damping, factors), None)
-            with torch.cuda.stream(self._side_stream):
-                self._side_stream.wait_event(ready)
-                results, recoveries = self._compute_owned(stale, damping, factors)
-                return results, recoveries, self._side_stream.record_event()
-
-        self._pending = (stale, self._late_runner.submit(run), device)
-
-    def _install_pending(self) -> None:
-        if self._pending is None:
-            return
-        stale, future, device = self._pending
-        self._pending = None
-        results, recoveries, done = future.result()
-        if done is not None:  # the side stream's results, used from now on by the current stream
-            current = torch.cuda.current_stream(device)
-            current.wait_event(done)
-            for decomposition in results.values():
-                for tensor in decomposition:
-                    tensor.record_stream(current)
-        self._install(stale, results, recoveries)
-
-    def _discard_pending(self) -> None:
-        if self._pending is not None:
-            self._pending[1].result()
-            self._pending = None
+        """Start this rank's decompositions of ``factors`` in the background (kfac.late)."""
+        inputs = [cast(Tensor, side[i]) for side in factors for i in stale]
+        self._late.start(stale, lambda: self._compute_owned(stale, damping, factors), self.layers[stale[0]].device,
+                         inputs)
 
     def _stack_same_shapes(self) -> None:
         """Stack the decompositions of layers with the same shapes (eigenbases, or damped inverses), so that one
