@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work, auto_fraction
 from kfac.capture import LayerCapture, examples_per_pass
+from kfac.checkpoint import KFACState, Sources, factors_of
 from kfac.comm import Communicator
 from kfac.decompose import Recoveries, Results
 from kfac.default_comm import default_communicator
@@ -43,9 +44,6 @@ from kfac.options import schedule_value as _value
 from kfac.precision import ieee_fp32
 from kfac.sharing import Sharing
 
-# The factors (A, G) one layer's decompositions were computed from, the step, and which call of that step
-# ("now", "first" or "late": the layers one call decomposed are batched together).
-Source = tuple[Tensor | None, Tensor | None, int, str]
 # The phases of ``step()`` in ``timings``, in the order they run.
 PHASES = ("statistics", "factor_reduction", "factors", "decompositions", "sharing", "precondition")
 
@@ -166,13 +164,8 @@ class KFACPreconditioner:
         self._warned_recovery = False
         self._skipped_updates: Tensor | None = None  # on the device: layer factor updates left out
         self._late = LateDecompositions()
-        # Per layer, the factors its installed decompositions were computed from, with the step and call that
-        # computed them (Source); and those of the late decompositions in flight. A checkpoint saves them.
-        self._sources: dict[int, Source] = {}
-        self._late_sources: dict[int, Source] = {}
-        self._restoring: dict[str, dict[int, Source]] | None = None  # loaded, recomputed at the next step()
-        # Loaded decompositions of a warm-started method (newton), installed as they are at the next step().
-        self._restoring_held: dict[int, tuple[solve.Decomposition, solve.Decomposition]] = {}
+        self._sources = Sources()  # what the decompositions came from: a checkpoint saves it (kfac.checkpoint)
+        self._restoring: KFACState | None = None  # loaded, its decompositions recomputed at the next step()
 
         self.layers: list[KFACLayer] = find_layers(model, options.skip_layers, options.conv_approximation)
         if not self.layers:
@@ -246,7 +239,8 @@ class KFACPreconditioner:
             first = [i for i in stale if not self._decomposed[i]]
             with self._timed("decompositions"):
                 self._update_decompositions(stale, step)
-            self._note_sources(stale, first, step)
+            self._sources.note(stale, first, step, (self.a_factors, self.g_factors), self.options.late_decompositions,
+                               step % self.options.inv_update_freq == 0)
         with self._timed("precondition"), ieee_fp32():
             self._precondition(step)
         self.steps += 1
@@ -262,132 +256,54 @@ class KFACPreconditioner:
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        """What the next step needs: the running factors, the step count, and the factors the installed (and
-        the pending late) decompositions were computed from, so that loading recomputes those decompositions
-        bit for bit instead of from the running factors (which would change the preconditioner until the next
-        inverse update). Every rank holds all factors, so any rank's state is complete, and it loads onto any
-        world size and grad worker fraction. Local: no collective."""
-        copies: dict[int, Tensor] = {}  # a factor that is also a source is saved once
-
-        def copy(tensor: Tensor | None) -> Tensor | None:
-            if tensor is None:
-                return None
-            if id(tensor) not in copies:
-                copies[id(tensor)] = tensor.detach().clone()
-            return copies[id(tensor)]
-
-        def sources(held: dict[int, Source]) -> dict[int, tuple[Tensor | None, Tensor | None, int, str]]:
-            return {i: (copy(a), copy(g), step, call) for i, (a, g, step, call) in sorted(held.items())}
-
-        return {
-            "steps": self.steps,
-            "layers": [layer.name for layer in self.layers],
-            "a_factors": [copy(f) for f in self.a_factors],
-            "g_factors": [copy(f) for f in self.g_factors],
-            "decomposed_from": sources(self._sources),
-            "late_from": sources(self._late_sources),
-            "eigen_recoveries": dict(self.eigen_recoveries),
-            **self._warm_start_state(),
-        }
-
-    def _warm_start_state(self) -> dict[str, Any]:
-        """The decompositions this rank holds, for a method that warm-starts from them (newton): recomputed from
-        their factors alone they would differ at the method's tolerance. Every layer's at fraction 1."""
-        if not self._method.warm_starts:
-            return {}
-        held = {i: tuple(tuple(t.detach().clone() for t in side) for side in pair)
-                for i, pair in enumerate(self._decompositions) if pair is not None}
-        return {"decompositions": {"method": self._method.name, "held": held}}
+        """What the next step needs (kfac.checkpoint): the running factors, the step count, and the factors the
+        installed (and the pending late) decompositions were computed from, so that loading recomputes them bit
+        for bit. Any rank's state is complete and loads onto any world size. Local: no collective."""
+        held = None
+        if self._method.warm_starts:  # recomputed from their factors alone they would differ at its tolerance
+            held = {i: pair for i, pair in enumerate(self._decompositions) if pair is not None}
+        return KFACState(self.steps, [layer.name for layer in self.layers], (self.a_factors, self.g_factors),
+                         self._sources, self.eigen_recoveries, self._method.name, held).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the decompositions are recomputed from their saved factors at the next
-        ``step()`` (a collective every rank reaches). A state without them (saved before they were kept) has its
-        decompositions recomputed from the running factors, which continues exactly only from an inverse update."""
-        names = [layer.name for layer in self.layers]
-        if list(state["layers"]) != names:
-            raise ValueError(f"K-FAC state is for layers {list(state['layers'])}, this model has {names}")
-        loaded: dict[int, Tensor] = {}  # one tensor here for one saved twice
-
-        def restored(saved: Tensor | None, i: int, key: str) -> Tensor | None:
-            if saved is None:
-                return None
-            layer = self.layers[i]
-            dim = layer.a_dim if key == "A" else layer.g_dim
-            if tuple(saved.shape) != (dim, dim):
-                raise ValueError(f"K-FAC state for {layer.name}: {key} factor has shape {tuple(saved.shape)}, "
-                                 f"expected {(dim, dim)}")
-            if id(saved) not in loaded:
-                loaded[id(saved)] = saved.detach().to(device=layer.device, dtype=layer.dtype).clone()
-            return loaded[id(saved)]
-
-        for i in range(len(self.layers)):
-            self.a_factors[i] = restored(state["a_factors"][i], i, "A")
-            self.g_factors[i] = restored(state["g_factors"][i], i, "G")
-        self._restoring = {
-            key: {int(i): (restored(a, int(i), "A"), restored(g, int(i), "G"), int(step), str(call))
-                  for i, (a, g, step, call) in state.get(key, {}).items()}
-            for key in ("decomposed_from", "late_from")
-        }
-        saved = state.get("decompositions")
-        self._restoring_held = {}
-        if saved is not None and saved["method"] == self._method.name:  # another method's would not fit
-            def moved(i: int, side: solve.Decomposition) -> solve.Decomposition:
-                return tuple(t.to(self.layers[i].device) for t in side)
-
-            self._restoring_held = {int(i): (moved(int(i), a), moved(int(i), g)) for i, (a, g) in saved["held"].items()}
-        self.steps = int(state["steps"])
-        self.eigen_recoveries.update(state.get("eigen_recoveries", {}))
+        ``step()`` (a collective every rank reaches)."""
+        restoring = KFACState.of(state, self.layers, self._method.name)
+        self.a_factors[:], self.g_factors[:] = restoring.factors
+        self._restoring = restoring
+        self.steps = restoring.steps
+        self.eigen_recoveries.update(restoring.eigen_recoveries)
         self._late.discard()  # late decompositions of the old factors are of no use now
         self._decompositions = [None] * len(self.layers)
         self._decomposed = [False] * len(self.layers)
-        self._sources, self._late_sources = {}, {}
+        self._sources = Sources()
         self._denominators.clear()
         self._batches = []
-
-    def _note_sources(self, stale: list[int], first: list[int], step: int) -> None:
-        """Record which factors the decompositions this step installed (or started late) come from."""
-        if not self.options.late_decompositions:
-            self._sources.update({i: (self.a_factors[i], self.g_factors[i], step, "now") for i in stale})
-            return
-        self._sources.update({i: (self.a_factors[i], self.g_factors[i], step, "first") for i in first})
-        if step % self.options.inv_update_freq == 0:  # the pending ones were installed; the rest started late
-            self._sources.update(self._late_sources)
-            self._late_sources = {i: (self.a_factors[i], self.g_factors[i], step, "late")
-                                  for i in stale if i not in first}
 
     def _restore_decompositions(self) -> None:
         """Recompute the loaded decompositions from their saved factors, layers in the groups that computed them
         (so that batched decompositions are batched alike), and restart the late ones that were in flight."""
         assert self._restoring is not None
         restoring, self._restoring = self._restoring, None
-        calls: dict[tuple[int, str], list[int]] = defaultdict(list)
-        for i, (_, _, step, call) in restoring["decomposed_from"].items():
-            calls[(step, call)].append(i)
-        factors = self._source_factors(restoring["decomposed_from"])
-        held, self._restoring_held = self._restoring_held, {}
+        installed, n = restoring.sources.installed, len(self.layers)
+        held = restoring.held or {}
         for i in held:  # saved as they were (a warm-started method's): installed, not recomputed
             if self.assignment.is_grad_worker(i, self.comm.rank):
                 self._decompositions[i] = held[i]
             self._decomposed[i] = True
         if held:
             self._stack_same_shapes()
-        for (step, _), group in sorted(calls.items()):  # recoveries were counted when first computed: not again
+        factors = factors_of(installed, n)
+        for step, group in restoring.calls():  # recoveries were counted when first computed: not again
             layers = [i for i in group if i not in held]  # every rank loaded the same state: the same layers
             if layers:
                 self._install(layers, self._compute_owned(layers, _value(self.options.damping, step), factors)[0], {})
-            self._sources.update({i: restoring["decomposed_from"][i] for i in group})
-        late = restoring["late_from"]
+            self._sources.installed.update({i: installed[i] for i in group})
+        late = restoring.sources.late
         if late:
             step = next(iter(late.values()))[2]
-            self._start_late(sorted(late), _value(self.options.damping, step), self._source_factors(late))
-            self._late_sources = dict(late)
-
-    def _source_factors(self, sources: dict[int, Source]) -> tuple[list, list]:
-        a: list[Tensor | None] = [None] * len(self.layers)
-        g: list[Tensor | None] = [None] * len(self.layers)
-        for i, (a_i, g_i, _, _) in sources.items():
-            a[i], g[i] = a_i, g_i
-        return a, g
+            self._start_late(sorted(late), _value(self.options.damping, step), factors_of(late, n))
+            self._sources.late = dict(late)
 
     def remove_hooks(self) -> None:
         """Detach from the model (its forward and backward no longer feed the factors)."""
