@@ -15,13 +15,10 @@ DistributedOptimizer after ``synchronize()``). docs/kfac.md has the conventions 
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -43,9 +40,9 @@ from kfac.options import KFACOptions, Schedule
 from kfac.options import schedule_value as _value
 from kfac.precision import ieee_fp32
 from kfac.sharing import Sharing
+from kfac.timing import PHASES, PhaseTimer
 
-# The phases of ``step()`` in ``timings``, in the order they run.
-PHASES = ("statistics", "factor_reduction", "factors", "decompositions", "sharing", "precondition")
+__all__ = ["PHASES", "KFACPreconditioner"]  # PHASES: the names of ``timings`` (kfac.timing)
 
 
 class KFACPreconditioner:
@@ -146,19 +143,11 @@ class KFACPreconditioner:
         self.method = self._method.name
         self.grad_scaler = grad_scaler
         self.steps = 0
-        # Host seconds per phase (PHASES), for the trainer's step breakdown and benchmarks; on a GPU the
-        # time to launch the work, not to finish it, unless ``synchronise_timings`` is set: then each phase
-        # waits for the device before and after, so that its seconds include its kernels and copies (at the
-        # price of the overlap, which is why it is off unless a trace or a benchmark asks for it).
-        # ``statistics`` includes the hooks' work inside forward and backward; ``statistics_in_forward`` is
-        # the part of it that ran in forward (the rest ran in backward).
-        self.timings: dict[str, float] = defaultdict(float)
-        self.statistics_in_forward = 0.0
-        self.synchronise_timings = False
+        self._timer = PhaseTimer(lambda: self.layers[0].device if self.layers else None)
+        self.timings = self._timer.seconds  # host seconds per phase (kfac.timing.PHASES)
         # Collectives issued, by kind ("kfac.factors", "kfac.decompositions", "kfac.directions"); a share by
         # scatter is two (an alltoall, then an allgather).
         self.collectives: dict[str, int] = defaultdict(int)
-        self._open_phases: list[float] = []  # per open phase, the seconds of the phases nested in it
         # Decompositions that needed a recovery, by kind (solve.RECOVERIES), on the rank that computed them.
         self.eigen_recoveries: dict[str, int] = {kind: 0 for kind in solve.RECOVERIES}
         self._warned_recovery = False
@@ -174,7 +163,7 @@ class KFACPreconditioner:
         self._exchange = StatisticsExchange(self.comm, self.layers, options.backward_passes_per_step,
                                             options.bucket_cap_mb, options.factor_comm_dtype, self.collectives)
         self._sharing = Sharing(self.comm.rank, lambda: self.layers[0].device, options.comm_dtype, self.collectives,
-                                lambda: self._timed("sharing"))
+                                lambda: self._timer.phase("sharing"))
         self.grad_worker_fraction = self._resolved_fraction()
         self.assignment: WorkAssignment = assign_work(
             [layer.a_dim for layer in self.layers],
@@ -201,7 +190,7 @@ class KFACPreconditioner:
         if options.factor_examples is not None:
             shares = examples_per_pass(options.factor_examples, self.comm.rank, self.comm.size, passes)
         self._captures = [
-            LayerCapture(layer, self._capturing, per_example, self._collector(index), shares, self._hook_timed)
+            LayerCapture(layer, self._capturing, per_example, self._collector(index), shares, self._timer.hook)
             for index, layer in enumerate(self.layers)
         ]
 
@@ -228,7 +217,7 @@ class KFACPreconditioner:
         if self._restoring is not None:
             self._restore_decompositions()
         if step % self.options.factor_update_freq == 0:
-            with self._timed("factors"):
+            with self._timer.phase("factors"):
                 self._update_factors(step, found_inf)
         stale = [
             i
@@ -237,13 +226,27 @@ class KFACPreconditioner:
         ]
         if stale:
             first = [i for i in stale if not self._decomposed[i]]
-            with self._timed("decompositions"):
+            with self._timer.phase("decompositions"):
                 self._update_decompositions(stale, step)
             self._sources.note(stale, first, step, (self.a_factors, self.g_factors), self.options.late_decompositions,
                                step % self.options.inv_update_freq == 0)
-        with self._timed("precondition"), ieee_fp32():
+        with self._timer.phase("precondition"), ieee_fp32():
             self._precondition(step)
         self.steps += 1
+
+    @property
+    def statistics_in_forward(self) -> float:
+        """The seconds of ``timings['statistics']`` that ran inside forward (the rest ran in backward)."""
+        return self._timer.in_forward
+
+    @property
+    def synchronise_timings(self) -> bool:
+        """Whether each phase waits for the device, so that its seconds include its kernels (kfac.timing)."""
+        return self._timer.synchronise
+
+    @synchronise_timings.setter
+    def synchronise_timings(self, value: bool) -> None:
+        self._timer.synchronise = value
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -318,7 +321,7 @@ class KFACPreconditioner:
         """Called when a layer's forward and backward of one pass are both done (inside backward)."""
 
         def collect(capture: LayerCapture) -> None:
-            with self._timed("statistics"):
+            with self._timer.phase("statistics"):
                 self._collect(index, capture)
 
         return collect
@@ -334,7 +337,7 @@ class KFACPreconditioner:
         decay = _value(self.options.factor_decay, step)
         loss_scale = self._loss_scale()
         if self.comm.size > 1:
-            with self._timed("factor_reduction"):
+            with self._timer.phase("factor_reduction"):
                 self._exchange.reduce()
         extra = [self.layers[i].name for i in self._exchange.extra_passes]
         if extra:
@@ -567,43 +570,6 @@ class KFACPreconditioner:
             return
         dtype = next(iter(grads.values())).dtype if grads else self.layers[0].dtype
         self._sharing.directions(block, self.assignment, grads, directions, dtype)
-
-    @contextmanager
-    def _hook_timed(self, where: str) -> Iterator[None]:
-        """The capture hooks' work, inside ``where`` ("forward" or "backward"): the statistics phase."""
-        before = self.timings["statistics"]
-        with self._timed("statistics"):
-            yield
-        if where == "forward":
-            self.statistics_in_forward += self.timings["statistics"] - before
-
-    @contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        """Add the phase's host seconds to ``timings``, exclusive of phases nested in it, and name it for
-        torch.profiler when one is recording. With ``synchronise_timings`` on a GPU the device is waited for
-        on entry (earlier work is not this phase's) and on exit (this phase's kernels and copies are)."""
-        device = self._synchronised_device()
-        if device is not None:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        self._open_phases.append(0.0)
-        profiled = torch.autograd._profiler_enabled()
-        try:
-            with torch.profiler.record_function(f"kfac.{phase}") if profiled else contextlib.nullcontext():
-                yield
-        finally:
-            if device is not None:
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - start
-            nested = self._open_phases.pop()
-            self.timings[phase] += elapsed - nested
-            if self._open_phases:
-                self._open_phases[-1] += elapsed
-
-    def _synchronised_device(self) -> torch.device | None:
-        if not self.synchronise_timings or not self.layers or self.layers[0].device.type != "cuda":
-            return None
-        return self.layers[0].device
 
 
 def _usable(batches: list[tuple[int, Tensor, Tensor]], found_inf: Tensor | None) -> list[Tensor]:
