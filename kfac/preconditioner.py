@@ -33,6 +33,7 @@ from kfac.decompose import Recoveries, Results
 from kfac.default_comm import default_communicator
 from kfac.exchange import StatisticsExchange
 from kfac.factors import masked_running_averages
+from kfac.held import HeldDecompositions
 from kfac.late import LateDecompositions
 from kfac.layers import KFACLayer, SkipSpec, find_layers
 from kfac.methods import Eigen, FactorJob, Inverse, Newton, tikhonov_gammas_of
@@ -179,11 +180,7 @@ class KFACPreconditioner:
         n = len(self.layers)
         self.a_factors: list[Tensor | None] = [None] * n
         self.g_factors: list[Tensor | None] = [None] * n
-        self._decompositions: list[tuple[solve.Decomposition, solve.Decomposition] | None] = [None] * n
-        self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
-        self._denominators: dict[Any, tuple[float, Tensor]] = {}
-        # Layers of one shape: (their indices, the stacked A-side and G-side decompositions).
-        self._batches: list[tuple[list[int], solve.Decomposition, solve.Decomposition]] = []
+        self._held = HeldDecompositions(n, self._method)
         passes = options.backward_passes_per_step
         per_example = float(passes) if options.loss_reduction == "mean" else 0.0
         shares = None
@@ -219,17 +216,14 @@ class KFACPreconditioner:
         if step % self.options.factor_update_freq == 0:
             with self._timer.phase("factors"):
                 self._update_factors(step, found_inf)
-        stale = [
-            i
-            for i in range(len(self.layers))
-            if self.a_factors[i] is not None and (step % self.options.inv_update_freq == 0 or not self._decomposed[i])
-        ]
+        decomposed, inverse_update = self._held.decomposed, step % self.options.inv_update_freq == 0
+        stale = [i for i, a in enumerate(self.a_factors) if a is not None and (inverse_update or not decomposed[i])]
         if stale:
-            first = [i for i in stale if not self._decomposed[i]]
+            first = [i for i in stale if not decomposed[i]]
             with self._timer.phase("decompositions"):
                 self._update_decompositions(stale, step)
             self._sources.note(stale, first, step, (self.a_factors, self.g_factors), self.options.late_decompositions,
-                               step % self.options.inv_update_freq == 0)
+                               inverse_update)
         with self._timer.phase("precondition"), ieee_fp32():
             self._precondition(step)
         self.steps += 1
@@ -264,7 +258,7 @@ class KFACPreconditioner:
         for bit. Any rank's state is complete and loads onto any world size. Local: no collective."""
         held = None
         if self._method.warm_starts:  # recomputed from their factors alone they would differ at its tolerance
-            held = {i: pair for i, pair in enumerate(self._decompositions) if pair is not None}
+            held = {i: pair for i, pair in enumerate(self._held.pairs) if pair is not None}
         return KFACState(self.steps, [layer.name for layer in self.layers], (self.a_factors, self.g_factors),
                          self._sources, self.eigen_recoveries, self._method.name, held).to_dict()
 
@@ -277,11 +271,8 @@ class KFACPreconditioner:
         self.steps = restoring.steps
         self.eigen_recoveries.update(restoring.eigen_recoveries)
         self._late.discard()  # late decompositions of the old factors are of no use now
-        self._decompositions = [None] * len(self.layers)
-        self._decomposed = [False] * len(self.layers)
+        self._held.clear()
         self._sources = Sources()
-        self._denominators.clear()
-        self._batches = []
 
     def _restore_decompositions(self) -> None:
         """Recompute the loaded decompositions from their saved factors, layers in the groups that computed them
@@ -290,12 +281,9 @@ class KFACPreconditioner:
         restoring, self._restoring = self._restoring, None
         installed, n = restoring.sources.installed, len(self.layers)
         held = restoring.held or {}
-        for i in held:  # saved as they were (a warm-started method's): installed, not recomputed
-            if self.assignment.is_grad_worker(i, self.comm.rank):
-                self._decompositions[i] = held[i]
-            self._decomposed[i] = True
-        if held:
-            self._stack_same_shapes()
+        if held:  # saved as they were (a warm-started method's): installed, not recomputed
+            self._held.install(list(held), {i: pair for i, pair in held.items()
+                                            if self.assignment.is_grad_worker(i, self.comm.rank)})
         factors = factors_of(installed, n)
         for step, group in restoring.calls():  # recoveries were counted when first computed: not again
             layers = [i for i in group if i not in held]  # every rank loaded the same state: the same layers
@@ -416,7 +404,7 @@ class KFACPreconditioner:
         if not self.options.late_decompositions:
             self._install(stale, *self._compute_owned(stale, damping, factors))
             return
-        first = [i for i in stale if not self._decomposed[i]]
+        first = [i for i in stale if not self._held.decomposed[i]]
         if first:
             self._install(first, *self._compute_owned(first, damping, factors))
         if step % self.options.inv_update_freq == 0:
@@ -438,7 +426,7 @@ class KFACPreconditioner:
         gammas = dict(zip(layers, tikhonov_gammas_of(pairs, damping), strict=True)) if self._method.needs_gamma else {}
         jobs = []
         for i, kind in owned:
-            previous = self._decompositions[i]
+            previous = self._held.pairs[i]
             jobs.append(FactorJob((i, kind), factors[kind == "G"][i], gammas[i][kind == "G"] if gammas else 0.0,
                                   None if previous is None else previous[kind == "G"]))
         dtype = self._decomposition_dtype(owned[0][0]) if owned else self.options.eigen_dtype
@@ -452,11 +440,8 @@ class KFACPreconditioner:
         if len(group.ranks) > 1:
             self._sharing.decompositions(group, self.assignment, stale, results, self._decomposition_shapes,
                                          self._decomposition_dtype(stale[0]))
-        for i in stale:
-            if self.assignment.is_grad_worker(i, rank):
-                self._decompositions[i] = (results[(i, "A")], results[(i, "G")])
-            self._decomposed[i] = True
-        self._stack_same_shapes()
+        self._held.install(stale, {i: (results[(i, "A")], results[(i, "G")]) for i in stale
+                                   if self.assignment.is_grad_worker(i, rank)})
 
     def _record_recoveries(self, recoveries: Recoveries) -> None:
         for kind in recoveries.values():
@@ -480,30 +465,6 @@ class KFACPreconditioner:
         self._late.start(stale, lambda: self._compute_owned(stale, damping, factors), self.layers[stale[0]].device,
                          inputs)
 
-    def _stack_same_shapes(self) -> None:
-        """Stack the decompositions of layers with the same shapes (eigenbases, or damped inverses), so that one
-        batched product serves them all.
-
-        ResNets have many layers of one shape; a batched matmul per shape replaces a handful of
-        small ones per layer (on a GPU, a kernel launch each). The layers' own decompositions become views of
-        the stacks.
-        """
-        self._batches, self._denominators = [], {}
-        by_shape: dict[tuple, list[int]] = defaultdict(list)
-        for i, decomposition in enumerate(self._decompositions):
-            if decomposition is not None:
-                a, g = decomposition
-                by_shape[(a[0].shape[0], g[0].shape[0], a[0].dtype, a[0].device)].append(i)
-        for layers in by_shape.values():
-            if len(layers) < 2:
-                continue
-            held = [cast(tuple[solve.Decomposition, solve.Decomposition], self._decompositions[i]) for i in layers]
-            a_stack, g_stack = (tuple(torch.stack([d[side][part] for d in held]) for part in range(len(held[0][side])))
-                                for side in (0, 1))
-            for k, i in enumerate(layers):
-                self._decompositions[i] = (tuple(t[k] for t in a_stack), tuple(t[k] for t in g_stack))
-            self._batches.append((layers, a_stack, g_stack))
-
     def _decomposition_dtype(self, index: int) -> torch.dtype:
         return torch.promote_types(self.options.eigen_dtype, self.layers[index].dtype)
 
@@ -511,9 +472,8 @@ class KFACPreconditioner:
     def _precondition(self, step: int) -> None:
         rank, damping = self.comm.rank, _value(self.options.damping, step)
         grads: dict[int, Tensor] = {}
-        directions: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            if not self._decomposed[i]:
+            if not self._held.decomposed[i]:
                 continue
             grad = layer.grad_matrix(self._decomposition_dtype(i))
             if grad is None:
@@ -523,18 +483,7 @@ class KFACPreconditioner:
                     layer.g_dim, layer.a_dim, dtype=self._decomposition_dtype(i), device=layer.device
                 )
             grads[i] = grad
-        for b, (layers, a_stack, g_stack) in enumerate(self._batches):
-            present = [i for i in layers if i in grads]
-            if len(present) < len(layers):  # a layer without gradient (single process): one by one below
-                continue
-            stacked = self._precondition_one(("batch", b), torch.stack([grads[i] for i in layers]), a_stack, g_stack,
-                                             damping)
-            directions.update(zip(layers, stacked, strict=False))
-        for i in grads:
-            if i in directions or not self.assignment.is_grad_worker(i, rank):
-                continue
-            a, g = self._decompositions[i]  # type: ignore[misc]
-            directions[i] = self._precondition_one(i, grads[i], a, g, damping)
+        directions = self._held.directions(grads, damping, lambda i: self.assignment.is_grad_worker(i, rank))
         self._share_directions(grads, directions)
 
         order = sorted(directions)
@@ -547,21 +496,6 @@ class KFACPreconditioner:
             torch._foreach_mul_([directions[i] for i in order], scale)
         for i in order:
             self.layers[i].set_grad(directions[i])
-
-    def _precondition_one(self, key: Any, grad: Tensor, a: solve.Decomposition, g: solve.Decomposition,
-                          damping: float) -> Tensor:
-        """One layer's direction, or a stack's (every tensor with a leading batch dimension)."""
-        if self.method == "eigen":
-            return solve.precondition_eigen(grad, a, g, self._denominator(key, damping, a[1], g[1]))
-        return cast(Inverse, self._method).precondition(grad, a, g)
-
-    def _denominator(self, key: Any, damping: float, da: Tensor, dg: Tensor) -> Tensor:
-        """d_G d_Aᵀ + λ for the eigen method, kept until the decompositions or the damping change."""
-        cached = self._denominators.get(key)
-        if cached is None or cached[0] != damping:
-            cached = (damping, solve.eigen_denominator(da, dg, damping))
-            self._denominators[key] = cached
-        return cached[1]
 
     def _share_directions(self, grads: dict[int, Tensor], directions: dict[int, Tensor]) -> None:
         """Each layer's grad worker in this receiver block sends its direction to the block (one share)."""

@@ -57,9 +57,9 @@ def test_the_hooks_are_statistics_and_their_forward_part_is_kept_apart(clock) ->
 
 def test_a_recording_profiler_sees_each_phase_by_name() -> None:
     timer = PhaseTimer(lambda: None)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        with timer.phase("precondition"):
-            torch.ones(3).sum()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile, \
+            timer.phase("precondition"):
+        torch.ones(3).sum()
     assert "kfac.precondition" in {event.name for event in profile.events()}
     assert timing.PHASES == ("statistics", "factor_reduction", "factors", "decompositions", "sharing", "precondition")
 
