@@ -11,6 +11,11 @@ this rank owns and shares them with the layer's gradient workers (every ``inv_up
 steps), and (3) replaces every preconditioned layer's gradient by its K-FAC direction, scaled
 by the KL clip. Gradients are expected to be the same on every rank already (Horovod's
 DistributedOptimizer after ``synchronize()``). docs/kfac.md has the conventions and defaults.
+
+This module orders the work; each part has a module of its own: the settings (kfac.options), the statistics'
+exchange (kfac.exchange), the decomposition methods (kfac.methods), sharing within rank groups (kfac.sharing),
+the decompositions held and the directions computed with them (kfac.held), late decompositions (kfac.late), the
+checkpoint (kfac.checkpoint) and the phase timings (kfac.timing).
 """
 
 from __future__ import annotations
