@@ -9,9 +9,8 @@ documented one); the docstring there says what each setting means.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -65,11 +64,6 @@ class KFACOptions:
     factor_comm_dtype: torch.dtype | None
     bucket_cap_mb: float
     conv_approximation: str
-
-    @classmethod
-    def of(cls, arguments: Mapping[str, Any]) -> KFACOptions:
-        """The options among ``arguments`` (a constructor's locals: the other names are left out)."""
-        return cls(**{field.name: arguments[field.name] for field in fields(cls)})
 
     def __post_init__(self) -> None:
         for name, freq in (

@@ -11,18 +11,19 @@ this rank owns and shares them with the layer's gradient workers (every ``inv_up
 steps), and (3) replaces every preconditioned layer's gradient by its K-FAC direction, scaled
 by the KL clip. Gradients are expected to be the same on every rank already (Horovod's
 DistributedOptimizer after ``synchronize()``). docs/kfac.md has the conventions and defaults.
+
+This module orders the work; each part has a module of its own: the settings (kfac.options), the statistics'
+exchange (kfac.exchange), the decomposition methods (kfac.methods), sharing within rank groups (kfac.sharing),
+the decompositions held and the directions computed with them (kfac.held), late decompositions (kfac.late), the
+checkpoint (kfac.checkpoint) and the phase timings (kfac.timing).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -31,23 +32,23 @@ from torch import Tensor, nn
 from kfac import solve
 from kfac.assignment import WorkAssignment, assign_work, auto_fraction
 from kfac.capture import LayerCapture, examples_per_pass
+from kfac.checkpoint import KFACState, Sources, factors_of
 from kfac.comm import Communicator
 from kfac.decompose import Recoveries, Results
 from kfac.default_comm import default_communicator
 from kfac.exchange import StatisticsExchange
 from kfac.factors import masked_running_averages
+from kfac.held import HeldDecompositions
+from kfac.late import LateDecompositions
 from kfac.layers import KFACLayer, SkipSpec, find_layers
 from kfac.methods import Eigen, FactorJob, Inverse, Newton, tikhonov_gammas_of
 from kfac.options import KFACOptions, Schedule
 from kfac.options import schedule_value as _value
 from kfac.precision import ieee_fp32
 from kfac.sharing import Sharing
+from kfac.timing import PHASES, PhaseTimer
 
-# The factors (A, G) one layer's decompositions were computed from, the step, and which call of that step
-# ("now", "first" or "late": the layers one call decomposed are batched together).
-Source = tuple[Tensor | None, Tensor | None, int, str]
-# The phases of ``step()`` in ``timings``, in the order they run.
-PHASES = ("statistics", "factor_reduction", "factors", "decompositions", "sharing", "precondition")
+__all__ = ["PHASES", "KFACPreconditioner"]  # PHASES: the names of ``timings`` (kfac.timing)
 
 
 class KFACPreconditioner:
@@ -135,39 +136,31 @@ class KFACPreconditioner:
         bucket_cap_mb: float = 25.0,
         conv_approximation: str = "expand",
     ) -> None:
-        arguments = dict(locals())  # before any other local: the options by name, checked together
-        self.options = options = KFACOptions.of(arguments)
+        self.options = options = KFACOptions(
+            factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq, damping=damping,
+            factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, grad_worker_fraction=grad_worker_fraction,
+            method=method, eigen_dtype=eigen_dtype, loss_reduction=loss_reduction, skip_layers=skip_layers,
+            colocate_factors=colocate_factors, backward_passes_per_step=backward_passes_per_step,
+            late_decompositions=late_decompositions, factor_examples=factor_examples,
+            cpu_eigen_limit=cpu_eigen_limit, comm_dtype=comm_dtype, factor_comm_dtype=factor_comm_dtype,
+            bucket_cap_mb=bucket_cap_mb, conv_approximation=conv_approximation,
+        )
         self._method = options.solver
         self.method = self._method.name
         self.grad_scaler = grad_scaler
         self.steps = 0
-        # Host seconds per phase (PHASES), for the trainer's step breakdown and benchmarks; on a GPU the
-        # time to launch the work, not to finish it, unless ``synchronise_timings`` is set: then each phase
-        # waits for the device before and after, so that its seconds include its kernels and copies (at the
-        # price of the overlap, which is why it is off unless a trace or a benchmark asks for it).
-        # ``statistics`` includes the hooks' work inside forward and backward; ``statistics_in_forward`` is
-        # the part of it that ran in forward (the rest ran in backward).
-        self.timings: dict[str, float] = defaultdict(float)
-        self.statistics_in_forward = 0.0
-        self.synchronise_timings = False
+        self._timer = PhaseTimer(lambda: self.layers[0].device if self.layers else None)
+        self.timings = self._timer.seconds  # host seconds per phase (kfac.timing.PHASES)
         # Collectives issued, by kind ("kfac.factors", "kfac.decompositions", "kfac.directions"); a share by
         # scatter is two (an alltoall, then an allgather).
         self.collectives: dict[str, int] = defaultdict(int)
-        self._open_phases: list[float] = []  # per open phase, the seconds of the phases nested in it
         # Decompositions that needed a recovery, by kind (solve.RECOVERIES), on the rank that computed them.
         self.eigen_recoveries: dict[str, int] = {kind: 0 for kind in solve.RECOVERIES}
         self._warned_recovery = False
         self._skipped_updates: Tensor | None = None  # on the device: layer factor updates left out
-        self._pending: tuple[list[int], Future, Any] | None = None  # late decompositions in flight
-        self._late_runner: ThreadPoolExecutor | None = None
-        # Per layer, the factors its installed decompositions were computed from, with the step and call that
-        # computed them (Source); and those of the late decompositions in flight. A checkpoint saves them.
-        self._sources: dict[int, Source] = {}
-        self._late_sources: dict[int, Source] = {}
-        self._restoring: dict[str, dict[int, Source]] | None = None  # loaded, recomputed at the next step()
-        # Loaded decompositions of a warm-started method (newton), installed as they are at the next step().
-        self._restoring_held: dict[int, tuple[solve.Decomposition, solve.Decomposition]] = {}
-        self._side_stream: Any = None
+        self._late = LateDecompositions()
+        self._sources = Sources()  # what the decompositions came from: a checkpoint saves it (kfac.checkpoint)
+        self._restoring: KFACState | None = None  # loaded, its decompositions recomputed at the next step()
 
         self.layers: list[KFACLayer] = find_layers(model, options.skip_layers, options.conv_approximation)
         if not self.layers:
@@ -176,7 +169,7 @@ class KFACPreconditioner:
         self._exchange = StatisticsExchange(self.comm, self.layers, options.backward_passes_per_step,
                                             options.bucket_cap_mb, options.factor_comm_dtype, self.collectives)
         self._sharing = Sharing(self.comm.rank, lambda: self.layers[0].device, options.comm_dtype, self.collectives,
-                                lambda: self._timed("sharing"))
+                                lambda: self._timer.phase("sharing"))
         self.grad_worker_fraction = self._resolved_fraction()
         self.assignment: WorkAssignment = assign_work(
             [layer.a_dim for layer in self.layers],
@@ -192,18 +185,14 @@ class KFACPreconditioner:
         n = len(self.layers)
         self.a_factors: list[Tensor | None] = [None] * n
         self.g_factors: list[Tensor | None] = [None] * n
-        self._decompositions: list[tuple[solve.Decomposition, solve.Decomposition] | None] = [None] * n
-        self._decomposed = [False] * n  # the layer's grad workers hold a decomposition (same on every rank)
-        self._denominators: dict[Any, tuple[float, Tensor]] = {}
-        # Layers of one shape: (their indices, the stacked A-side and G-side decompositions).
-        self._batches: list[tuple[list[int], solve.Decomposition, solve.Decomposition]] = []
+        self._held = HeldDecompositions(n, self._method)
         passes = options.backward_passes_per_step
         per_example = float(passes) if options.loss_reduction == "mean" else 0.0
         shares = None
         if options.factor_examples is not None:
             shares = examples_per_pass(options.factor_examples, self.comm.rank, self.comm.size, passes)
         self._captures = [
-            LayerCapture(layer, self._capturing, per_example, self._collector(index), shares, self._hook_timed)
+            LayerCapture(layer, self._capturing, per_example, self._collector(index), shares, self._timer.hook)
             for index, layer in enumerate(self.layers)
         ]
 
@@ -230,21 +219,33 @@ class KFACPreconditioner:
         if self._restoring is not None:
             self._restore_decompositions()
         if step % self.options.factor_update_freq == 0:
-            with self._timed("factors"):
+            with self._timer.phase("factors"):
                 self._update_factors(step, found_inf)
-        stale = [
-            i
-            for i in range(len(self.layers))
-            if self.a_factors[i] is not None and (step % self.options.inv_update_freq == 0 or not self._decomposed[i])
-        ]
+        decomposed, inverse_update = self._held.decomposed, step % self.options.inv_update_freq == 0
+        stale = [i for i, a in enumerate(self.a_factors) if a is not None and (inverse_update or not decomposed[i])]
         if stale:
-            first = [i for i in stale if not self._decomposed[i]]
-            with self._timed("decompositions"):
+            first = [i for i in stale if not decomposed[i]]
+            with self._timer.phase("decompositions"):
                 self._update_decompositions(stale, step)
-            self._note_sources(stale, first, step)
-        with self._timed("precondition"), ieee_fp32():
+            self._sources.note(stale, first, step, (self.a_factors, self.g_factors), self.options.late_decompositions,
+                               inverse_update)
+        with self._timer.phase("precondition"), ieee_fp32():
             self._precondition(step)
         self.steps += 1
+
+    @property
+    def statistics_in_forward(self) -> float:
+        """The seconds of ``timings['statistics']`` that ran inside forward (the rest ran in backward)."""
+        return self._timer.in_forward
+
+    @property
+    def synchronise_timings(self) -> bool:
+        """Whether each phase waits for the device, so that its seconds include its kernels (kfac.timing)."""
+        return self._timer.synchronise
+
+    @synchronise_timings.setter
+    def synchronise_timings(self, value: bool) -> None:
+        self._timer.synchronise = value
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -257,132 +258,48 @@ class KFACPreconditioner:
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        """What the next step needs: the running factors, the step count, and the factors the installed (and
-        the pending late) decompositions were computed from, so that loading recomputes those decompositions
-        bit for bit instead of from the running factors (which would change the preconditioner until the next
-        inverse update). Every rank holds all factors, so any rank's state is complete, and it loads onto any
-        world size and grad worker fraction. Local: no collective."""
-        copies: dict[int, Tensor] = {}  # a factor that is also a source is saved once
-
-        def copy(tensor: Tensor | None) -> Tensor | None:
-            if tensor is None:
-                return None
-            if id(tensor) not in copies:
-                copies[id(tensor)] = tensor.detach().clone()
-            return copies[id(tensor)]
-
-        def sources(held: dict[int, Source]) -> dict[int, tuple[Tensor | None, Tensor | None, int, str]]:
-            return {i: (copy(a), copy(g), step, call) for i, (a, g, step, call) in sorted(held.items())}
-
-        return {
-            "steps": self.steps,
-            "layers": [layer.name for layer in self.layers],
-            "a_factors": [copy(f) for f in self.a_factors],
-            "g_factors": [copy(f) for f in self.g_factors],
-            "decomposed_from": sources(self._sources),
-            "late_from": sources(self._late_sources),
-            "eigen_recoveries": dict(self.eigen_recoveries),
-            **self._warm_start_state(),
-        }
-
-    def _warm_start_state(self) -> dict[str, Any]:
-        """The decompositions this rank holds, for a method that warm-starts from them (newton): recomputed from
-        their factors alone they would differ at the method's tolerance. Every layer's at fraction 1."""
-        if not self._method.warm_starts:
-            return {}
-        held = {i: tuple(tuple(t.detach().clone() for t in side) for side in pair)
-                for i, pair in enumerate(self._decompositions) if pair is not None}
-        return {"decompositions": {"method": self._method.name, "held": held}}
+        """What the next step needs (kfac.checkpoint): the running factors, the step count, and the factors the
+        installed (and the pending late) decompositions were computed from, so that loading recomputes them bit
+        for bit. Any rank's state is complete and loads onto any world size. Local: no collective."""
+        held = None
+        if self._method.warm_starts:  # recomputed from their factors alone they would differ at its tolerance
+            held = {i: pair for i, pair in enumerate(self._held.pairs) if pair is not None}
+        return KFACState(self.steps, [layer.name for layer in self.layers], (self.a_factors, self.g_factors),
+                         self._sources, self.eigen_recoveries, self._method.name, held).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the decompositions are recomputed from their saved factors at the next
-        ``step()`` (a collective every rank reaches). A state without them (saved before they were kept) has its
-        decompositions recomputed from the running factors, which continues exactly only from an inverse update."""
-        names = [layer.name for layer in self.layers]
-        if list(state["layers"]) != names:
-            raise ValueError(f"K-FAC state is for layers {list(state['layers'])}, this model has {names}")
-        loaded: dict[int, Tensor] = {}  # one tensor here for one saved twice
-
-        def restored(saved: Tensor | None, i: int, key: str) -> Tensor | None:
-            if saved is None:
-                return None
-            layer = self.layers[i]
-            dim = layer.a_dim if key == "A" else layer.g_dim
-            if tuple(saved.shape) != (dim, dim):
-                raise ValueError(f"K-FAC state for {layer.name}: {key} factor has shape {tuple(saved.shape)}, "
-                                 f"expected {(dim, dim)}")
-            if id(saved) not in loaded:
-                loaded[id(saved)] = saved.detach().to(device=layer.device, dtype=layer.dtype).clone()
-            return loaded[id(saved)]
-
-        for i in range(len(self.layers)):
-            self.a_factors[i] = restored(state["a_factors"][i], i, "A")
-            self.g_factors[i] = restored(state["g_factors"][i], i, "G")
-        self._restoring = {
-            key: {int(i): (restored(a, int(i), "A"), restored(g, int(i), "G"), int(step), str(call))
-                  for i, (a, g, step, call) in state.get(key, {}).items()}
-            for key in ("decomposed_from", "late_from")
-        }
-        saved = state.get("decompositions")
-        self._restoring_held = {}
-        if saved is not None and saved["method"] == self._method.name:  # another method's would not fit
-            def moved(i: int, side: solve.Decomposition) -> solve.Decomposition:
-                return tuple(t.to(self.layers[i].device) for t in side)
-
-            self._restoring_held = {int(i): (moved(int(i), a), moved(int(i), g)) for i, (a, g) in saved["held"].items()}
-        self.steps = int(state["steps"])
-        self.eigen_recoveries.update(state.get("eigen_recoveries", {}))
-        self._discard_pending()  # late decompositions of the old factors are of no use now
-        self._decompositions = [None] * len(self.layers)
-        self._decomposed = [False] * len(self.layers)
-        self._sources, self._late_sources = {}, {}
-        self._denominators.clear()
-        self._batches = []
-
-    def _note_sources(self, stale: list[int], first: list[int], step: int) -> None:
-        """Record which factors the decompositions this step installed (or started late) come from."""
-        if not self.options.late_decompositions:
-            self._sources.update({i: (self.a_factors[i], self.g_factors[i], step, "now") for i in stale})
-            return
-        self._sources.update({i: (self.a_factors[i], self.g_factors[i], step, "first") for i in first})
-        if step % self.options.inv_update_freq == 0:  # the pending ones were installed; the rest started late
-            self._sources.update(self._late_sources)
-            self._late_sources = {i: (self.a_factors[i], self.g_factors[i], step, "late")
-                                  for i in stale if i not in first}
+        ``step()`` (a collective every rank reaches)."""
+        restoring = KFACState.of(state, self.layers, self._method.name)
+        self.a_factors[:], self.g_factors[:] = restoring.factors
+        self._restoring = restoring
+        self.steps = restoring.steps
+        self.eigen_recoveries.update(restoring.eigen_recoveries)
+        self._late.discard()  # late decompositions of the old factors are of no use now
+        self._held.clear()
+        self._sources = Sources()
 
     def _restore_decompositions(self) -> None:
         """Recompute the loaded decompositions from their saved factors, layers in the groups that computed them
         (so that batched decompositions are batched alike), and restart the late ones that were in flight."""
         assert self._restoring is not None
         restoring, self._restoring = self._restoring, None
-        calls: dict[tuple[int, str], list[int]] = defaultdict(list)
-        for i, (_, _, step, call) in restoring["decomposed_from"].items():
-            calls[(step, call)].append(i)
-        factors = self._source_factors(restoring["decomposed_from"])
-        held, self._restoring_held = self._restoring_held, {}
-        for i in held:  # saved as they were (a warm-started method's): installed, not recomputed
-            if self.assignment.is_grad_worker(i, self.comm.rank):
-                self._decompositions[i] = held[i]
-            self._decomposed[i] = True
-        if held:
-            self._stack_same_shapes()
-        for (step, _), group in sorted(calls.items()):  # recoveries were counted when first computed: not again
+        installed, n = restoring.sources.installed, len(self.layers)
+        held = restoring.held or {}
+        if held:  # saved as they were (a warm-started method's): installed, not recomputed
+            self._held.install(list(held), {i: pair for i, pair in held.items()
+                                            if self.assignment.is_grad_worker(i, self.comm.rank)})
+        factors = factors_of(installed, n)
+        for step, group in restoring.calls():  # recoveries were counted when first computed: not again
             layers = [i for i in group if i not in held]  # every rank loaded the same state: the same layers
             if layers:
                 self._install(layers, self._compute_owned(layers, _value(self.options.damping, step), factors)[0], {})
-            self._sources.update({i: restoring["decomposed_from"][i] for i in group})
-        late = restoring["late_from"]
+            self._sources.installed.update({i: installed[i] for i in group})
+        late = restoring.sources.late
         if late:
             step = next(iter(late.values()))[2]
-            self._start_late(sorted(late), _value(self.options.damping, step), self._source_factors(late))
-            self._late_sources = dict(late)
-
-    def _source_factors(self, sources: dict[int, Source]) -> tuple[list, list]:
-        a: list[Tensor | None] = [None] * len(self.layers)
-        g: list[Tensor | None] = [None] * len(self.layers)
-        for i, (a_i, g_i, _, _) in sources.items():
-            a[i], g[i] = a_i, g_i
-        return a, g
+            self._start_late(sorted(late), _value(self.options.damping, step), factors_of(late, n))
+            self._sources.late = dict(late)
 
     def remove_hooks(self) -> None:
         """Detach from the model (its forward and backward no longer feed the factors)."""
@@ -397,7 +314,7 @@ class KFACPreconditioner:
         """Called when a layer's forward and backward of one pass are both done (inside backward)."""
 
         def collect(capture: LayerCapture) -> None:
-            with self._timed("statistics"):
+            with self._timer.phase("statistics"):
                 self._collect(index, capture)
 
         return collect
@@ -413,7 +330,7 @@ class KFACPreconditioner:
         decay = _value(self.options.factor_decay, step)
         loss_scale = self._loss_scale()
         if self.comm.size > 1:
-            with self._timed("factor_reduction"):
+            with self._timer.phase("factor_reduction"):
                 self._exchange.reduce()
         extra = [self.layers[i].name for i in self._exchange.extra_passes]
         if extra:
@@ -492,11 +409,13 @@ class KFACPreconditioner:
         if not self.options.late_decompositions:
             self._install(stale, *self._compute_owned(stale, damping, factors))
             return
-        first = [i for i in stale if not self._decomposed[i]]
+        first = [i for i in stale if not self._held.decomposed[i]]
         if first:
             self._install(first, *self._compute_owned(first, damping, factors))
         if step % self.options.inv_update_freq == 0:
-            self._install_pending()
+            taken = self._late.take()
+            if taken is not None:
+                self._install(*taken)
             later = [i for i in stale if i not in first]
             if later:
                 self._start_late(later, damping, factors)
@@ -512,7 +431,7 @@ class KFACPreconditioner:
         gammas = dict(zip(layers, tikhonov_gammas_of(pairs, damping), strict=True)) if self._method.needs_gamma else {}
         jobs = []
         for i, kind in owned:
-            previous = self._decompositions[i]
+            previous = self._held.pairs[i]
             jobs.append(FactorJob((i, kind), factors[kind == "G"][i], gammas[i][kind == "G"] if gammas else 0.0,
                                   None if previous is None else previous[kind == "G"]))
         dtype = self._decomposition_dtype(owned[0][0]) if owned else self.options.eigen_dtype
@@ -526,11 +445,8 @@ class KFACPreconditioner:
         if len(group.ranks) > 1:
             self._sharing.decompositions(group, self.assignment, stale, results, self._decomposition_shapes,
                                          self._decomposition_dtype(stale[0]))
-        for i in stale:
-            if self.assignment.is_grad_worker(i, rank):
-                self._decompositions[i] = (results[(i, "A")], results[(i, "G")])
-            self._decomposed[i] = True
-        self._stack_same_shapes()
+        self._held.install(stale, {i: (results[(i, "A")], results[(i, "G")]) for i in stale
+                                   if self.assignment.is_grad_worker(i, rank)})
 
     def _record_recoveries(self, recoveries: Recoveries) -> None:
         for kind in recoveries.values():
@@ -549,73 +465,10 @@ class KFACPreconditioner:
             )
 
     def _start_late(self, stale: list[int], damping: float, factors: tuple[list, list]) -> None:
-        """Compute this rank's decompositions of ``factors`` in a background thread (a side stream on a GPU)."""
-        if self._late_runner is None:
-            self._late_runner = ThreadPoolExecutor(1, thread_name_prefix="kfac-late")
-        device = self.layers[stale[0]].device
-        ready = None
-        if device.type == "cuda":
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device)
-            ready = torch.cuda.current_stream(device).record_event()
-            for side in factors:
-                for i in stale:
-                    factor = side[i]
-                    assert factor is not None
-                    factor.record_stream(self._side_stream)
-
-        def run() -> tuple[Results, Recoveries, Any]:
-            if ready is None:
-                return (*self._compute_owned(stale, damping, factors), None)
-            with torch.cuda.stream(self._side_stream):
-                self._side_stream.wait_event(ready)
-                results, recoveries = self._compute_owned(stale, damping, factors)
-                return results, recoveries, self._side_stream.record_event()
-
-        self._pending = (stale, self._late_runner.submit(run), device)
-
-    def _install_pending(self) -> None:
-        if self._pending is None:
-            return
-        stale, future, device = self._pending
-        self._pending = None
-        results, recoveries, done = future.result()
-        if done is not None:  # the side stream's results, used from now on by the current stream
-            current = torch.cuda.current_stream(device)
-            current.wait_event(done)
-            for decomposition in results.values():
-                for tensor in decomposition:
-                    tensor.record_stream(current)
-        self._install(stale, results, recoveries)
-
-    def _discard_pending(self) -> None:
-        if self._pending is not None:
-            self._pending[1].result()
-            self._pending = None
-
-    def _stack_same_shapes(self) -> None:
-        """Stack the decompositions of layers with the same shapes (eigenbases, or damped inverses), so that one
-        batched product serves them all.
-
-        ResNets have many layers of one shape; a batched matmul per shape replaces a handful of
-        small ones per layer (on a GPU, a kernel launch each). The layers' own decompositions become views of
-        the stacks.
-        """
-        self._batches, self._denominators = [], {}
-        by_shape: dict[tuple, list[int]] = defaultdict(list)
-        for i, decomposition in enumerate(self._decompositions):
-            if decomposition is not None:
-                a, g = decomposition
-                by_shape[(a[0].shape[0], g[0].shape[0], a[0].dtype, a[0].device)].append(i)
-        for layers in by_shape.values():
-            if len(layers) < 2:
-                continue
-            held = [cast(tuple[solve.Decomposition, solve.Decomposition], self._decompositions[i]) for i in layers]
-            a_stack, g_stack = (tuple(torch.stack([d[side][part] for d in held]) for part in range(len(held[0][side])))
-                                for side in (0, 1))
-            for k, i in enumerate(layers):
-                self._decompositions[i] = (tuple(t[k] for t in a_stack), tuple(t[k] for t in g_stack))
-            self._batches.append((layers, a_stack, g_stack))
+        """Start this rank's decompositions of ``factors`` in the background (kfac.late)."""
+        inputs = [cast(Tensor, side[i]) for side in factors for i in stale]
+        self._late.start(stale, lambda: self._compute_owned(stale, damping, factors), self.layers[stale[0]].device,
+                         inputs)
 
     def _decomposition_dtype(self, index: int) -> torch.dtype:
         return torch.promote_types(self.options.eigen_dtype, self.layers[index].dtype)
@@ -624,9 +477,8 @@ class KFACPreconditioner:
     def _precondition(self, step: int) -> None:
         rank, damping = self.comm.rank, _value(self.options.damping, step)
         grads: dict[int, Tensor] = {}
-        directions: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            if not self._decomposed[i]:
+            if not self._held.decomposed[i]:
                 continue
             grad = layer.grad_matrix(self._decomposition_dtype(i))
             if grad is None:
@@ -636,18 +488,7 @@ class KFACPreconditioner:
                     layer.g_dim, layer.a_dim, dtype=self._decomposition_dtype(i), device=layer.device
                 )
             grads[i] = grad
-        for b, (layers, a_stack, g_stack) in enumerate(self._batches):
-            present = [i for i in layers if i in grads]
-            if len(present) < len(layers):  # a layer without gradient (single process): one by one below
-                continue
-            stacked = self._precondition_one(("batch", b), torch.stack([grads[i] for i in layers]), a_stack, g_stack,
-                                             damping)
-            directions.update(zip(layers, stacked, strict=False))
-        for i in grads:
-            if i in directions or not self.assignment.is_grad_worker(i, rank):
-                continue
-            a, g = self._decompositions[i]  # type: ignore[misc]
-            directions[i] = self._precondition_one(i, grads[i], a, g, damping)
+        directions = self._held.directions(grads, damping, lambda i: self.assignment.is_grad_worker(i, rank))
         self._share_directions(grads, directions)
 
         order = sorted(directions)
@@ -661,21 +502,6 @@ class KFACPreconditioner:
         for i in order:
             self.layers[i].set_grad(directions[i])
 
-    def _precondition_one(self, key: Any, grad: Tensor, a: solve.Decomposition, g: solve.Decomposition,
-                          damping: float) -> Tensor:
-        """One layer's direction, or a stack's (every tensor with a leading batch dimension)."""
-        if self.method == "eigen":
-            return solve.precondition_eigen(grad, a, g, self._denominator(key, damping, a[1], g[1]))
-        return cast(Inverse, self._method).precondition(grad, a, g)
-
-    def _denominator(self, key: Any, damping: float, da: Tensor, dg: Tensor) -> Tensor:
-        """d_G d_Aᵀ + λ for the eigen method, kept until the decompositions or the damping change."""
-        cached = self._denominators.get(key)
-        if cached is None or cached[0] != damping:
-            cached = (damping, solve.eigen_denominator(da, dg, damping))
-            self._denominators[key] = cached
-        return cached[1]
-
     def _share_directions(self, grads: dict[int, Tensor], directions: dict[int, Tensor]) -> None:
         """Each layer's grad worker in this receiver block sends its direction to the block (one share)."""
         block = self._receiver_block
@@ -683,43 +509,6 @@ class KFACPreconditioner:
             return
         dtype = next(iter(grads.values())).dtype if grads else self.layers[0].dtype
         self._sharing.directions(block, self.assignment, grads, directions, dtype)
-
-    @contextmanager
-    def _hook_timed(self, where: str) -> Iterator[None]:
-        """The capture hooks' work, inside ``where`` ("forward" or "backward"): the statistics phase."""
-        before = self.timings["statistics"]
-        with self._timed("statistics"):
-            yield
-        if where == "forward":
-            self.statistics_in_forward += self.timings["statistics"] - before
-
-    @contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        """Add the phase's host seconds to ``timings``, exclusive of phases nested in it, and name it for
-        torch.profiler when one is recording. With ``synchronise_timings`` on a GPU the device is waited for
-        on entry (earlier work is not this phase's) and on exit (this phase's kernels and copies are)."""
-        device = self._synchronised_device()
-        if device is not None:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        self._open_phases.append(0.0)
-        profiled = torch.autograd._profiler_enabled()
-        try:
-            with torch.profiler.record_function(f"kfac.{phase}") if profiled else contextlib.nullcontext():
-                yield
-        finally:
-            if device is not None:
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - start
-            nested = self._open_phases.pop()
-            self.timings[phase] += elapsed - nested
-            if self._open_phases:
-                self._open_phases[-1] += elapsed
-
-    def _synchronised_device(self) -> torch.device | None:
-        if not self.synchronise_timings or not self.layers or self.layers[0].device.type != "cuda":
-            return None
-        return self.layers[0].device
 
 
 def _usable(batches: list[tuple[int, Tensor, Tensor]], found_inf: Tensor | None) -> list[Tensor]:

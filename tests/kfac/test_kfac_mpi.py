@@ -230,7 +230,7 @@ def test_every_grad_worker_fraction_equals_one_rank_on_the_global_batch(dp: Data
             problems.append(f"fraction {fraction}: relative error {err:.2e} against the 1-rank run")
         if not any(pre.assignment.is_grad_worker(i, dp.rank) for i in range(len(pre.layers))) and fraction == 1.0:
             problems.append("with fraction 1 every rank must precondition every layer")
-        if fraction == 1.0 and not pre._batches:
+        if fraction == 1.0 and not pre._held.batches:
             problems.append("with fraction 1, conv3 and conv4 should be preconditioned in one batched product")
     first = results[_fractions(dp.size)[0]]
     for fraction, params in results.items():
@@ -267,8 +267,8 @@ def test_memory_optimal_ranks_keep_only_their_layers_decompositions(dp: DataPara
     problems = []
     for i, layer in enumerate(pre.layers):
         mine = pre.assignment.is_grad_worker(i, rank)
-        if mine != (pre._decompositions[i] is not None):
-            problems.append(f"{layer.name}: worker={mine} but holds decomposition={pre._decompositions[i] is not None}")
+        if mine != (pre._held.pairs[i] is not None):
+            problems.append(f"{layer.name}: worker={mine} but holds decomposition={pre._held.pairs[i] is not None}")
         if mine and pre.assignment.a_owner[i] != rank:
             problems.append(f"{layer.name}: the only grad worker must own its factors")
     assert_all_ranks(not problems, "; ".join(problems))
@@ -665,7 +665,7 @@ def test_a_resume_between_inverse_updates_is_exact_and_loads_on_one_rank(dp: Dat
     _steps(dp, model, optimizer, pre, range(stop))
     saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
              "optimizer": copy.deepcopy(optimizer.state_dict()), "kfac": pre.state_dict()}  # momentum: live
-    held = [None if d is None else [t.clone() for side in d for t in side] for d in pre._decompositions]
+    held = [None if d is None else [t.clone() for side in d for t in side] for d in pre._held.pairs]
     _steps(dp, model, optimizer, pre, range(stop, total))
 
     single = KFACPreconditioner(_model(), skip_layers=["extra"], communicator=SingleProcess(),
@@ -675,7 +675,7 @@ def test_a_resume_between_inverse_updates_is_exact_and_loads_on_one_rank(dp: Dat
     problems = []
     for i, mine in enumerate(held):
         if mine is not None and not all(torch.equal(a, b) for a, b in
-                                        zip(mine, [t for side in single._decompositions[i] for t in side], strict=True)):
+                                        zip(mine, [t for side in single._held.pairs[i] for t in side], strict=True)):
             problems.append(f"{pre.layers[i].name}: the decomposition restored on one process differs")
 
     model2, optimizer2, pre2 = built()

@@ -239,7 +239,7 @@ def test_training_on_singular_factors_with_newton_goes_on_and_warm_starts() -> N
     assert counts["cold"] == 4 and counts["warm"] == 4 * 4  # 2 layers x (A, G): cold once, then warm
     a = pre.a_factors[0].double()
     gamma_a, _ = tikhonov_gammas(pre.a_factors[0], pre.g_factors[0], 0.01)
-    (a_inverse,), _ = pre._decompositions[0]
+    (a_inverse,), _ = pre._held.pairs[0]
     assert rel_err(a_inverse, exact_inverse(a, gamma_a)) <= FLOAT32_TOL
 
 

@@ -56,3 +56,20 @@ def test_a_method_name_becomes_its_class_and_an_instance_stays_itself() -> None:
     assert type(pre.options.solver) is Inverse and pre.method == "inverse"
     newton = Newton(tf32=True)
     assert KFACPreconditioner(nn.Linear(2, 2), method=newton).options.solver is newton
+
+
+@pytest.mark.parametrize("comm_dtype, factor_comm_dtype", [(torch.bfloat16, None), (None, torch.bfloat16)])
+def test_every_setting_reaches_its_own_option(comm_dtype, factor_comm_dtype) -> None:
+    """The constructor hands each setting on by name: given a value unlike every other setting's, each one is
+    found under its own name in ``pre.options`` (two settings swapped in the hand-off would fail here)."""
+    newton = Newton(tol=1e-4)
+    given = dict(factor_update_freq=2, inv_update_freq=3, damping=0.02, factor_decay=0.5, kl_clip=0.003, lr=0.4,
+                 grad_worker_fraction=0.75, method=newton, eigen_dtype=torch.float64, loss_reduction="sum",
+                 skip_layers=("Conv2d",), colocate_factors=False, backward_passes_per_step=4,
+                 late_decompositions=True, factor_examples=7, cpu_eigen_limit=9, comm_dtype=comm_dtype,
+                 factor_comm_dtype=factor_comm_dtype, bucket_cap_mb=1.5, conv_approximation="reduce")
+    assert sorted(given) == sorted(field.name for field in fields(KFACOptions))
+    defaults = inspect.signature(KFACPreconditioner).parameters
+    assert all(given[name] != defaults[name].default for name in given if "comm_dtype" not in name)
+    pre = KFACPreconditioner(nn.Linear(2, 2), **given)
+    assert {name: getattr(pre.options, name) for name in given} == given

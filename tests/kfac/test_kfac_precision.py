@@ -193,7 +193,7 @@ def test_cuda_decompositions_split_between_host_and_gpu_equal_the_cpu_ones() -> 
     for i in range(len(pres["cpu"].layers)):
         for side in (0, 1):
             factor = (pres["cpu"].a_factors if side == 0 else pres["cpu"].g_factors)[i].double()
-            q, d = (t.double().cpu() for t in pres["cuda"]._decompositions[i][side])
+            q, d = (t.double().cpu() for t in pres["cuda"]._held.pairs[i][side])
             # A float32 eigensolver's backward error grows with n (LAPACK's bound: a small multiple of n·eps).
             tolerance = max(FLOAT32_TOL, 8 * len(d) * torch.finfo(torch.float32).eps)
             assert rel_err(q @ torch.diag(d) @ q.T, factor) < tolerance, (i, side, len(d))

@@ -84,9 +84,9 @@ def test_newton_s_warm_starts_travel_in_the_state() -> None:
     state = pre.state_dict()
     assert state["decompositions"]["method"] == "newton"
     held = state["decompositions"]["held"]
-    assert sorted(held) == [i for i, d in enumerate(pre._decompositions) if d is not None] and held
+    assert sorted(held) == [i for i, d in enumerate(pre._held.pairs) if d is not None] and held
     for i, (a, g) in held.items():
-        assert all(torch.equal(s, t) for s, t in zip((*a, *g), (*pre._decompositions[i][0], *pre._decompositions[i][1])))
+        assert all(torch.equal(s, t) for s, t in zip((*a, *g), (*pre._held.pairs[i][0], *pre._held.pairs[i][1])))
     assert "decompositions" not in _setup(method="inverse")[2].state_dict()
 
 
@@ -98,7 +98,7 @@ def test_a_state_without_the_decompositions_sources_still_loads() -> None:
     del state["decomposed_from"], state["late_from"]
     fresh = _setup(seed=1)[2]
     fresh.load_state_dict(state)
-    assert fresh.steps == 4 and not any(fresh._decomposed)
+    assert fresh.steps == 4 and not any(fresh._held.decomposed)
 
 
 def test_loading_state_for_another_model_is_refused() -> None:
@@ -120,7 +120,7 @@ def test_an_unused_branch_keeps_its_gradient_and_joins_once_it_is_used() -> None
     F.cross_entropy(model(x, use_side=True), y).backward()
     raw = model.side.weight.grad.clone()
     pre.step()
-    assert pre.a_factors[side] is not None and pre._decomposed[side]
+    assert pre.a_factors[side] is not None and pre._held.decomposed[side]
     assert not torch.allclose(model.side.weight.grad, raw)
 
 

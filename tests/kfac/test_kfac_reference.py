@@ -174,7 +174,7 @@ def test_preconditioned_gradient_matches_dense_solve(kind: str, method: str) -> 
     factors = reference_factors(model, x, y)
     raw, pre = _precondition_once(model, x, y, damping=damping, method=method)
     if kind == "twins":  # fc1 and fc2 in one batched product, whichever the method
-        assert [layers for layers, *_ in pre._batches] == [[0, 1]], method
+        assert [layers for layers, *_ in pre._held.batches] == [[0, 1]], method
     for i, layer in enumerate(pre.layers):
         big_a, big_g = factors[layer.name]
         assert rel_err(pre.a_factors[i], big_a) < TOL, layer.name

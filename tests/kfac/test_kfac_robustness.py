@@ -56,7 +56,7 @@ def test_a_singular_factor_that_float32_eigh_cannot_decompose_does_not_stop_trai
     assert pre.stats["eigen_recoveries"]["float64_retry"] >= 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # The recovered decomposition is the factor's: Q diag(d) Qᵀ = A.
-    (qa, da), _ = pre._decompositions[0]
+    (qa, da), _ = pre._held.pairs[0]
     a = pre.a_factors[0].double()
     rebuilt = qa.double() @ torch.diag(da.double()) @ qa.double().T
     assert float((rebuilt - a).norm() / a.norm()) < 1e-5
@@ -242,7 +242,7 @@ def test_late_decompositions_are_those_of_the_factors_one_inverse_update_earlier
         optimizer.step()
     # step 0: first decompositions, at once; step 2: started in the background; step 4: installed.
     for i in range(len(pre.layers)):
-        (qa, da), _ = pre._decompositions[i]
+        (qa, da), _ = pre._held.pairs[i]
         assert _reconstructs((qa, da), factors_at[2][i], 1e-5)
         assert not _reconstructs((qa, da), factors_at[4][i], 1e-5)
 
@@ -253,5 +253,5 @@ def test_late_decompositions_are_off_by_default_and_equal_the_synchronous_run_at
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, late = _run([0, 1], skipped=set(), late_decompositions=True)
-    for a, b in zip(pre._decompositions, late._decompositions, strict=False):
+    for a, b in zip(pre._held.pairs, late._held.pairs, strict=False):
         assert all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1], strict=False))
