@@ -13,7 +13,6 @@ pairs is reported. The machine's load average is recorded beside the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from figures import results, times  # noqa: E402
+from figures import results, save_json, times  # noqa: E402
 from studies import check_launch, run_train  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
@@ -85,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{ranks} ranks: deterministic / fused = {statistics.median(ratios):.3f} (median of {args.pairs})")
     load = os.getloadavg()
     print(f"load average during the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
-    output = outputs.output_file(stem, ".json")
-    output.write_text(json.dumps(dict(model=args.model, steps=args.steps, load_average=load,
-                                      cores=os.cpu_count(), rows=rows), indent=1) + "\n")
+    output = save_json(stem, dict(model=args.model, steps=args.steps, load_average=load, cores=os.cpu_count(),
+                                  rows=rows))
     print(f"wrote {output}")
     return 0
 

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-from figures import percent, results, table, times  # noqa: E402
+from figures import figure, percent, results, save_json, table, times  # noqa: E402
 from studies import (  # noqa: E402
     StudyStopped,
     TrainRun,
@@ -57,7 +57,6 @@ from studies import (  # noqa: E402
 )
 
 from hpcdl.persistence import outputs  # noqa: E402
-from hpcdl.persistence.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import EXIT_USAGE, UsageError  # noqa: E402
 from hpcdl.runtime.numbers import integer, real  # noqa: E402
@@ -243,45 +242,37 @@ def verdict(settings: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------- results
 def plot(report: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    sgd_colours = iter(["tab:gray", "tab:blue", "tab:cyan", "tab:purple", "black"])
-    kfac_colours = iter(["tab:orange", "tab:green", "tab:red", "tab:olive", "tab:brown", "tab:pink"])
-    lowest = 1.0
-    for name, setting in report["settings"].items():
-        colour = next(kfac_colours if setting["kfac"] else sgd_colours, "black")
-        for i, run in enumerate(setting["runs"]):
-            accuracy = [p["accuracy"] for p in run["points"]]
-            lowest = min([lowest, *accuracy])  # a failed run may have no point
-            style = dict(color=colour, alpha=0.8, marker=".", linestyle="-" if setting["kfac"] else "--",
-                         label=name if i == 0 else None)
-            axes[0].plot([p["epoch"] for p in run["points"]], accuracy, **style)
-            axes[1].plot([p["seconds"] for p in run["points"]], accuracy, **style)
-    for ax in axes:
-        ax.axhline(report["target"], color="tab:red", linestyle=":", linewidth=1)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylim(max(lowest - 0.002, report["target"] - 0.03), 1.0 if report["target"] < 0.99 else 0.995)
-    axes[0].set_xlabel("epoch")
-    axes[1].set_xlabel(f"hpcdl.train's training seconds ({report['ranks']} rank(s) x {report['threads']} thread(s))")
-    axes[0].set_ylabel("test accuracy")
-    axes[0].legend(loc="lower right", fontsize=7)
-    fig.suptitle(f"{report['dataset']}: SGD vs K-FAC (python -m hpcdl.train), target {report['target']:.1%} "
-                 f"(dotted), {len(report['seeds'])} seed(s) each")
-    fig.tight_layout()
-    fig.savefig(outputs.output_file(out, ".png"), dpi=120)
-    plt.close(fig)
+    with figure(out, 1, 2, figsize=(11, 4.2), sharey=True) as (fig, axes):
+        sgd_colours = iter(["tab:gray", "tab:blue", "tab:cyan", "tab:purple", "black"])
+        kfac_colours = iter(["tab:orange", "tab:green", "tab:red", "tab:olive", "tab:brown", "tab:pink"])
+        lowest = 1.0
+        for name, setting in report["settings"].items():
+            colour = next(kfac_colours if setting["kfac"] else sgd_colours, "black")
+            for i, run in enumerate(setting["runs"]):
+                accuracy = [p["accuracy"] for p in run["points"]]
+                lowest = min([lowest, *accuracy])  # a failed run may have no point
+                style = dict(color=colour, alpha=0.8, marker=".", linestyle="-" if setting["kfac"] else "--",
+                             label=name if i == 0 else None)
+                axes[0].plot([p["epoch"] for p in run["points"]], accuracy, **style)
+                axes[1].plot([p["seconds"] for p in run["points"]], accuracy, **style)
+        for ax in axes:
+            ax.axhline(report["target"], color="tab:red", linestyle=":", linewidth=1)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylim(max(lowest - 0.002, report["target"] - 0.03), 1.0 if report["target"] < 0.99 else 0.995)
+        axes[0].set_xlabel("epoch")
+        axes[1].set_xlabel(f"hpcdl.train's training seconds ({report['ranks']} rank(s) x {report['threads']} "
+                           "thread(s))")
+        axes[0].set_ylabel("test accuracy")
+        axes[0].legend(loc="lower right", fontsize=7)
+        fig.suptitle(f"{report['dataset']}: SGD vs K-FAC (python -m hpcdl.train), target {report['target']:.1%} "
+                     f"(dotted), {len(report['seeds'])} seed(s) each")
 
 
-def write(report: dict[str, Any], out: Path, figure: bool = True) -> list[str]:
-    """STEM.json (everything) and STEM.png (the study's end: ``figure``), each replaced whole; returns the table
+def write(report: dict[str, Any], out: Path, png: bool = True) -> list[str]:
+    """STEM.json (everything) and STEM.png (the study's end: ``png``), each replaced whole; returns the table
     printed."""
-    write_text_atomically(outputs.output_file(out, ".json"),
-                          json.dumps(report, indent=2, default=lambda v: None) + "\n")
-    if figure:
+    save_json(out, report, indent=2)
+    if png:
         plot(report, out)
     table = [f"{'setting':<58} reached  epochs  seconds   final  s/epoch"]
     for name, s in report["settings"].items():
@@ -387,7 +378,7 @@ def study(args: argparse.Namespace, out: Path, scratch: Path, saved: dict[str, i
                 f"{result['seconds_to_target']} s, {result['train_seconds']:.1f} s training")
         print(f"[{n}/{len(todo)}] {setting.name} seed {seed}: {line} (study {time.perf_counter() - started:.0f} s "
               "so far)", flush=True)
-        write(report_of(args, recipe, plan, runs, started), out, figure=False)
+        write(report_of(args, recipe, plan, runs, started), out, png=False)
         saved["runs"] = sum(len(r) for r in runs.values())
     return report_of(args, recipe, plan, runs, started)
 

@@ -34,14 +34,13 @@ from typing import Any
 
 import kfac_pytorch_adapter
 import studies
-from figures import table
+from figures import figure, save_json, table
 from kfac_pytorch_adapter import (  # noqa: F401 - the plugins --kfac-impl names as kfac_large_batch:...
     kfac_pytorch_native_preconditioner,
     kfac_pytorch_preconditioner,
 )
 
 from hpcdl.persistence import outputs
-from hpcdl.persistence.atomic import write_text_atomically
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
@@ -354,59 +353,52 @@ def curve(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_results(outcomes: Sequence[Outcome], out: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """<out>.json, replaced whole (atomically: a study stopped while saving keeps the last)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """<out>.json: the summary rows and every run's curve."""
     rows = summarise(outcomes)
     runs = [dict(asdict(o.cell), returncode=o.returncode, epochs=curve(o.epochs), wall_seconds=o.wall_seconds,
                  error=o.error, command=" ".join(o.command)) for o in outcomes]
-    write_text_atomically(outputs.output_file(out, ".json"),
-                          json.dumps(dict(meta=meta, summary=rows, runs=runs), indent=1) + "\n")
+    save_json(out, dict(meta=meta, summary=rows, runs=runs))
     return rows
 
 
 def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
     batches = sorted({o.cell.batch for o in outcomes})
-    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False)
     colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red", "tab:brown",
                                  "tab:olive", "tab:cyan", "tab:pink"), strict=True))
     best_final: dict[str, dict[int, float]] = {}
-    for ax, batch in zip(axes[0], batches, strict=False):
-        for o in outcomes:
-            if o.cell.batch != batch or not o.epochs:
-                continue
-            xs = [float(e["train_seconds"]) for e in o.epochs]
-            ys = [100 * (e.get("test_accuracy") or 0.0) for e in o.epochs]
-            ax.plot(xs, ys, marker="o", ms=3, color=colours.get(o.cell.method, "tab:gray"), alpha=0.8,
-                    label=f"{o.cell.method} lr {o.cell.lr:g}" + (f" wu {o.cell.warmup:g}" if o.cell.warmup else "")
-                    if o.cell.seed == min(x.cell.seed for x in outcomes if x.cell == replace(o.cell, seed=x.cell.seed))
-                    else None)
-            final = o.final_accuracy or 0.0
-            best_final.setdefault(o.cell.method, {})
-            best_final[o.cell.method][batch] = max(best_final[o.cell.method].get(batch, 0.0), final)
-        for target in TARGETS:
-            ax.axhline(100 * target, color="grey", lw=0.6, ls=":")
-        ax.set(title=f"global batch {batch}", xlabel="training seconds (evaluation excluded)",
-               ylabel="test accuracy (%)", ylim=(96.0 if batch <= 512 else 85.0, 99.6))
-        ax.legend(fontsize=6)
-    ax = axes[0][-1]
-    for method, finals in best_final.items():
-        xs = sorted(finals)
-        ax.plot(xs, [100 * finals[b] for b in xs], marker="o", color=colours.get(method, "tab:gray"), label=method)
-    ax.set(xscale="log", title="best final accuracy by global batch", xlabel="global batch", ylabel="test accuracy (%)",
-           ylim=(90.0, 99.6))
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(outputs.output_file(out, ".png"), dpi=110)
-    plt.close(fig)
+    with figure(out, 1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False, dpi=110) \
+            as (fig, axes):
+        for ax, batch in zip(axes[0], batches, strict=False):
+            for o in outcomes:
+                if o.cell.batch != batch or not o.epochs:
+                    continue
+                xs = [float(e["train_seconds"]) for e in o.epochs]
+                ys = [100 * (e.get("test_accuracy") or 0.0) for e in o.epochs]
+                first_seed = o.cell.seed == min(x.cell.seed for x in outcomes
+                                                if x.cell == replace(o.cell, seed=x.cell.seed))
+                label = f"{o.cell.method} lr {o.cell.lr:g}" + (f" wu {o.cell.warmup:g}" if o.cell.warmup else "")
+                ax.plot(xs, ys, marker="o", ms=3, color=colours.get(o.cell.method, "tab:gray"), alpha=0.8,
+                        label=label if first_seed else None)
+                best = best_final.setdefault(o.cell.method, {})
+                best[batch] = max(best.get(batch, 0.0), o.final_accuracy or 0.0)
+            for target in TARGETS:
+                ax.axhline(100 * target, color="grey", lw=0.6, ls=":")
+            ax.set(title=f"global batch {batch}", xlabel="training seconds (evaluation excluded)",
+                   ylabel="test accuracy (%)", ylim=(96.0 if batch <= 512 else 85.0, 99.6))
+            ax.legend(fontsize=6)
+        ax = axes[0][-1]
+        for method, finals in best_final.items():
+            xs = sorted(finals)
+            ax.plot(xs, [100 * finals[b] for b in xs], marker="o", color=colours.get(method, "tab:gray"),
+                    label=method)
+        ax.set(xscale="log", title="best final accuracy by global batch", xlabel="global batch",
+               ylabel="test accuracy (%)", ylim=(90.0, 99.6))
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.legend(fontsize=7)
+        fig.suptitle(title, fontsize=9)
 
 
 def best_rows(outcomes: Sequence[Outcome], batch: int = 4096) -> dict[str, dict[str, Any]]:

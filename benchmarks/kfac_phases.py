@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from figures import RESULTS, results, table
+from figures import RESULTS, results, save_json, table
 from kfac_large_batch import preset_flags
 from studies import finish_train, has_mnist, start_train
 
@@ -88,10 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report[label] = dict(step_phases=summary["step_phases"],
                                  seconds_per_step=summary["train_seconds"] / summary["global_steps"])
             dirs.append(out)
-        json_path = outputs.output_file(stem, ".json")
-        json_path.write_text(json.dumps(dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
-                                             backend=args.backend or default_backend(),
-                                             steps=args.steps, runs=report), indent=1) + "\n")
+        save_json(stem, dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
+                             backend=args.backend or default_backend(), steps=args.steps, runs=report))
         plot_phases(dirs, outputs.output_file(stem, ".png"), list(report))
     finally:
         if args.keep is None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from figures import results, table, times
+from figures import results, save_json, table, times
 from studies import has_mnist
 from torch import Tensor, nn
 
@@ -572,8 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({row['factor_every']},{row['inverse_every']}) {row['design']:14s} {row['backend']:4s} "
                   f"{row['payload']} factors {row['factor_payload']} "
                   + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
-    outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {stem}.json")
+    print(f"wrote {save_json(stem, report)}")
     return 0
 
 

@@ -16,7 +16,6 @@ with that and factors every 10 steps, decompositions every 50 (issue 44's "level
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -24,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from figures import results
+from figures import results, save_json
 from studies import check_launch, run_train
 
 from hpcdl.persistence import outputs
@@ -118,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           command=f"benchmarks/kfac_transformer.py --seeds {' '.join(map(str, args.seeds))} "
                                   f"--epochs {args.epochs}", load_average=os.getloadavg(), cores=os.cpu_count(),
                           summary=summarise(done), per_seed=done)
-            outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "\n")  # kept as it goes
+            save_json(stem, report)  # kept as it goes
     for name, s in report["summary"].items():
         print(f"{name}: step {s['step_ratio']:.2f}x AdamW's; time to AdamW's final loss "
               f"{s['time_ratio_per_seed']} of AdamW's time")

@@ -44,12 +44,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from figures import results, table  # noqa: E402
+from figures import results, save_json, table  # noqa: E402
 
 from hpcdl.bench import alphabeta  # noqa: E402
 from hpcdl.bench.sizes import format_size, parse_size  # noqa: E402
 from hpcdl.persistence import outputs  # noqa: E402
-from hpcdl.persistence.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.tools import vcluster  # noqa: E402
 
@@ -164,10 +163,6 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def save(path: Path, document: Any) -> None:
-    write_text_atomically(path, json.dumps(document, indent=1) + "\n")
-
-
 # ---------------------------------------------------------------------------- phases
 def iperf(made: vcluster.VCluster, both_ways: bool, seconds: int = 4) -> dict[str, Any]:
     server_node, client_node = made.nodes[1], made.nodes[0]
@@ -205,7 +200,7 @@ def phase_links(args: argparse.Namespace, out: Path) -> None:
                 say(f"links {rate} {'both ways' if both else 'one way'}: "
                     f"{' + '.join(f'{g:.3f}' for g in result['gbps'])} Gbit/s (load {result['load']})")
                 results.append(result)
-    save(out / "net_links.json", {"what": "iperf3 TCP goodput between two virtual nodes", "runs": results})
+    save_json(out / "net_links", {"what": "iperf3 TCP goodput between two virtual nodes", "runs": results})
 
 
 def probe_variants(all_algorithms: bool) -> list[tuple[str, str, str]]:
@@ -249,7 +244,7 @@ def phase_probe(args: argparse.Namespace, out: Path) -> None:
                 row = probe_row(made, args, rate, label, pattern, mpi_args)
                 if row:
                     results.append(row)
-    save(out / "net_probe.json", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
+    save_json(out / "net_probe", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
 
 
 def phase_volume(args: argparse.Namespace, out: Path) -> None:
@@ -263,7 +258,7 @@ def phase_volume(args: argparse.Namespace, out: Path) -> None:
                 row = probe_row(made, args, args.rates[0], label, "allreduce", mpi_args)
                 if row:
                     results.append(row)
-    save(out / "net_volume.json", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
+    save_json(out / "net_volume", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
 
 
 def phase_allreduce(args: argparse.Namespace, out: Path) -> None:
@@ -315,7 +310,7 @@ def phase_fp16(args: argparse.Namespace, out: Path) -> None:
                                 "load": [before, load()]})
                 say(f"fp16 {rate} fp16_allreduce={fp16}: {statistics.median(speeds):.0f} img/s "
                     f"(epochs after the first: {', '.join(f'{s:.0f}' for s in speeds)}; load {before} -> {load()})")
-    save(out / "net_fp16.json", {"train_args": args.train_args, "ranks": "2 (one per node)", "runs": results})
+    save_json(out / "net_fp16", {"train_args": args.train_args, "ranks": "2 (one per node)", "runs": results})
 
 
 # ---------------------------------------------------------------------------- report
@@ -361,7 +356,7 @@ def summarise(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def phase_report(args: argparse.Namespace, out: Path) -> None:
-    save(out / "net_summary.json", summarise(args, out))
+    save_json(out / "net_summary", summarise(args, out))
     say(f"wrote {out}/net_summary.json; benchmarks/figures.py makes network.md's tables from it")
 
 

@@ -13,7 +13,6 @@ best validation loss, beside the machine's load average.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from figures import results, table  # noqa: E402
+from figures import results, save_json, table  # noqa: E402
 from studies import check_launch, run_train  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
@@ -78,10 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method}: validation loss {args.target} in {run['seconds_to_target']} s "
               f"({run['epochs_to_target']} epochs); best {run['best_test_loss']:.3f}")
     load = os.getloadavg()
-    output = outputs.output_file(stem, ".json")
-    output.write_text(json.dumps(dict(task=TASK, ranks=args.ranks, target=args.target, epochs=args.epochs,
-                                      global_batch=16 * args.ranks, load_average=load, cores=os.cpu_count(),
-                                      runs=runs), indent=1) + "\n")
+    output = save_json(stem, dict(task=TASK, ranks=args.ranks, target=args.target, epochs=args.epochs,
+                                  global_batch=16 * args.ranks, load_average=load, cores=os.cpu_count(), runs=runs))
     print(f"wrote {output}")
     return 0
 
