@@ -46,6 +46,7 @@ from studies import (  # noqa: E402
     TrainRun,
     check_flags,
     check_launch,
+    check_mnist,
     first_reaching,
     interleaved,
     median_or_inf,
@@ -315,21 +316,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def check_data(dataset: str, data_dir: Path | None) -> Path | None:
-    """The dataset folder a run reads, refused with one line before any run when MNIST's is missing or
-    incomplete (hpcdl.data reads the files and says how to fetch them)."""
-    if dataset != "mnist":
-        return data_dir
-    data_dir = data_dir or DEFAULT_MNIST_DIR
-    if not data_dir.is_dir():
-        raise UsageError(f"MNIST not found in {data_dir} (no folder); fetch it with: "
-                         f"python -m hpcdl.fetch_mnist --output {data_dir}")
-    from hpcdl.data.mnist import load_mnist
-
-    load_mnist(data_dir)
-    return data_dir
-
-
 def recipe_of(args: argparse.Namespace) -> Recipe:
     base = RECIPES[args.dataset]
     return Recipe(base.model, args.batch_size or base.batch_size, base.weight_decay, args.epochs or base.epochs,
@@ -347,7 +333,7 @@ def study(args: argparse.Namespace, out: Path, scratch: Path, saved: dict[str, i
     settings = [Setting(lr) for lr in recipe.sgd_lrs] + [parse_kfac_setting(text) for text in recipe.kfac]
     if not settings:
         raise UsageError("nothing to run: give --sgd-lrs or --kfac")
-    data_dir = check_data(args.dataset, args.data_dir)
+    data_dir = check_mnist(args.data_dir) if args.dataset == "mnist" else args.data_dir
     plan = interleaved([s for s in settings if not s.kfac], [s for s in settings if s.kfac], args.seeds)
     commands = {(s, seed): train_flags(s, seed, recipe, args.dataset, data_dir, args.ranks, args.device)
                 for s, seed in plan}

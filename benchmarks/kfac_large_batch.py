@@ -540,10 +540,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     check_inputs(args)
     if args.install_kfac_pytorch or args.report:
         return args
-    if args.dataset == "mnist" and args.data_dir is None:
-        args.data_dir = DEFAULT_MNIST_DIR
-    if args.dataset == "mnist" and not (args.dry_run or studies.has_mnist(args.data_dir)):
-        parser.error(f"no MNIST in {args.data_dir}: run `python -m hpcdl.fetch_mnist` first")
+    if args.dataset == "mnist":
+        args.data_dir = args.data_dir or DEFAULT_MNIST_DIR
+        if not args.dry_run:
+            studies.check_mnist(args.data_dir)
     wants_kfac_pytorch = any(m.startswith("kfac-pytorch") for m in args.methods)
     if wants_kfac_pytorch and not args.dry_run and not (args.kfac_pytorch_site / "kfac").is_dir():
         parser.error(f"no kfac-pytorch in {args.kfac_pytorch_site}: run with --install-kfac-pytorch first, "

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from figures import RESULTS, results, save_json, table
 from kfac_large_batch import preset_flags
-from studies import finish_train, has_mnist, start_train
+from studies import check_mnist, finish_train, start_train
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
@@ -67,8 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UsageError(f"--ranks {args.ranks} does not divide the global batch {GLOBAL_BATCH}")
     stem = outputs.results_stem(args.out, "kfac_phases", (".json", ".png"), refresh_results=args.refresh_results,
                                 force=args.force, flag="--out")
-    if not has_mnist(args.data_dir):
-        raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
+    check_mnist(args.data_dir)
     scratch = Path(tempfile.mkdtemp(prefix="kfac_phases-")) if args.keep is None else args.keep
     common = ["--dataset", "mnist", "--data-dir", str(args.data_dir), "--model", "mnist_cnn",
               "--batch-size", str(GLOBAL_BATCH // args.ranks), "--epochs", "1", "--max-steps", str(args.steps),

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from figures import results, save_json, table, times
-from studies import has_mnist
+from studies import check_mnist
 from torch import Tensor, nn
 
 from hpcdl.bench.alphabeta import AlphaBeta, fit_ring, network
@@ -519,8 +519,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     fraction * args.ranks):
                 raise UsageError(f"--fractions: {fraction:g} x {args.ranks} ranks is not a whole divisor of the ranks")
         check_launch(args.ranks, args.vcluster)  # a virtual cluster that is not there: one line, before any run
-        if not has_mnist(args.data_dir):
-            raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
+        check_mnist(args.data_dir)
     if args.phase == "predict" and args.measured:
         check_measured(args.measured)
     return args

@@ -238,9 +238,18 @@ def stopped(program: str, stop: StudyStopped, runs: int, out: Path | None) -> in
     return stop.exit_code
 
 
-def has_mnist(data_dir: Path) -> bool:
-    """Whether ``data_dir`` holds MNIST's training images (hpcdl.fetch_mnist's files, packed or not)."""
-    return any((data_dir / f"train-images-idx3-ubyte{end}").exists() for end in ("", ".gz"))
+def check_mnist(data_dir: Path | None) -> Path:
+    """MNIST's folder (``data_dir``, or hpcdl.fetch_mnist's), read before any run: a missing or incomplete one is a
+    one-line UsageError saying how to fetch it (hpcdl.data reads the files), never a failure of every run."""
+    from hpcdl.data.mnist import load_mnist
+    from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT
+
+    data_dir = data_dir or DEFAULT_OUTPUT
+    if not data_dir.is_dir():
+        raise UsageError(f"MNIST not found in {data_dir} (no folder); fetch it with: "
+                         f"python -m hpcdl.fetch_mnist --output {data_dir}")
+    load_mnist(data_dir)
+    return data_dir
 
 
 def split_command(command: str | Sequence[str]) -> tuple[dict[str, str], list[str]]:
