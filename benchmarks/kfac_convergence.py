@@ -44,12 +44,14 @@ from figures import figure, percent, results, save_json, table, times  # noqa: E
 from studies import (  # noqa: E402
     StudyStopped,
     TrainRun,
+    add_results_arguments,
     check_flags,
     check_launch,
     check_mnist,
     first_reaching,
     interleaved,
     median_or_inf,
+    parse_study_args,
     refuse_changed,
     run_train,
     session,
@@ -59,7 +61,7 @@ from studies import (  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
-from hpcdl.runtime.errors import EXIT_USAGE, UsageError  # noqa: E402
+from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer, real  # noqa: E402
 from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT as DEFAULT_MNIST_DIR  # noqa: E402
 
@@ -302,18 +304,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=integer(1), default=1, help="ranks of each run (mpirun -np; default 1)")
     parser.add_argument("--threads", type=integer(1), default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="hpcdl.train's --device")
-    parser.add_argument("--run-timeout", type=real(0, low_open=True), default=7200.0, help="seconds per run")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results stem: STEM.json/.png (default: a new folder under runs/bench/; "
-                             "--refresh-results replaces benchmarks/results/kfac_convergence_*)")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the finished runs already in STEM.json whose command is the one this study would "
-                             "run now (and add to them); a run made with other settings is refused, naming them")
-    outputs.add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.keep and args.out is None and not args.refresh_results:
-        parser.error("--keep adds to the results at --out: name them (or add --refresh-results for the committed ones)")
-    return args
+    add_results_arguments(parser, "kfac_convergence_", run_timeout=7200.0)
+    return parse_study_args(parser, argv)
 
 
 def recipe_of(args: argparse.Namespace) -> Recipe:
@@ -410,17 +402,13 @@ def report_of(args: argparse.Namespace, recipe: Recipe, plan: Sequence[tuple[Set
 
 def main(argv: Sequence[str] | None = None) -> int:
     saved = {"runs": 0}
-    out: Path | None = None
+    args = parse_args(argv)
+    suffix = "" if args.ranks == 1 else f"_np{args.ranks}"
+    out = outputs.results_stem(args.out, f"kfac_convergence_{args.dataset}{suffix}", (".json", ".png"),
+                               refresh_results=args.refresh_results, force=args.force or args.keep, flag="--out")
     try:
-        args = parse_args(argv)
-        suffix = "" if args.ranks == 1 else f"_np{args.ranks}"
-        out = outputs.results_stem(args.out, f"kfac_convergence_{args.dataset}{suffix}", (".json", ".png"),
-                                   refresh_results=args.refresh_results, force=args.force or args.keep, flag="--out")
         with session("kfac_convergence") as scratch:
             report = study(args, out, scratch, saved)
-    except UsageError as exc:
-        print(f"kfac_convergence: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
     except StudyStopped as stop:
         return stopped("kfac_convergence", stop, saved["runs"], out)
     print("\n".join(write(report, out)))
@@ -539,4 +527,4 @@ FIGURES = {
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, program="kfac_convergence")

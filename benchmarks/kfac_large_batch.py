@@ -520,23 +520,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=integer(1), default=MICRO_BATCH,
                         help="examples per backward pass; larger global batches accumulate")
     parser.add_argument("--max-steps", type=integer(1), default=None, help="cut every run short (wiring checks)")
-    parser.add_argument("--run-timeout", type=real(0, low_open=True), default=3600.0,
-                        help="seconds before a run is killed")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results path without suffix (default: a new folder under runs/bench/; "
-                             "--refresh-results replaces benchmarks/results/kfac_large_batch*)")
-    outputs.add_arguments(parser)
+    studies.add_results_arguments(parser, "kfac_large_batch", run_timeout=3600.0)
     parser.add_argument("--dry-run", action="store_true", help="print the runs' commands and exit")
     parser.add_argument("--report", nargs="+", metavar="JSON[@BATCHES]",
                         help="no runs: the markdown table, verdict and plot (--out) of these results files together; "
                              "FILE@128,512 takes only those global batches of FILE")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the successful runs already in <out>.json (and add to them) instead of rerunning; "
-                             "a run recorded with another command than this study's is refused, naming the setting")
     parser.add_argument("--install-kfac-pytorch", nargs="?", const=kfac_pytorch_adapter.SOURCE, metavar="SOURCE",
                         help="pip-install kfac-pytorch (a local checkout or a pip URL; default: its public source at "
                              "the commit the results used) into --kfac-pytorch-site and exit")
-    args = parser.parse_args(argv)
+    args = studies.parse_study_args(parser, argv)
     check_inputs(args)
     if args.install_kfac_pytorch or args.report:
         return args
@@ -548,10 +540,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if wants_kfac_pytorch and not args.dry_run and not (args.kfac_pytorch_site / "kfac").is_dir():
         parser.error(f"no kfac-pytorch in {args.kfac_pytorch_site}: run with --install-kfac-pytorch first, "
                      "or leave kfac-pytorch out of --methods")
-    if args.jobs < 1 or args.threads < 1 or args.epochs < 1 or args.evals_per_epoch < 1:
-        parser.error("--jobs, --threads, --epochs and --evals-per-epoch must be >= 1")
-    if args.keep and args.out is None and not args.refresh_results:
-        parser.error("--keep adds to the results at --out: name them (or add --refresh-results for the committed ones)")
     return args
 
 

@@ -13,6 +13,7 @@ run now.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -32,8 +33,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+from hpcdl.persistence import outputs
 from hpcdl.persistence.outputs import output_file
 from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime.numbers import real
 from hpcdl.runtime.processes import end_trees
 from hpcdl.training.config import TrainConfig, option_name, parse_config
 
@@ -219,6 +222,28 @@ _PLACE_FLAGS = {"--output-dir": 1, "--no-progress": 0}
 # What may differ without changing what is trained or measured: where it writes and how it keeps it, the progress
 # bar, the stall watchdog's patience.
 _PLACE_FIELDS = {"output_dir", "progress", "resume", "keep_checkpoints", "stall_timeout"}
+
+
+def add_results_arguments(parser: argparse.ArgumentParser, stem: str, run_timeout: float) -> None:
+    """The options every accuracy study takes alike: how long one run may take, where the results go (``--out``,
+    hpcdl.persistence.outputs' --refresh-results and --force) and ``--keep`` (see :func:`parse_study_args`)."""
+    parser.add_argument("--run-timeout", type=real(0, low_open=True), default=run_timeout,
+                        help="seconds before a run is killed")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results stem: STEM.json/.png (default: a new folder under runs/bench/; "
+                             f"--refresh-results replaces benchmarks/results/{stem}*)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the finished runs already in STEM.json whose command is the one this study would "
+                             "run now (and add to them); a run made with other settings is refused, naming them")
+    outputs.add_arguments(parser)
+
+
+def parse_study_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments; ``--keep`` adds to named results, never to a new folder nobody will find."""
+    args = parser.parse_args(argv)
+    if args.keep and args.out is None and not args.refresh_results:
+        parser.error("--keep adds to the results at --out: name them (or add --refresh-results for the committed ones)")
+    return args
 
 
 def refuse_changed(out: Path, name: str, recorded: str | Sequence[str], now: str | Sequence[str]) -> None:
