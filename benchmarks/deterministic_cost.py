@@ -28,7 +28,7 @@ from studies import check_launch, run_train  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
-from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
+from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
 SUFFIXES = (".json",)  # the files it writes, each <stem><suffix> (hpcdl.persistence.outputs.output_file)
@@ -56,10 +56,8 @@ def images_per_second(ranks: int, mode: str, steps: int, model: str, workdir: Pa
     batch = 16
     run = run_train(["--dataset", "synthetic", "--synthetic-size", str(steps * batch * ranks), "--model", model,
                      "--batch-size", str(batch), "--epochs", "2", "--warmup-epochs", "0", "--log-every", str(steps),
-                     "--deterministic", mode], out, ranks=ranks, timeout=600)
-    if run.returncode != 0 or not run.rows:
-        raise UsageError(f"hpcdl.train --deterministic {mode} on {ranks} ranks failed (exit {run.returncode}): "
-                         f"{run.log_tail}")
+                     "--deterministic", mode], out, ranks=ranks, timeout=600,
+                    required=f"hpcdl.train --deterministic {mode} on {ranks} ranks")
     return float(run.rows[-1]["images_per_second"])
 
 

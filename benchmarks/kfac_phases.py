@@ -24,7 +24,7 @@ from pathlib import Path
 
 from figures import RESULTS, results, save_json, table
 from kfac_large_batch import preset_flags
-from studies import check_mnist, finish_train, start_train
+from studies import check_mnist, run_train
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
@@ -79,10 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k, (label, flags) in enumerate(runs(args.ranks).items()):
             out = scratch / f"run{k}"
             print(f"[kfac_phases] {label}: {args.ranks} rank(s), {args.steps} steps", flush=True)
-            run = finish_train(start_train([*common, *flags], out, ranks=args.ranks, vcluster=args.vcluster),
-                               args.timeout)
-            if run.returncode != 0 or run.summary is None:
-                raise UsageError(f"the {label} run failed (exit {run.returncode}): {run.log_tail or out}")
+            run = run_train([*common, *flags], out, ranks=args.ranks, vcluster=args.vcluster, timeout=args.timeout,
+                            required=f"the {label} run")
             summary = run.summary
             report[label] = dict(step_phases=summary["step_phases"],
                                  seconds_per_step=summary["train_seconds"] / summary["global_steps"])

@@ -141,10 +141,16 @@ def finish_train(started: StartedRun, timeout: float) -> TrainRun:
     return run
 
 
-def run_train(flags: Sequence[str], output_dir: Path, *, ranks: int = 1, threads: int = 1,
-              timeout: float = 3600.0, env: dict[str, str] | None = None) -> TrainRun:
-    """Run hpcdl.train into ``output_dir`` and read back what it wrote; its log goes to ``output_dir``.log."""
-    return finish_train(start_train(flags, output_dir, ranks=ranks, threads=threads, env=env), timeout)
+def run_train(flags: Sequence[str], output_dir: Path, *, timeout: float = 3600.0, required: str = "",
+              **options: Any) -> TrainRun:
+    """Run hpcdl.train into ``output_dir`` (:func:`start_train`'s ``options``) and read back what it wrote; its log
+    goes to ``output_dir``.log. A ``required`` run (``required`` names it) is one the study cannot go on without:
+    its failure ends the study in one line, with the run's last lines."""
+    run = finish_train(start_train(flags, output_dir, **options), timeout)
+    if required and (run.returncode != 0 or run.summary is None):
+        why = run.log_tail or f"see {output_file(output_dir, '.log')}"
+        raise UsageError(f"{required} failed (exit {run.returncode}): {why}")
+    return run
 
 
 def run_pool(starters: Sequence[Callable[[], StartedRun]], jobs: int, timeout: float) -> Iterator[tuple[int, TrainRun]]:

@@ -26,7 +26,7 @@ from studies import check_launch, run_train  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
-from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
+from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
 TASK = "examples.transformer_lm:task"
@@ -55,9 +55,7 @@ def train(method: str, args: argparse.Namespace, workdir: Path) -> dict:
     flags = ["--task", TASK, *METHODS[method], "--epochs", str(args.epochs), "--batch-size", "16", "--seed", "1",
              "--target-metric", str(args.target)]
     print(" ".join(flags), flush=True)
-    run = run_train(flags, workdir / method, ranks=args.ranks, timeout=1800)
-    if run.returncode != 0 or run.summary is None:
-        raise UsageError(f"the {method} run failed (exit {run.returncode}): {run.log_tail}")
+    run = run_train(flags, workdir / method, ranks=args.ranks, timeout=1800, required=f"the {method} run")
     summary, rows = run.summary, run.rows
     reached = next((row for row in rows if row["test_loss"] <= args.target), None)
     return dict(flags=METHODS[method], seconds_to_target=summary["time_to_target_seconds"],
