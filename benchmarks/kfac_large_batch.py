@@ -295,18 +295,20 @@ def tuning_seed(outcomes: Sequence[Outcome], source: Path) -> int:
     return seeds[0]
 
 
+def most_accurate(outcomes: Sequence[Outcome], most_seeds: bool = False) -> dict[tuple[str, int], dict[str, Any]]:
+    """(method, batch) -> its summary row with the best median final accuracy (a failed run counts as 0); with
+    ``most_seeds``, among its rows run on the most seeds (after --tune: the tuned setting)."""
+    best: dict[tuple[str, int], tuple[tuple[int, float], dict[str, Any]]] = {}
+    for row in summarise(outcomes):
+        key, score = (row["method"], row["batch"]), (row["seeds"] if most_seeds else 0, row["median_final"])
+        if key not in best or score > best[key][0]:
+            best[key] = (score, row)
+    return {key: row for key, (_, row) in best.items()}
+
+
 def best_rates(outcomes: Sequence[Outcome], batch: int) -> dict[str, float]:
-    """Per method, the rate with the best median final accuracy at ``batch`` (a failed run counts as 0)."""
-    by_rate: dict[tuple[str, float], list[float]] = {}
-    for o in outcomes:
-        if o.cell.batch == batch:
-            by_rate.setdefault((o.cell.method, o.cell.lr), []).append(o.final_accuracy or 0.0)
-    best: dict[str, tuple[float, float]] = {}
-    for (method, lr), accs in by_rate.items():
-        score = statistics.median(accs)
-        if method not in best or score > best[method][1]:
-            best[method] = (lr, score)
-    return {m: lr for m, (lr, _) in best.items()}
+    """Per method, the rate of its most accurate setting at ``batch``."""
+    return {method: row["lr"] for (method, at), row in most_accurate(outcomes).items() if at == batch}
 
 
 # ---- summaries, files and the plot --------------------------------------------------------------
@@ -404,12 +406,7 @@ def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
 def best_rows(outcomes: Sequence[Outcome], batch: int = 4096) -> dict[str, dict[str, Any]]:
     """Per method, its summary row at ``batch`` run on the most seeds (the tuned one, after --tune), then the
     most accurate."""
-    best: dict[str, dict[str, Any]] = {}
-    for r in summarise(outcomes):
-        if r["batch"] == batch and (r["method"] not in best or (r["seeds"], r["median_final"] or 0)
-                                    > (best[r["method"]]["seeds"], best[r["method"]]["median_final"] or 0)):
-            best[r["method"]] = r
-    return best
+    return {method: row for (method, at), row in most_accurate(outcomes, most_seeds=True).items() if at == batch}
 
 
 def verdict(outcomes: Sequence[Outcome], batch: int = 4096) -> list[str]:
