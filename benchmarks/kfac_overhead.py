@@ -429,8 +429,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout whose kfac/ is a third contender")
     parser.add_argument("--kfac-pytorch", type=Path, default=None,
                         help="kfac-pytorch's checkout or install site: a contender beside ours (no install needed)")
-    parser.add_argument("--memory-precisions", default=None,
-                        help="the precisions whose peak memory is measured (default: all of --precisions)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler table for (1, 10)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
@@ -479,12 +477,11 @@ def main(argv: list[str] | None = None) -> None:
         "results": [],
         "sgd_peak_gib": {},
     }
-    memory_precisions = precisions if args.memory_precisions is None else args.memory_precisions.split()
     for precision in precisions:
         args.precision = precision
         args.partial = lambda done: write_json(dict(report, results=report["results"] + done, partial=True), args.out)
         results = run(args)
-        if not args.no_memory and precision in memory_precisions:
+        if not args.no_memory:
             report["sgd_peak_gib"][precision] = measure_memory(args, "sgd")
             for r in results:
                 variant = f"{r['factor_update_freq']},{r['inv_update_freq']}"
