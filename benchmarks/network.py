@@ -50,6 +50,7 @@ from hpcdl.bench import alphabeta  # noqa: E402
 from hpcdl.bench.sizes import format_size, parse_size  # noqa: E402
 from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
+from hpcdl.runtime.numbers import integer  # noqa: E402
 from hpcdl.tools import vcluster  # noqa: E402
 
 PHASES = ("links", "probe", "volume", "allreduce", "fp16", "report")
@@ -66,16 +67,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/network.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="link rates (tc syntax)")
-    parser.add_argument("--nodes", nargs="+", type=int, default=[2, 3, 4], help="node counts (one rank each)")
+    parser.add_argument("--nodes", nargs="+", type=integer(2, 8), default=[2, 3, 4], help="node counts (one rank each)")
     parser.add_argument("--min-size", type=parse_size, default=1 << 20)
     parser.add_argument("--max-size", type=parse_size, default=32 << 20)
     parser.add_argument("--held-out", type=parse_size, default=32 << 20,
                         help="size left out of the alpha-beta fit and predicted (default 32M: extrapolation)")
     parser.add_argument("--probe-size", type=parse_size, default=16 << 20)
-    parser.add_argument("--probe-calls", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of hpcdl.bench.allreduce (default 2)")
+    parser.add_argument("--probe-calls", type=integer(1), default=10)
+    parser.add_argument("--rounds", type=integer(1), default=2, help="rounds of hpcdl.bench.allreduce (default 2)")
     parser.add_argument("--fp16-rates", nargs="+", default=["1gbit", "100mbit"])
-    parser.add_argument("--fp16-pairs", type=int, default=1, help="A B B A blocks per rate (default 1)")
+    parser.add_argument("--fp16-pairs", type=integer(1), default=1, help="A B B A blocks per rate (default 1)")
     parser.add_argument("--train-args", default="--dataset synthetic --synthetic-shape 1 8 8 --synthetic-size 16384 "
                                                 "--model digits_cnn --epochs 3 --batch-size 32",
                         help="hpcdl.train arguments for the fp16 phase")
@@ -86,12 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for rate in {*args.rates, *args.fp16_rates}:
         if not vcluster.RATE_RE.match(rate):
             parser.error(f"a rate looks like 1gbit, 100mbit or 10gbit, got {rate!r}")
-    if any(n < 2 or n > 8 for n in args.nodes):
-        parser.error("--nodes must be 2..8")
     if not args.min_size <= args.held_out <= args.max_size:
         parser.error("--held-out must be one of the measured sizes (between --min-size and --max-size)")
-    if args.probe_calls < 1 or args.rounds < 1 or args.fp16_pairs < 1:
-        parser.error("--probe-calls, --rounds and --fp16-pairs must be >= 1")
     return args
 
 
