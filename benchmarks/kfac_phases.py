@@ -60,8 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--keep", type=Path, help="keep the runs (and their traces) in this folder")
     parser.add_argument("--out", type=Path, help="results path without suffix (default runs/bench/kfac_phases)")
-    parser.add_argument("--refresh-results", action="store_true")
-    parser.add_argument("--force", action="store_true")
+    outputs.add_arguments(parser)
     args = parser.parse_args(argv)
     if GLOBAL_BATCH % args.ranks:
         raise UsageError(f"--ranks {args.ranks} does not divide the global batch {GLOBAL_BATCH}")

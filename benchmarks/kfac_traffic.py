@@ -508,8 +508,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--measured", type=Path, help="a measure phase's .json (its fitted alpha and B)")
     for each in (c, m, p):
         each.add_argument("--out", type=Path, help="results path without suffix (default runs/bench/...)")
-        each.add_argument("--refresh-results", action="store_true")
-        each.add_argument("--force", action="store_true")
+        outputs.add_arguments(each)
     args = parser.parse_args(argv)
     if args.phase == "count":
         from studies import check_launch
