@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import statistics
 import sys
@@ -34,6 +33,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from figures import save_json  # noqa: E402
 
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
@@ -127,7 +128,6 @@ def measure(args: argparse.Namespace) -> None:
     import torch
 
     from hpcdl.persistence import outputs
-    from hpcdl.persistence.atomic import write_text_atomically
 
     stem = outputs.results_stem(outputs.given_stem(args.out, SUFFIXES), f"amp_dtype_{args.device}", SUFFIXES,
                                 refresh_results=args.refresh_results, force=args.force)
@@ -137,7 +137,6 @@ def measure(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 as hpcdl.train runs it
-    output = outputs.output_file(stem, ".json")
     report: dict[str, Any] = {"device": args.device, "device_name": torch.cuda.get_device_name() if device.type ==
                               "cuda" else "CPU", "size": args.size, "steps": args.steps, "warmup": args.warmup,
                               "rounds": args.rounds, "lr": args.lr, "models": {}}
@@ -147,7 +146,7 @@ def measure(args: argparse.Namespace) -> None:
         for round_ in range(args.rounds):
             for dtype in DTYPES if round_ % 2 == 0 else tuple(reversed(DTYPES)):
                 runs[dtype].append(train(model, dtype, args, device))
-                write_text_atomically(output, json.dumps(report, indent=1) + "\n")  # a run cut short keeps these
+                save_json(stem, report)  # a run cut short keeps these
         ratios = [f["items_per_second"] / b["items_per_second"] for f, b in zip(runs["fp16"], runs["bf16"],
                                                                                  strict=True)]
         summary = {dtype: {"items_per_second": statistics.median(r["items_per_second"] for r in runs[dtype]),
@@ -158,8 +157,8 @@ def measure(args: argparse.Namespace) -> None:
                                            f"{' skipped ' + str(s['skipped_steps']) if d == 'fp16' else ''}"
                                            for d, s in summary.items())
               + f" | fp16/bf16 speed {statistics.median(ratios):.3f}", flush=True)
-        write_text_atomically(output, json.dumps(report, indent=1) + "\n")
-    print(f"wrote {output}")
+        save_json(stem, report)
+    print(f"wrote {outputs.output_file(stem, '.json')}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,6 @@ pairs is reported. The machine's load average is recorded beside the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,12 +23,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from figures import results, times  # noqa: E402
+from figures import results, save_json, times  # noqa: E402
 from studies import check_launch, run_train  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
-from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
+from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
 SUFFIXES = (".json",)  # the files it writes, each <stem><suffix> (hpcdl.persistence.outputs.output_file)
@@ -57,10 +56,8 @@ def images_per_second(ranks: int, mode: str, steps: int, model: str, workdir: Pa
     batch = 16
     run = run_train(["--dataset", "synthetic", "--synthetic-size", str(steps * batch * ranks), "--model", model,
                      "--batch-size", str(batch), "--epochs", "2", "--warmup-epochs", "0", "--log-every", str(steps),
-                     "--deterministic", mode], out, ranks=ranks, timeout=600)
-    if run.returncode != 0 or not run.rows:
-        raise UsageError(f"hpcdl.train --deterministic {mode} on {ranks} ranks failed (exit {run.returncode}): "
-                         f"{run.log_tail}")
+                     "--deterministic", mode], out, ranks=ranks, timeout=600,
+                    required=f"hpcdl.train --deterministic {mode} on {ranks} ranks")
     return float(run.rows[-1]["images_per_second"])
 
 
@@ -85,9 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{ranks} ranks: deterministic / fused = {statistics.median(ratios):.3f} (median of {args.pairs})")
     load = os.getloadavg()
     print(f"load average during the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
-    output = outputs.output_file(stem, ".json")
-    output.write_text(json.dumps(dict(model=args.model, steps=args.steps, load_average=load,
-                                      cores=os.cpu_count(), rows=rows), indent=1) + "\n")
+    output = save_json(stem, dict(model=args.model, steps=args.steps, load_average=load, cores=os.cpu_count(),
+                                  rows=rows))
     print(f"wrote {output}")
     return 0
 

@@ -16,14 +16,18 @@ figure's value and nothing else. So a figure is written once, by its study, and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from hpcdl.persistence.atomic import write_text_atomically
+from hpcdl.persistence.outputs import output_file
 
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
@@ -74,6 +78,31 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n" + "\n".join(lines) + "\n"
+
+
+def save_json(stem: Path, report: Any, indent: int = 1) -> Path:
+    """A study's results file ``stem``.json, replaced whole and atomically: a study stopped while saving keeps the
+    file it saved last."""
+    path = output_file(stem, ".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(path, json.dumps(report, indent=indent) + "\n")
+    return path
+
+
+@contextlib.contextmanager
+def figure(stem: Path, *grid: int, dpi: int = 120, **options: Any) -> Iterator[tuple[Any, Any]]:
+    """A study's plot: ``plt.subplots(*grid, **options)`` drawn off-screen (no display on a cluster node); on
+    leaving, laid out, saved as ``stem``.png and closed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*grid, **options)
+    yield fig, axes
+    fig.tight_layout()
+    fig.savefig(output_file(stem, ".png"), dpi=dpi)
+    plt.close(fig)
 
 
 def refreshed(text: str, where: str) -> tuple[str, list[str]]:

@@ -40,15 +40,18 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-from figures import percent, results, table, times  # noqa: E402
+from figures import figure, percent, results, save_json, table, times  # noqa: E402
 from studies import (  # noqa: E402
     StudyStopped,
     TrainRun,
+    add_results_arguments,
     check_flags,
     check_launch,
+    check_mnist,
     first_reaching,
     interleaved,
     median_or_inf,
+    parse_study_args,
     refuse_changed,
     run_train,
     session,
@@ -57,9 +60,8 @@ from studies import (  # noqa: E402
 )
 
 from hpcdl.persistence import outputs  # noqa: E402
-from hpcdl.persistence.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
-from hpcdl.runtime.errors import EXIT_USAGE, UsageError  # noqa: E402
+from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer, real  # noqa: E402
 from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT as DEFAULT_MNIST_DIR  # noqa: E402
 
@@ -243,45 +245,37 @@ def verdict(settings: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------- results
 def plot(report: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    sgd_colours = iter(["tab:gray", "tab:blue", "tab:cyan", "tab:purple", "black"])
-    kfac_colours = iter(["tab:orange", "tab:green", "tab:red", "tab:olive", "tab:brown", "tab:pink"])
-    lowest = 1.0
-    for name, setting in report["settings"].items():
-        colour = next(kfac_colours if setting["kfac"] else sgd_colours, "black")
-        for i, run in enumerate(setting["runs"]):
-            accuracy = [p["accuracy"] for p in run["points"]]
-            lowest = min([lowest, *accuracy])  # a failed run may have no point
-            style = dict(color=colour, alpha=0.8, marker=".", linestyle="-" if setting["kfac"] else "--",
-                         label=name if i == 0 else None)
-            axes[0].plot([p["epoch"] for p in run["points"]], accuracy, **style)
-            axes[1].plot([p["seconds"] for p in run["points"]], accuracy, **style)
-    for ax in axes:
-        ax.axhline(report["target"], color="tab:red", linestyle=":", linewidth=1)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylim(max(lowest - 0.002, report["target"] - 0.03), 1.0 if report["target"] < 0.99 else 0.995)
-    axes[0].set_xlabel("epoch")
-    axes[1].set_xlabel(f"hpcdl.train's training seconds ({report['ranks']} rank(s) x {report['threads']} thread(s))")
-    axes[0].set_ylabel("test accuracy")
-    axes[0].legend(loc="lower right", fontsize=7)
-    fig.suptitle(f"{report['dataset']}: SGD vs K-FAC (python -m hpcdl.train), target {report['target']:.1%} "
-                 f"(dotted), {len(report['seeds'])} seed(s) each")
-    fig.tight_layout()
-    fig.savefig(outputs.output_file(out, ".png"), dpi=120)
-    plt.close(fig)
+    with figure(out, 1, 2, figsize=(11, 4.2), sharey=True) as (fig, axes):
+        sgd_colours = iter(["tab:gray", "tab:blue", "tab:cyan", "tab:purple", "black"])
+        kfac_colours = iter(["tab:orange", "tab:green", "tab:red", "tab:olive", "tab:brown", "tab:pink"])
+        lowest = 1.0
+        for name, setting in report["settings"].items():
+            colour = next(kfac_colours if setting["kfac"] else sgd_colours, "black")
+            for i, run in enumerate(setting["runs"]):
+                accuracy = [p["accuracy"] for p in run["points"]]
+                lowest = min([lowest, *accuracy])  # a failed run may have no point
+                style = dict(color=colour, alpha=0.8, marker=".", linestyle="-" if setting["kfac"] else "--",
+                             label=name if i == 0 else None)
+                axes[0].plot([p["epoch"] for p in run["points"]], accuracy, **style)
+                axes[1].plot([p["seconds"] for p in run["points"]], accuracy, **style)
+        for ax in axes:
+            ax.axhline(report["target"], color="tab:red", linestyle=":", linewidth=1)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylim(max(lowest - 0.002, report["target"] - 0.03), 1.0 if report["target"] < 0.99 else 0.995)
+        axes[0].set_xlabel("epoch")
+        axes[1].set_xlabel(f"hpcdl.train's training seconds ({report['ranks']} rank(s) x {report['threads']} "
+                           "thread(s))")
+        axes[0].set_ylabel("test accuracy")
+        axes[0].legend(loc="lower right", fontsize=7)
+        fig.suptitle(f"{report['dataset']}: SGD vs K-FAC (python -m hpcdl.train), target {report['target']:.1%} "
+                     f"(dotted), {len(report['seeds'])} seed(s) each")
 
 
-def write(report: dict[str, Any], out: Path, figure: bool = True) -> list[str]:
-    """STEM.json (everything) and STEM.png (the study's end: ``figure``), each replaced whole; returns the table
+def write(report: dict[str, Any], out: Path, png: bool = True) -> list[str]:
+    """STEM.json (everything) and STEM.png (the study's end: ``png``), each replaced whole; returns the table
     printed."""
-    write_text_atomically(outputs.output_file(out, ".json"),
-                          json.dumps(report, indent=2, default=lambda v: None) + "\n")
-    if figure:
+    save_json(out, report, indent=2)
+    if png:
         plot(report, out)
     table = [f"{'setting':<58} reached  epochs  seconds   final  s/epoch"]
     for name, s in report["settings"].items():
@@ -310,33 +304,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=integer(1), default=1, help="ranks of each run (mpirun -np; default 1)")
     parser.add_argument("--threads", type=integer(1), default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="hpcdl.train's --device")
-    parser.add_argument("--run-timeout", type=real(0, low_open=True), default=7200.0, help="seconds per run")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results stem: STEM.json/.png (default: a new folder under runs/bench/; "
-                             "--refresh-results replaces benchmarks/results/kfac_convergence_*)")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the finished runs already in STEM.json whose command is the one this study would "
-                             "run now (and add to them); a run made with other settings is refused, naming them")
-    outputs.add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.keep and args.out is None and not args.refresh_results:
-        parser.error("--keep adds to the results at --out: name them (or add --refresh-results for the committed ones)")
-    return args
-
-
-def check_data(dataset: str, data_dir: Path | None) -> Path | None:
-    """The dataset folder a run reads, refused with one line before any run when MNIST's is missing or
-    incomplete (hpcdl.data reads the files and says how to fetch them)."""
-    if dataset != "mnist":
-        return data_dir
-    data_dir = data_dir or DEFAULT_MNIST_DIR
-    if not data_dir.is_dir():
-        raise UsageError(f"MNIST not found in {data_dir} (no folder); fetch it with: "
-                         f"python -m hpcdl.fetch_mnist --output {data_dir}")
-    from hpcdl.data.mnist import load_mnist
-
-    load_mnist(data_dir)
-    return data_dir
+    add_results_arguments(parser, "kfac_convergence_", run_timeout=7200.0)
+    return parse_study_args(parser, argv)
 
 
 def recipe_of(args: argparse.Namespace) -> Recipe:
@@ -356,7 +325,7 @@ def study(args: argparse.Namespace, out: Path, scratch: Path, saved: dict[str, i
     settings = [Setting(lr) for lr in recipe.sgd_lrs] + [parse_kfac_setting(text) for text in recipe.kfac]
     if not settings:
         raise UsageError("nothing to run: give --sgd-lrs or --kfac")
-    data_dir = check_data(args.dataset, args.data_dir)
+    data_dir = check_mnist(args.data_dir) if args.dataset == "mnist" else args.data_dir
     plan = interleaved([s for s in settings if not s.kfac], [s for s in settings if s.kfac], args.seeds)
     commands = {(s, seed): train_flags(s, seed, recipe, args.dataset, data_dir, args.ranks, args.device)
                 for s, seed in plan}
@@ -387,7 +356,7 @@ def study(args: argparse.Namespace, out: Path, scratch: Path, saved: dict[str, i
                 f"{result['seconds_to_target']} s, {result['train_seconds']:.1f} s training")
         print(f"[{n}/{len(todo)}] {setting.name} seed {seed}: {line} (study {time.perf_counter() - started:.0f} s "
               "so far)", flush=True)
-        write(report_of(args, recipe, plan, runs, started), out, figure=False)
+        write(report_of(args, recipe, plan, runs, started), out, png=False)
         saved["runs"] = sum(len(r) for r in runs.values())
     return report_of(args, recipe, plan, runs, started)
 
@@ -433,17 +402,13 @@ def report_of(args: argparse.Namespace, recipe: Recipe, plan: Sequence[tuple[Set
 
 def main(argv: Sequence[str] | None = None) -> int:
     saved = {"runs": 0}
-    out: Path | None = None
+    args = parse_args(argv)
+    suffix = "" if args.ranks == 1 else f"_np{args.ranks}"
+    out = outputs.results_stem(args.out, f"kfac_convergence_{args.dataset}{suffix}", (".json", ".png"),
+                               refresh_results=args.refresh_results, force=args.force or args.keep, flag="--out")
     try:
-        args = parse_args(argv)
-        suffix = "" if args.ranks == 1 else f"_np{args.ranks}"
-        out = outputs.results_stem(args.out, f"kfac_convergence_{args.dataset}{suffix}", (".json", ".png"),
-                                   refresh_results=args.refresh_results, force=args.force or args.keep, flag="--out")
         with session("kfac_convergence") as scratch:
             report = study(args, out, scratch, saved)
-    except UsageError as exc:
-        print(f"kfac_convergence: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
     except StudyStopped as stop:
         return stopped("kfac_convergence", stop, saved["runs"], out)
     print("\n".join(write(report, out)))
@@ -562,4 +527,4 @@ FIGURES = {
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, program="kfac_convergence")

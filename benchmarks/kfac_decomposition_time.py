@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
+from hpcdl.runtime.numbers import integer, real  # noqa: E402
 from kfac import newton, solve  # noqa: E402
 
 DECAY = 0.95
@@ -106,19 +107,18 @@ def measure(n: int, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
-    parser.add_argument("--batch", type=int, default=1, help="factors of each size decomposed together")
-    parser.add_argument("--condition", type=float, default=300.0, help="cond(F + γI) of the test factors")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    parser.add_argument("--sizes", type=integer(2), nargs="+", default=[64, 128, 256, 512, 1024, 2048])
+    parser.add_argument("--batch", type=integer(1), default=1, help="factors of each size decomposed together")
+    parser.add_argument("--condition", type=real(1, low_open=True), default=300.0,
+                        help="cond(F + γI) of the test factors")
+    parser.add_argument("--repeats", type=integer(1), default=5)
+    parser.add_argument("--threads", type=integer(1), default=1, help="torch intra-op threads (CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=None,
                         help="write <out>.json (default: runs/bench/; benchmarks/results with --refresh-results)")
     outputs.add_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="sizes 64 and 128, one repeat: a wiring check")
     args = parser.parse_args(argv)
-    if min(args.sizes) < 2 or args.batch < 1 or args.repeats < 1 or args.threads < 1 or not args.condition > 1:
-        parser.error("sizes >= 2, --batch, --repeats and --threads >= 1, --condition > 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     if args.dry_run:

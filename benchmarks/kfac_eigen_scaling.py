@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from figures import results, table, times  # noqa: E402
+from figures import figure, results, save_json, table, times  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
@@ -138,25 +138,16 @@ def main(argv: list[str] | None = None) -> None:
     cpu_speedup = runs["1 rank x 1 thread"]["median_cpu_s"] / runs["2 ranks x 1 thread"]["median_cpu_s"]
     report = {"model": "resnet32", "batch": args.batch_size, "runs": runs, "speedup_2_ranks": speedup,
               "cpu_speedup_2_ranks": cpu_speedup, "target": 1.7}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    outputs.output_file(args.out, ".json").write_text(json.dumps(report, indent=2) + "\n")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    names = list(runs)
-    ax.bar([n.replace(", ", ",\n") for n in names], [runs[n]["median_s"] * 1e3 for n in names],
-           color=["tab:gray", "tab:blue", "tab:orange", "tab:red"])
-    for i, n in enumerate(names):
-        ax.text(i, runs[n]["median_s"] * 1e3, f"{base / runs[n]['median_s']:.2f}x", ha="center", va="bottom")
-    ax.tick_params(axis="x", labelsize=8)
-    ax.set_ylabel("decomposition phase per inverse update (ms)")
-    ax.set_title("K-FAC eigendecompositions of resnet32's factors")
-    fig.tight_layout()
-    fig.savefig(outputs.output_file(args.out, ".png"), dpi=120)
+    save_json(args.out, report, indent=2)
+    with figure(args.out, figsize=(7.5, 3.6)) as (_, ax):
+        names = list(runs)
+        ax.bar([n.replace(", ", ",\n") for n in names], [runs[n]["median_s"] * 1e3 for n in names],
+               color=["tab:gray", "tab:blue", "tab:orange", "tab:red"])
+        for i, n in enumerate(names):
+            ax.text(i, runs[n]["median_s"] * 1e3, f"{base / runs[n]['median_s']:.2f}x", ha="center", va="bottom")
+        ax.tick_params(axis="x", labelsize=8)
+        ax.set_ylabel("decomposition phase per inverse update (ms)")
+        ax.set_title("K-FAC eigendecompositions of resnet32's factors")
     verdict = "target met" if speedup >= 1.7 else "target MISSED"
     print(f"2 ranks: {speedup:.2f}x faster than 1 in wall time ({verdict}), {cpu_speedup:.2f}x less CPU time on the "
           f"busiest rank; wrote {args.out}.json/.png")

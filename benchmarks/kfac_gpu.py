@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpcdl.persistence import outputs  # noqa: E402
+from hpcdl.runtime.numbers import real  # noqa: E402
 
 CONFIGS = ((1, 10), (10, 100))
 ROUNDS = 2
@@ -106,14 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/kfac_gpu.sh", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for the results (created; default: a new folder under runs/bench/)")
-    parser.add_argument("--budget", type=float, default=280.0, help="seconds for the whole benchmark (default 280)")
+    parser.add_argument("--budget", type=real(0, low_open=True), default=280.0,
+                        help="seconds for the whole benchmark (default 280)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, check it fits --budget, run nothing")
     parser.add_argument("--kfac-pytorch", type=Path, default=None,
                         help="kfac-pytorch's local copy (default: .kfac-pytorch if present; 'none' leaves it out)")
     outputs.add_arguments(parser)
     args = parser.parse_args(argv)
-    if not args.budget > 0:
-        parser.error(f"--budget must be positive seconds, got {args.budget}")
     kfac_pytorch = args.kfac_pytorch
     if kfac_pytorch is None and (REPO / ".kfac-pytorch").is_dir():
         kfac_pytorch = REPO / ".kfac-pytorch"

@@ -34,14 +34,13 @@ from typing import Any
 
 import kfac_pytorch_adapter
 import studies
-from figures import table
+from figures import figure, save_json, table
 from kfac_pytorch_adapter import (  # noqa: F401 - the plugins --kfac-impl names as kfac_large_batch:...
     kfac_pytorch_native_preconditioner,
     kfac_pytorch_preconditioner,
 )
 
 from hpcdl.persistence import outputs
-from hpcdl.persistence.atomic import write_text_atomically
 from hpcdl.runtime.console import RankZeroParser
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer, real
@@ -296,18 +295,20 @@ def tuning_seed(outcomes: Sequence[Outcome], source: Path) -> int:
     return seeds[0]
 
 
+def most_accurate(outcomes: Sequence[Outcome], most_seeds: bool = False) -> dict[tuple[str, int], dict[str, Any]]:
+    """(method, batch) -> its summary row with the best median final accuracy (a failed run counts as 0); with
+    ``most_seeds``, among its rows run on the most seeds (after --tune: the tuned setting)."""
+    best: dict[tuple[str, int], tuple[tuple[int, float], dict[str, Any]]] = {}
+    for row in summarise(outcomes):
+        key, score = (row["method"], row["batch"]), (row["seeds"] if most_seeds else 0, row["median_final"])
+        if key not in best or score > best[key][0]:
+            best[key] = (score, row)
+    return {key: row for key, (_, row) in best.items()}
+
+
 def best_rates(outcomes: Sequence[Outcome], batch: int) -> dict[str, float]:
-    """Per method, the rate with the best median final accuracy at ``batch`` (a failed run counts as 0)."""
-    by_rate: dict[tuple[str, float], list[float]] = {}
-    for o in outcomes:
-        if o.cell.batch == batch:
-            by_rate.setdefault((o.cell.method, o.cell.lr), []).append(o.final_accuracy or 0.0)
-    best: dict[str, tuple[float, float]] = {}
-    for (method, lr), accs in by_rate.items():
-        score = statistics.median(accs)
-        if method not in best or score > best[method][1]:
-            best[method] = (lr, score)
-    return {m: lr for m, (lr, _) in best.items()}
+    """Per method, the rate of its most accurate setting at ``batch``."""
+    return {method: row["lr"] for (method, at), row in most_accurate(outcomes).items() if at == batch}
 
 
 # ---- summaries, files and the plot --------------------------------------------------------------
@@ -354,70 +355,58 @@ def curve(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_results(outcomes: Sequence[Outcome], out: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """<out>.json, replaced whole (atomically: a study stopped while saving keeps the last)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """<out>.json: the summary rows and every run's curve."""
     rows = summarise(outcomes)
     runs = [dict(asdict(o.cell), returncode=o.returncode, epochs=curve(o.epochs), wall_seconds=o.wall_seconds,
                  error=o.error, command=" ".join(o.command)) for o in outcomes]
-    write_text_atomically(outputs.output_file(out, ".json"),
-                          json.dumps(dict(meta=meta, summary=rows, runs=runs), indent=1) + "\n")
+    save_json(out, dict(meta=meta, summary=rows, runs=runs))
     return rows
 
 
 def plot(outcomes: Sequence[Outcome], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
     batches = sorted({o.cell.batch for o in outcomes})
-    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False)
     colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red", "tab:brown",
                                  "tab:olive", "tab:cyan", "tab:pink"), strict=True))
     best_final: dict[str, dict[int, float]] = {}
-    for ax, batch in zip(axes[0], batches, strict=False):
-        for o in outcomes:
-            if o.cell.batch != batch or not o.epochs:
-                continue
-            xs = [float(e["train_seconds"]) for e in o.epochs]
-            ys = [100 * (e.get("test_accuracy") or 0.0) for e in o.epochs]
-            ax.plot(xs, ys, marker="o", ms=3, color=colours.get(o.cell.method, "tab:gray"), alpha=0.8,
-                    label=f"{o.cell.method} lr {o.cell.lr:g}" + (f" wu {o.cell.warmup:g}" if o.cell.warmup else "")
-                    if o.cell.seed == min(x.cell.seed for x in outcomes if x.cell == replace(o.cell, seed=x.cell.seed))
-                    else None)
-            final = o.final_accuracy or 0.0
-            best_final.setdefault(o.cell.method, {})
-            best_final[o.cell.method][batch] = max(best_final[o.cell.method].get(batch, 0.0), final)
-        for target in TARGETS:
-            ax.axhline(100 * target, color="grey", lw=0.6, ls=":")
-        ax.set(title=f"global batch {batch}", xlabel="training seconds (evaluation excluded)",
-               ylabel="test accuracy (%)", ylim=(96.0 if batch <= 512 else 85.0, 99.6))
-        ax.legend(fontsize=6)
-    ax = axes[0][-1]
-    for method, finals in best_final.items():
-        xs = sorted(finals)
-        ax.plot(xs, [100 * finals[b] for b in xs], marker="o", color=colours.get(method, "tab:gray"), label=method)
-    ax.set(xscale="log", title="best final accuracy by global batch", xlabel="global batch", ylabel="test accuracy (%)",
-           ylim=(90.0, 99.6))
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(outputs.output_file(out, ".png"), dpi=110)
-    plt.close(fig)
+    with figure(out, 1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False, dpi=110) \
+            as (fig, axes):
+        for ax, batch in zip(axes[0], batches, strict=False):
+            for o in outcomes:
+                if o.cell.batch != batch or not o.epochs:
+                    continue
+                xs = [float(e["train_seconds"]) for e in o.epochs]
+                ys = [100 * (e.get("test_accuracy") or 0.0) for e in o.epochs]
+                first_seed = o.cell.seed == min(x.cell.seed for x in outcomes
+                                                if x.cell == replace(o.cell, seed=x.cell.seed))
+                label = f"{o.cell.method} lr {o.cell.lr:g}" + (f" wu {o.cell.warmup:g}" if o.cell.warmup else "")
+                ax.plot(xs, ys, marker="o", ms=3, color=colours.get(o.cell.method, "tab:gray"), alpha=0.8,
+                        label=label if first_seed else None)
+                best = best_final.setdefault(o.cell.method, {})
+                best[batch] = max(best.get(batch, 0.0), o.final_accuracy or 0.0)
+            for target in TARGETS:
+                ax.axhline(100 * target, color="grey", lw=0.6, ls=":")
+            ax.set(title=f"global batch {batch}", xlabel="training seconds (evaluation excluded)",
+                   ylabel="test accuracy (%)", ylim=(96.0 if batch <= 512 else 85.0, 99.6))
+            ax.legend(fontsize=6)
+        ax = axes[0][-1]
+        for method, finals in best_final.items():
+            xs = sorted(finals)
+            ax.plot(xs, [100 * finals[b] for b in xs], marker="o", color=colours.get(method, "tab:gray"),
+                    label=method)
+        ax.set(xscale="log", title="best final accuracy by global batch", xlabel="global batch",
+               ylabel="test accuracy (%)", ylim=(90.0, 99.6))
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.legend(fontsize=7)
+        fig.suptitle(title, fontsize=9)
 
 
 def best_rows(outcomes: Sequence[Outcome], batch: int = 4096) -> dict[str, dict[str, Any]]:
     """Per method, its summary row at ``batch`` run on the most seeds (the tuned one, after --tune), then the
     most accurate."""
-    best: dict[str, dict[str, Any]] = {}
-    for r in summarise(outcomes):
-        if r["batch"] == batch and (r["method"] not in best or (r["seeds"], r["median_final"] or 0)
-                                    > (best[r["method"]]["seeds"], best[r["method"]]["median_final"] or 0)):
-            best[r["method"]] = r
-    return best
+    return {method: row for (method, at), row in most_accurate(outcomes, most_seeds=True).items() if at == batch}
 
 
 def verdict(outcomes: Sequence[Outcome], batch: int = 4096) -> list[str]:
@@ -528,38 +517,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=integer(1), default=MICRO_BATCH,
                         help="examples per backward pass; larger global batches accumulate")
     parser.add_argument("--max-steps", type=integer(1), default=None, help="cut every run short (wiring checks)")
-    parser.add_argument("--run-timeout", type=real(0, low_open=True), default=3600.0,
-                        help="seconds before a run is killed")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results path without suffix (default: a new folder under runs/bench/; "
-                             "--refresh-results replaces benchmarks/results/kfac_large_batch*)")
-    outputs.add_arguments(parser)
+    studies.add_results_arguments(parser, "kfac_large_batch", run_timeout=3600.0)
     parser.add_argument("--dry-run", action="store_true", help="print the runs' commands and exit")
     parser.add_argument("--report", nargs="+", metavar="JSON[@BATCHES]",
                         help="no runs: the markdown table, verdict and plot (--out) of these results files together; "
                              "FILE@128,512 takes only those global batches of FILE")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the successful runs already in <out>.json (and add to them) instead of rerunning; "
-                             "a run recorded with another command than this study's is refused, naming the setting")
     parser.add_argument("--install-kfac-pytorch", nargs="?", const=kfac_pytorch_adapter.SOURCE, metavar="SOURCE",
                         help="pip-install kfac-pytorch (a local checkout or a pip URL; default: its public source at "
                              "the commit the results used) into --kfac-pytorch-site and exit")
-    args = parser.parse_args(argv)
+    args = studies.parse_study_args(parser, argv)
     check_inputs(args)
     if args.install_kfac_pytorch or args.report:
         return args
-    if args.dataset == "mnist" and args.data_dir is None:
-        args.data_dir = DEFAULT_MNIST_DIR
-    if args.dataset == "mnist" and not (args.dry_run or studies.has_mnist(args.data_dir)):
-        parser.error(f"no MNIST in {args.data_dir}: run `python -m hpcdl.fetch_mnist` first")
+    if args.dataset == "mnist":
+        args.data_dir = args.data_dir or DEFAULT_MNIST_DIR
+        if not args.dry_run:
+            studies.check_mnist(args.data_dir)
     wants_kfac_pytorch = any(m.startswith("kfac-pytorch") for m in args.methods)
     if wants_kfac_pytorch and not args.dry_run and not (args.kfac_pytorch_site / "kfac").is_dir():
         parser.error(f"no kfac-pytorch in {args.kfac_pytorch_site}: run with --install-kfac-pytorch first, "
                      "or leave kfac-pytorch out of --methods")
-    if args.jobs < 1 or args.threads < 1 or args.epochs < 1 or args.evals_per_epoch < 1:
-        parser.error("--jobs, --threads, --epochs and --evals-per-epoch must be >= 1")
-    if args.keep and args.out is None and not args.refresh_results:
-        parser.error("--keep adds to the results at --out: name them (or add --refresh-results for the committed ones)")
     return args
 
 

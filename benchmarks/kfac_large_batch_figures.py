@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from figures import percent, results, table, times
-from kfac_large_batch import TUNE_LRS, Outcome, beats_kfac, best_rows, markdown, selected, summarise
+from kfac_large_batch import TUNE_LRS, Outcome, beats_kfac, best_rows, markdown, most_accurate, selected
 from studies import median_or_inf
 
 TARGET_CELL = ("kfac_large_batch_target_quiet", "kfac_large_batch_target_quiet_others")
@@ -50,12 +50,7 @@ def outcomes(*sources: str) -> list[Outcome]:
 @functools.cache
 def _rows(*sources: str) -> dict[tuple[str, int], dict[str, Any]]:
     """(method, batch) -> the summary row of its best rate (the highest median final accuracy)."""
-    best: dict[tuple[str, int], dict[str, Any]] = {}
-    for row in summarise(outcomes(*sources)):
-        key = (row["method"], row["batch"])
-        if key not in best or (row["median_final"] or 0) > (best[key]["median_final"] or 0):
-            best[key] = row
-    return best
+    return most_accurate(outcomes(*sources))
 
 
 def _cell(method: str, batch: int = 4096, sources: Sequence[str] = TARGET_CELL) -> dict[str, Any]:

@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import kfac_pytorch_adapter  # noqa: E402
-from figures import results, table, times  # noqa: E402
+from figures import figure, results, save_json, table, times  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
@@ -349,8 +349,7 @@ def measure_memory(args: argparse.Namespace, variant: str, baseline: Path | None
 
 # ------------------------------------------------------------------ output
 def write_json(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    outputs.output_file(out, ".json").write_text(json.dumps(report, indent=2) + "\n")
+    save_json(out, report, indent=2)
 
 
 def write(report: dict, out: Path) -> None:
@@ -365,67 +364,53 @@ def write(report: dict, out: Path) -> None:
             f"{_fmt(report['sgd_peak_gib'].get(r['precision']))},{_fmt(r.get('baseline_ratio'))}"
         )
     outputs.output_file(out, ".csv").write_text("\n".join(lines) + "\n")
-    plot(report, outputs.output_file(out, ".png"))
+    plot(report, out)
 
 
 def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(report: dict, out: Path) -> None:
     results = report["results"]
-    labels = [
-        f"({r['factor_update_freq']}, {r['inv_update_freq']})" + (" AMP" if r["precision"] == "amp" else "")
-        for r in results
-    ]
+    labels = [f"({r['factor_update_freq']}, {r['inv_update_freq']})" + (" AMP" if r["precision"] == "amp" else "")
+              for r in results]
     xs = list(range(len(labels)))
     with_memory = any(r.get("peak_gib") is not None for r in results)
-    fig, axes = plt.subplots(1, 2 if with_memory else 1, figsize=(11 if with_memory else 6.4, 3.8), squeeze=False)
-    ax = axes[0][0]
-    ratios = [r["ratio"] for r in results]
-    spread = [[r["ratio"] - r["min_ratio"] for r in results], [r["max_ratio"] - r["ratio"] for r in results]]
-    ax.bar([x - 0.2 for x in xs], ratios, width=0.4, yerr=spread, capsize=4, label="hpcdl kfac (median, min-max)")
-    ref = [r["kfac_pytorch_ratio"] or 0 for r in results]
-    ax.bar([x + 0.2 for x in xs], ref, width=0.4, label="kfac-pytorch (issues)", color="tab:gray")
-    if any(r.get("baseline_ratio") for r in results):
-        ax.plot(xs, [r.get("baseline_ratio") or float("nan") for r in results], "kD", label="previous hpcdl kfac")
-    for x, r in zip(xs, results, strict=True):
-        if r["target"]:
-            ax.hlines(
-                r["target"], x - 0.45, x + 0.45, colors="tab:red", linestyles="--", label="target" if x == 0 else None
-            )
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(xs, labels)
-    ax.set_xlabel("(factor, inverse) update frequency")
-    ax.set_ylabel("step time / SGD step time")
-    ax.set_title(f"K-FAC overhead, {report['model']}, batch {report['batch'][0]}, {report['device_name']}", fontsize=9)
-    ax.legend(fontsize=8)
-    if with_memory:
-        ax = axes[0][1]
-        unit = "GiB" if report["device"] == "cuda" else "GiB (peak RSS growth)"
-        peaks = [r.get("peak_gib") or 0 for r in results]
-        ax.bar([x - 0.2 for x in xs], peaks, width=0.4, label="hpcdl kfac")
-        refs = [r.get("kfac_pytorch_peak_gib") or 0 for r in results]
-        ax.bar([x + 0.2 for x in xs], refs, width=0.4, color="tab:gray", label="kfac-pytorch (issue)")
-        for precision, peak in report["sgd_peak_gib"].items():
-            ax.axhline(
-                peak,
-                color="black",
-                linewidth=0.8,
-                linestyle=":" if precision == "amp" else "-",
-                label=f"SGD {precision}",
-            )
+    with figure(out, 1, 2 if with_memory else 1, figsize=(11 if with_memory else 6.4, 3.8), squeeze=False) \
+            as (_, axes):
+        ax = axes[0][0]
+        spread = [[r["ratio"] - r["min_ratio"] for r in results], [r["max_ratio"] - r["ratio"] for r in results]]
+        ax.bar([x - 0.2 for x in xs], [r["ratio"] for r in results], width=0.4, yerr=spread, capsize=4,
+               label="hpcdl kfac (median, min-max)")
+        ax.bar([x + 0.2 for x in xs], [r["kfac_pytorch_ratio"] or 0 for r in results], width=0.4,
+               label="kfac-pytorch (issues)", color="tab:gray")
+        if any(r.get("baseline_ratio") for r in results):
+            ax.plot(xs, [r.get("baseline_ratio") or float("nan") for r in results], "kD", label="previous hpcdl kfac")
+        for x, r in zip(xs, results, strict=True):
+            if r["target"]:
+                ax.hlines(r["target"], x - 0.45, x + 0.45, colors="tab:red", linestyles="--",
+                          label="target" if x == 0 else None)
+        ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(xs, labels)
-        ax.set_ylabel(f"peak memory, {unit}")
-        ax.set_title("peak memory (fresh process per variant)", fontsize=9)
+        ax.set_xlabel("(factor, inverse) update frequency")
+        ax.set_ylabel("step time / SGD step time")
+        ax.set_title(f"K-FAC overhead, {report['model']}, batch {report['batch'][0]}, {report['device_name']}",
+                     fontsize=9)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        if with_memory:
+            ax = axes[0][1]
+            unit = "GiB" if report["device"] == "cuda" else "GiB (peak RSS growth)"
+            ax.bar([x - 0.2 for x in xs], [r.get("peak_gib") or 0 for r in results], width=0.4, label="hpcdl kfac")
+            ax.bar([x + 0.2 for x in xs], [r.get("kfac_pytorch_peak_gib") or 0 for r in results], width=0.4,
+                   color="tab:gray", label="kfac-pytorch (issue)")
+            for precision, peak in report["sgd_peak_gib"].items():
+                ax.axhline(peak, color="black", linewidth=0.8, linestyle=":" if precision == "amp" else "-",
+                           label=f"SGD {precision}")
+            ax.set_xticks(xs, labels)
+            ax.set_ylabel(f"peak memory, {unit}")
+            ax.set_title("peak memory (fresh process per variant)", fontsize=9)
+            ax.legend(fontsize=8)
 
 
 # ------------------------------------------------------------------ main
@@ -444,8 +429,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout whose kfac/ is a third contender")
     parser.add_argument("--kfac-pytorch", type=Path, default=None,
                         help="kfac-pytorch's checkout or install site: a contender beside ours (no install needed)")
-    parser.add_argument("--memory-precisions", default=None,
-                        help="the precisions whose peak memory is measured (default: all of --precisions)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler table for (1, 10)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
@@ -494,12 +477,11 @@ def main(argv: list[str] | None = None) -> None:
         "results": [],
         "sgd_peak_gib": {},
     }
-    memory_precisions = precisions if args.memory_precisions is None else args.memory_precisions.split()
     for precision in precisions:
         args.precision = precision
         args.partial = lambda done: write_json(dict(report, results=report["results"] + done, partial=True), args.out)
         results = run(args)
-        if not args.no_memory and precision in memory_precisions:
+        if not args.no_memory:
             report["sgd_peak_gib"][precision] = measure_memory(args, "sgd")
             for r in results:
                 variant = f"{r['factor_update_freq']},{r['inv_update_freq']}"

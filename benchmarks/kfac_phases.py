@@ -22,9 +22,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from figures import RESULTS, results, table
+from figures import RESULTS, results, save_json, table
 from kfac_large_batch import preset_flags
-from studies import finish_train, has_mnist, start_train
+from studies import check_mnist, run_train
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
@@ -60,15 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--keep", type=Path, help="keep the runs (and their traces) in this folder")
     parser.add_argument("--out", type=Path, help="results path without suffix (default runs/bench/kfac_phases)")
-    parser.add_argument("--refresh-results", action="store_true")
-    parser.add_argument("--force", action="store_true")
+    outputs.add_arguments(parser)
     args = parser.parse_args(argv)
     if GLOBAL_BATCH % args.ranks:
         raise UsageError(f"--ranks {args.ranks} does not divide the global batch {GLOBAL_BATCH}")
     stem = outputs.results_stem(args.out, "kfac_phases", (".json", ".png"), refresh_results=args.refresh_results,
                                 force=args.force, flag="--out")
-    if not has_mnist(args.data_dir):
-        raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
+    check_mnist(args.data_dir)
     scratch = Path(tempfile.mkdtemp(prefix="kfac_phases-")) if args.keep is None else args.keep
     common = ["--dataset", "mnist", "--data-dir", str(args.data_dir), "--model", "mnist_cnn",
               "--batch-size", str(GLOBAL_BATCH // args.ranks), "--epochs", "1", "--max-steps", str(args.steps),
@@ -80,18 +78,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k, (label, flags) in enumerate(runs(args.ranks).items()):
             out = scratch / f"run{k}"
             print(f"[kfac_phases] {label}: {args.ranks} rank(s), {args.steps} steps", flush=True)
-            run = finish_train(start_train([*common, *flags], out, ranks=args.ranks, vcluster=args.vcluster),
-                               args.timeout)
-            if run.returncode != 0 or run.summary is None:
-                raise UsageError(f"the {label} run failed (exit {run.returncode}): {run.log_tail or out}")
+            run = run_train([*common, *flags], out, ranks=args.ranks, vcluster=args.vcluster, timeout=args.timeout,
+                            required=f"the {label} run")
             summary = run.summary
             report[label] = dict(step_phases=summary["step_phases"],
                                  seconds_per_step=summary["train_seconds"] / summary["global_steps"])
             dirs.append(out)
-        json_path = outputs.output_file(stem, ".json")
-        json_path.write_text(json.dumps(dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
-                                             backend=args.backend or default_backend(),
-                                             steps=args.steps, runs=report), indent=1) + "\n")
+        save_json(stem, dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
+                             backend=args.backend or default_backend(), steps=args.steps, runs=report))
         plot_phases(dirs, outputs.output_file(stem, ".png"), list(report))
     finally:
         if args.keep is None:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from figures import results, table, times
-from studies import has_mnist
+from figures import results, save_json, table, times
+from studies import check_mnist
 from torch import Tensor, nn
 
 from hpcdl.bench.alphabeta import AlphaBeta, fit_ring, network
@@ -508,8 +508,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--measured", type=Path, help="a measure phase's .json (its fitted alpha and B)")
     for each in (c, m, p):
         each.add_argument("--out", type=Path, help="results path without suffix (default runs/bench/...)")
-        each.add_argument("--refresh-results", action="store_true")
-        each.add_argument("--force", action="store_true")
+        outputs.add_arguments(each)
     args = parser.parse_args(argv)
     if args.phase == "count":
         from studies import check_launch
@@ -519,8 +518,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     fraction * args.ranks):
                 raise UsageError(f"--fractions: {fraction:g} x {args.ranks} ranks is not a whole divisor of the ranks")
         check_launch(args.ranks, args.vcluster)  # a virtual cluster that is not there: one line, before any run
-        if not has_mnist(args.data_dir):
-            raise UsageError(f"--data-dir: no MNIST in {args.data_dir} (python -m hpcdl.fetch_mnist)")
+        check_mnist(args.data_dir)
     if args.phase == "predict" and args.measured:
         check_measured(args.measured)
     return args
@@ -572,8 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({row['factor_every']},{row['inverse_every']}) {row['design']:14s} {row['backend']:4s} "
                   f"{row['payload']} factors {row['factor_payload']} "
                   + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in row["seconds"].items()))
-    outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {stem}.json")
+    print(f"wrote {save_json(stem, report)}")
     return 0
 
 

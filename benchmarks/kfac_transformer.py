@@ -16,7 +16,6 @@ with that and factors every 10 steps, decompositions every 50 (issue 44's "level
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -24,12 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from figures import results
+from figures import results, save_json
 from studies import check_launch, run_train
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
-from hpcdl.runtime.errors import UsageError, run_main
+from hpcdl.runtime.errors import run_main
 from hpcdl.runtime.numbers import integer
 
 TASK = "examples.transformer_lm:task"
@@ -67,16 +66,14 @@ def outcome(run: Any, method: list[str], target: float | None) -> dict[str, Any]
 
 def one_seed(seed: int, epochs: int, workdir: Path) -> dict[str, Any]:
     runs: dict[str, Any] = {}
-    adamw = run_train(flags(ADAMW, seed, epochs, None), workdir / f"adamw-{seed}", timeout=3600)
-    if adamw.returncode != 0 or adamw.summary is None:
-        raise UsageError(f"the AdamW run of seed {seed} failed (exit {adamw.returncode}): {adamw.log_tail}")
+    adamw = run_train(flags(ADAMW, seed, epochs, None), workdir / f"adamw-{seed}", timeout=3600,
+                      required=f"the AdamW run of seed {seed}")
     runs["adamw"] = outcome(adamw, ADAMW, None)
     target = runs["adamw"]["final_loss"]
     print(f"[kfac_transformer] seed {seed}: AdamW {runs['adamw']['train_seconds']:.1f} s to {target:.4f}", flush=True)
     for k, (name, method) in enumerate(VARIANTS.items()):
-        run = run_train(flags(method, seed, epochs, target), workdir / f"kfac{k}-{seed}", timeout=3600)
-        if run.returncode != 0 or run.summary is None:
-            raise UsageError(f"the {name} run of seed {seed} failed (exit {run.returncode}): {run.log_tail}")
+        run = run_train(flags(method, seed, epochs, target), workdir / f"kfac{k}-{seed}", timeout=3600,
+                        required=f"the {name} run of seed {seed}")
         runs[name] = outcome(run, method, target)
         r = runs[name]
         print(f"[kfac_transformer] seed {seed}: {name}: {r['seconds_to_target']} s to the target "
@@ -118,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           command=f"benchmarks/kfac_transformer.py --seeds {' '.join(map(str, args.seeds))} "
                                   f"--epochs {args.epochs}", load_average=os.getloadavg(), cores=os.cpu_count(),
                           summary=summarise(done), per_seed=done)
-            outputs.output_file(stem, ".json").write_text(json.dumps(report, indent=1) + "\n")  # kept as it goes
+            save_json(stem, report)  # kept as it goes
     for name, s in report["summary"].items():
         print(f"{name}: step {s['step_ratio']:.2f}x AdamW's; time to AdamW's final loss "
               f"{s['time_ratio_per_seed']} of AdamW's time")

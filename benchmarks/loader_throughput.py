@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from figures import results, table, times  # noqa: E402
+from figures import figure, results, save_json, table, times  # noqa: E402
 
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
@@ -230,36 +229,28 @@ def synthetic_contender(args: argparse.Namespace, device) -> dict:  # type: igno
     return {"synthetic-device": (pipeline.train_epoch, pipeline.close)}
 
 
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (alone, fed) = plt.subplots(1, 2, figsize=(12, 4.3))
-    workers = [int(w) for w in report["pipeline_alone"]]
-    names = list(next(iter(report["pipeline_alone"].values())))
-    for name in names:
-        alone.plot(workers, [statistics.median(report["pipeline_alone"][str(w)][name]) for w in workers], "o-",
-                   label=name)
-    alone.set(xlabel="loader workers", ylabel="images/s", title="input pipeline alone (224x224 training batches)")
-    alone.set_xticks(workers)
-    alone.grid(alpha=0.3)
-    alone.legend(fontsize=8)
-    if report.get("training"):
-        rates = report["training"]["images_per_second"]
-        labels = list(rates)
-        fed.bar(range(len(labels)), [statistics.median(rates[n]) for n in labels])
-        fed.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
-        fed.set(ylabel="images/s", title=f"training fed by it ({report['training']['model']}, "
-                                         f"{report['training']['workers']} workers)")
-        fed.grid(alpha=0.3, axis="y")
-    shared = "; machine shared with other work" if report["device"] == "cpu" else ""
-    fig.suptitle(f"{report['device_name']}; {report['images']} JPEGs of ~{report['mean_jpeg_kb']:.0f} KB{shared}",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def plot(report: dict, stem: Path) -> None:
+    with figure(stem, 1, 2, figsize=(12, 4.3), dpi=110) as (fig, (alone, fed)):
+        workers = [int(w) for w in report["pipeline_alone"]]
+        names = list(next(iter(report["pipeline_alone"].values())))
+        for name in names:
+            alone.plot(workers, [statistics.median(report["pipeline_alone"][str(w)][name]) for w in workers], "o-",
+                       label=name)
+        alone.set(xlabel="loader workers", ylabel="images/s", title="input pipeline alone (224x224 training batches)")
+        alone.set_xticks(workers)
+        alone.grid(alpha=0.3)
+        alone.legend(fontsize=8)
+        if report.get("training"):
+            rates = report["training"]["images_per_second"]
+            labels = list(rates)
+            fed.bar(range(len(labels)), [statistics.median(rates[n]) for n in labels])
+            fed.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
+            fed.set(ylabel="images/s", title=f"training fed by it ({report['training']['model']}, "
+                                             f"{report['training']['workers']} workers)")
+            fed.grid(alpha=0.3, axis="y")
+        shared = "; machine shared with other work" if report["device"] == "cpu" else ""
+        fig.suptitle(f"{report['device_name']}; {report['images']} JPEGs of ~{report['mean_jpeg_kb']:.0f} KB"
+                     f"{shared}", fontsize=9)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,10 +295,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"loader_throughput.py: error: --contenders {' '.join(unknown)}: not among {' '.join(names)}")
         names = args.contenders
 
-    from hpcdl.persistence.atomic import write_text_atomically
     from hpcdl.tools.pack import pack
-
-    output, figure = outputs.output_file(stem, ".json"), outputs.output_file(stem, ".png")
 
     with tempfile.TemporaryDirectory() as scratch:
         root = args.data or Path(scratch)
@@ -339,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
             print(f"workers {workers}: images/s {summary}", flush=True)
-            write_text_atomically(output, json.dumps(report, indent=1) + "\n")  # a run cut short keeps these
+            save_json(stem, report)  # a run cut short keeps these
         if not args.skip_training:
             workers = max(args.workers)
             step = training_step(device)
@@ -351,9 +339,8 @@ def main(argv: list[str] | None = None) -> None:
                                                             for n in rates if n != "synthetic-device"}}
             summary = " | ".join(f"{n} {statistics.median(r):7.1f}" for n, r in rates.items())
             print(f"training, {workers} workers: images/s {summary}", flush=True)
-    write_text_atomically(output, json.dumps(report, indent=1) + "\n")
-    plot(report, figure)
-    print(f"wrote {output} and {figure}")
+    plot(report, stem)
+    print(f"wrote {save_json(stem, report)} and {outputs.output_file(stem, '.png')}")
 
 
 # ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------

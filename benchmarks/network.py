@@ -44,13 +44,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from figures import results, table  # noqa: E402
+from figures import results, save_json, table  # noqa: E402
 
 from hpcdl.bench import alphabeta  # noqa: E402
 from hpcdl.bench.sizes import format_size, parse_size  # noqa: E402
 from hpcdl.persistence import outputs  # noqa: E402
-from hpcdl.persistence.atomic import write_text_atomically  # noqa: E402
 from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
+from hpcdl.runtime.numbers import integer  # noqa: E402
 from hpcdl.tools import vcluster  # noqa: E402
 
 PHASES = ("links", "probe", "volume", "allreduce", "fp16", "report")
@@ -67,16 +67,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/network.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="link rates (tc syntax)")
-    parser.add_argument("--nodes", nargs="+", type=int, default=[2, 3, 4], help="node counts (one rank each)")
+    parser.add_argument("--nodes", nargs="+", type=integer(2, 8), default=[2, 3, 4], help="node counts (one rank each)")
     parser.add_argument("--min-size", type=parse_size, default=1 << 20)
     parser.add_argument("--max-size", type=parse_size, default=32 << 20)
     parser.add_argument("--held-out", type=parse_size, default=32 << 20,
                         help="size left out of the alpha-beta fit and predicted (default 32M: extrapolation)")
     parser.add_argument("--probe-size", type=parse_size, default=16 << 20)
-    parser.add_argument("--probe-calls", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of hpcdl.bench.allreduce (default 2)")
+    parser.add_argument("--probe-calls", type=integer(1), default=10)
+    parser.add_argument("--rounds", type=integer(1), default=2, help="rounds of hpcdl.bench.allreduce (default 2)")
     parser.add_argument("--fp16-rates", nargs="+", default=["1gbit", "100mbit"])
-    parser.add_argument("--fp16-pairs", type=int, default=1, help="A B B A blocks per rate (default 1)")
+    parser.add_argument("--fp16-pairs", type=integer(1), default=1, help="A B B A blocks per rate (default 1)")
     parser.add_argument("--train-args", default="--dataset synthetic --synthetic-shape 1 8 8 --synthetic-size 16384 "
                                                 "--model digits_cnn --epochs 3 --batch-size 32",
                         help="hpcdl.train arguments for the fp16 phase")
@@ -87,12 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for rate in {*args.rates, *args.fp16_rates}:
         if not vcluster.RATE_RE.match(rate):
             parser.error(f"a rate looks like 1gbit, 100mbit or 10gbit, got {rate!r}")
-    if any(n < 2 or n > 8 for n in args.nodes):
-        parser.error("--nodes must be 2..8")
     if not args.min_size <= args.held_out <= args.max_size:
         parser.error("--held-out must be one of the measured sizes (between --min-size and --max-size)")
-    if args.probe_calls < 1 or args.rounds < 1 or args.fp16_pairs < 1:
-        parser.error("--probe-calls, --rounds and --fp16-pairs must be >= 1")
     return args
 
 
@@ -164,10 +160,6 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def save(path: Path, document: Any) -> None:
-    write_text_atomically(path, json.dumps(document, indent=1) + "\n")
-
-
 # ---------------------------------------------------------------------------- phases
 def iperf(made: vcluster.VCluster, both_ways: bool, seconds: int = 4) -> dict[str, Any]:
     server_node, client_node = made.nodes[1], made.nodes[0]
@@ -205,7 +197,7 @@ def phase_links(args: argparse.Namespace, out: Path) -> None:
                 say(f"links {rate} {'both ways' if both else 'one way'}: "
                     f"{' + '.join(f'{g:.3f}' for g in result['gbps'])} Gbit/s (load {result['load']})")
                 results.append(result)
-    save(out / "net_links.json", {"what": "iperf3 TCP goodput between two virtual nodes", "runs": results})
+    save_json(out / "net_links", {"what": "iperf3 TCP goodput between two virtual nodes", "runs": results})
 
 
 def probe_variants(all_algorithms: bool) -> list[tuple[str, str, str]]:
@@ -249,7 +241,7 @@ def phase_probe(args: argparse.Namespace, out: Path) -> None:
                 row = probe_row(made, args, rate, label, pattern, mpi_args)
                 if row:
                     results.append(row)
-    save(out / "net_probe.json", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
+    save_json(out / "net_probe", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
 
 
 def phase_volume(args: argparse.Namespace, out: Path) -> None:
@@ -263,7 +255,7 @@ def phase_volume(args: argparse.Namespace, out: Path) -> None:
                 row = probe_row(made, args, args.rates[0], label, "allreduce", mpi_args)
                 if row:
                     results.append(row)
-    save(out / "net_volume.json", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
+    save_json(out / "net_volume", {"size": args.probe_size, "calls": args.probe_calls, "runs": results})
 
 
 def phase_allreduce(args: argparse.Namespace, out: Path) -> None:
@@ -315,7 +307,7 @@ def phase_fp16(args: argparse.Namespace, out: Path) -> None:
                                 "load": [before, load()]})
                 say(f"fp16 {rate} fp16_allreduce={fp16}: {statistics.median(speeds):.0f} img/s "
                     f"(epochs after the first: {', '.join(f'{s:.0f}' for s in speeds)}; load {before} -> {load()})")
-    save(out / "net_fp16.json", {"train_args": args.train_args, "ranks": "2 (one per node)", "runs": results})
+    save_json(out / "net_fp16", {"train_args": args.train_args, "ranks": "2 (one per node)", "runs": results})
 
 
 # ---------------------------------------------------------------------------- report
@@ -361,7 +353,7 @@ def summarise(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def phase_report(args: argparse.Namespace, out: Path) -> None:
-    save(out / "net_summary.json", summarise(args, out))
+    save_json(out / "net_summary", summarise(args, out))
     say(f"wrote {out}/net_summary.json; benchmarks/figures.py makes network.md's tables from it")
 
 

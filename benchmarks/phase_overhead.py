@@ -11,7 +11,6 @@ figure (docs/training.md, "Where a step goes"). Results go to runs/bench/ unless
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import tempfile
 import time
@@ -19,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from figures import results, times
+from figures import results, save_json, times
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
@@ -82,9 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = measure(args.epochs, Path(tmp))
     ratio = statistics.median(seconds["recorded"]) / statistics.median(seconds["silent"])
     report = dict(kind="phase_overhead", steps_per_epoch=32, seconds=seconds, ratio=ratio)
-    path = outputs.output_file(stem, ".json")
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"recorded / silent, median epoch: {ratio:.3f}; wrote {path}")
+    print(f"recorded / silent, median epoch: {ratio:.3f}; wrote {save_json(stem, report)}")
     return 0
 
 

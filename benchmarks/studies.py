@@ -13,6 +13,7 @@ run now.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -32,8 +33,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+from hpcdl.persistence import outputs
 from hpcdl.persistence.outputs import output_file
 from hpcdl.runtime.errors import UsageError
+from hpcdl.runtime.numbers import real
 from hpcdl.runtime.processes import end_trees
 from hpcdl.training.config import TrainConfig, option_name, parse_config
 
@@ -138,10 +141,16 @@ def finish_train(started: StartedRun, timeout: float) -> TrainRun:
     return run
 
 
-def run_train(flags: Sequence[str], output_dir: Path, *, ranks: int = 1, threads: int = 1,
-              timeout: float = 3600.0, env: dict[str, str] | None = None) -> TrainRun:
-    """Run hpcdl.train into ``output_dir`` and read back what it wrote; its log goes to ``output_dir``.log."""
-    return finish_train(start_train(flags, output_dir, ranks=ranks, threads=threads, env=env), timeout)
+def run_train(flags: Sequence[str], output_dir: Path, *, timeout: float = 3600.0, required: str = "",
+              **options: Any) -> TrainRun:
+    """Run hpcdl.train into ``output_dir`` (:func:`start_train`'s ``options``) and read back what it wrote; its log
+    goes to ``output_dir``.log. A ``required`` run (``required`` names it) is one the study cannot go on without:
+    its failure ends the study in one line, with the run's last lines."""
+    run = finish_train(start_train(flags, output_dir, **options), timeout)
+    if required and (run.returncode != 0 or run.summary is None):
+        why = run.log_tail or f"see {output_file(output_dir, '.log')}"
+        raise UsageError(f"{required} failed (exit {run.returncode}): {why}")
+    return run
 
 
 def run_pool(starters: Sequence[Callable[[], StartedRun]], jobs: int, timeout: float) -> Iterator[tuple[int, TrainRun]]:
@@ -221,6 +230,28 @@ _PLACE_FLAGS = {"--output-dir": 1, "--no-progress": 0}
 _PLACE_FIELDS = {"output_dir", "progress", "resume", "keep_checkpoints", "stall_timeout"}
 
 
+def add_results_arguments(parser: argparse.ArgumentParser, stem: str, run_timeout: float) -> None:
+    """The options every accuracy study takes alike: how long one run may take, where the results go (``--out``,
+    hpcdl.persistence.outputs' --refresh-results and --force) and ``--keep`` (see :func:`parse_study_args`)."""
+    parser.add_argument("--run-timeout", type=real(0, low_open=True), default=run_timeout,
+                        help="seconds before a run is killed")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results stem: STEM.json/.png (default: a new folder under runs/bench/; "
+                             f"--refresh-results replaces benchmarks/results/{stem}*)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the finished runs already in STEM.json whose command is the one this study would "
+                             "run now (and add to them); a run made with other settings is refused, naming them")
+    outputs.add_arguments(parser)
+
+
+def parse_study_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments; ``--keep`` adds to named results, never to a new folder nobody will find."""
+    args = parser.parse_args(argv)
+    if args.keep and args.out is None and not args.refresh_results:
+        parser.error("--keep adds to the results at --out: name them (or add --refresh-results for the committed ones)")
+    return args
+
+
 def refuse_changed(out: Path, name: str, recorded: str | Sequence[str], now: str | Sequence[str]) -> None:
     """``--keep``'s UsageError (one line) when run ``name`` kept in ``out``.json was made with other settings than
     the study would use now: a ``--max-steps 2`` trial is never kept as the real study's run."""
@@ -238,9 +269,18 @@ def stopped(program: str, stop: StudyStopped, runs: int, out: Path | None) -> in
     return stop.exit_code
 
 
-def has_mnist(data_dir: Path) -> bool:
-    """Whether ``data_dir`` holds MNIST's training images (hpcdl.fetch_mnist's files, packed or not)."""
-    return any((data_dir / f"train-images-idx3-ubyte{end}").exists() for end in ("", ".gz"))
+def check_mnist(data_dir: Path | None) -> Path:
+    """MNIST's folder (``data_dir``, or hpcdl.fetch_mnist's), read before any run: a missing or incomplete one is a
+    one-line UsageError saying how to fetch it (hpcdl.data reads the files), never a failure of every run."""
+    from hpcdl.data.mnist import load_mnist
+    from hpcdl.tools.fetch_mnist import DEFAULT_OUTPUT
+
+    data_dir = data_dir or DEFAULT_OUTPUT
+    if not data_dir.is_dir():
+        raise UsageError(f"MNIST not found in {data_dir} (no folder); fetch it with: "
+                         f"python -m hpcdl.fetch_mnist --output {data_dir}")
+    load_mnist(data_dir)
+    return data_dir
 
 
 def split_command(command: str | Sequence[str]) -> tuple[dict[str, str], list[str]]:

@@ -45,6 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from figures import figure, save_json  # noqa: E402
+
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
 from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
@@ -218,45 +220,34 @@ def scaling(args: argparse.Namespace) -> dict:
     return result
 
 
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(report: dict, stem: Path) -> None:
     modes = list(report["modes"])
     shape = SHAPES[report["device"]]
     ips = lambda seconds: shape["batch"] / seconds  # noqa: E731
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if not modes:  # the scaling part alone: each backend's images/s on 1 and 2 ranks
-        backends = list(report.get("backends", {}))
-        counts = [n for n in (1, 2) if f"images_per_second_{n}_rank" in report["backends"][backends[0]]]
-        width = 0.8 / len(counts)
-        for k, ranks in enumerate(counts):
-            ax.bar([i + (k - (len(counts) - 1) / 2) * width for i in range(len(backends))],
-                   [report["backends"][b][f"images_per_second_{ranks}_rank"] for b in backends], width,
-                   label=f"{ranks} rank(s)")
-        ax.set_xticks(list(range(len(backends))), [f"--backend {b}" for b in backends])
+    with figure(stem, figsize=(7, 4)) as (_, ax):
+        if not modes:  # the scaling part alone: each backend's images/s on 1 and 2 ranks
+            backends = list(report.get("backends", {}))
+            counts = [n for n in (1, 2) if f"images_per_second_{n}_rank" in report["backends"][backends[0]]]
+            width = 0.8 / len(counts)
+            for k, ranks in enumerate(counts):
+                ax.bar([i + (k - (len(counts) - 1) / 2) * width for i in range(len(backends))],
+                       [report["backends"][b][f"images_per_second_{ranks}_rank"] for b in backends], width,
+                       label=f"{ranks} rank(s)")
+            ax.set_xticks(list(range(len(backends))), [f"--backend {b}" for b in backends])
+            where = "1 thread per rank" if report["device"] == "cpu" else report["device_name"]
+            ax.set_title(f"{shape['model']}, batch {shape['batch']} per rank, {where}")
+        else:
+            x = range(len(modes))
+            ax.bar([i - 0.2 for i in x], [ips(statistics.median(report["modes"][m]["bare_step_seconds"]))
+                                          for m in modes], 0.4, label="bare loop (batch on device)")
+            ax.bar([i + 0.2 for i in x], [ips(statistics.median(report["modes"][m]["hpcdl_step_seconds"]))
+                                          for m in modes], 0.4, label="hpcdl.train")
+            for i, m in zip(x, modes, strict=True):
+                ax.annotate(f"{report['modes'][m]['speed_ratio']:.2f}x", (i + 0.2, 0), ha="center", va="bottom")
+            ax.set_xticks(list(x), modes)
+            ax.set_title(f"{shape['model']}, batch {shape['batch']}, {report['device_name']}")
         ax.set_ylabel("images/s")
-        where = "1 thread per rank" if report["device"] == "cpu" else report["device_name"]
-        ax.set_title(f"{shape['model']}, batch {shape['batch']} per rank, {where}")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        return
-    x = range(len(modes))
-    ax.bar([i - 0.2 for i in x], [ips(statistics.median(report["modes"][m]["bare_step_seconds"])) for m in modes],
-           0.4, label="bare loop (batch on device)")
-    ax.bar([i + 0.2 for i in x], [ips(statistics.median(report["modes"][m]["hpcdl_step_seconds"])) for m in modes],
-           0.4, label="hpcdl.train")
-    for i, m in zip(x, modes, strict=True):
-        ax.annotate(f"{report['modes'][m]['speed_ratio']:.2f}x", (i + 0.2, 0), ha="center", va="bottom")
-    ax.set_xticks(list(x), modes)
-    ax.set_ylabel("images/s")
-    ax.set_title(f"{shape['model']}, batch {shape['batch']}, {report['device_name']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,9 +291,6 @@ def measure(args: argparse.Namespace) -> None:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {me.threads} thread(s)"
     report: dict = {"device": args.device, "device_name": device_name, "steps": args.steps, "rounds": args.rounds,
                     "vcluster": args.vcluster, **SHAPES[args.device], "modes": {}}
-    from hpcdl.persistence.atomic import write_text_atomically
-
-    output = outputs.output_file(stem, ".json")
     with tempfile.TemporaryDirectory() as scratch:
         for mode in args.modes:
             hpcdl_times: list[float] = []
@@ -325,7 +313,7 @@ def measure(args: argparse.Namespace) -> None:
             print(f"{mode:8s} hpcdl.train {batch / statistics.median(hpcdl_times):8.1f} img/s | bare loop "
                   f"{batch / statistics.median(bare_times):8.1f} img/s | hpcdl/bare speed "
                   f"{statistics.median(ratios):.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
-            write_text_atomically(output, json.dumps(report, indent=2) + "\n")  # a run cut short keeps its modes
+            save_json(stem, report, indent=2)  # a run cut short keeps its modes
     if not args.skip_scaling:
         report.update(scaling(args))
         for backend, figures in report["backends"].items():
@@ -338,9 +326,8 @@ def measure(args: argparse.Namespace) -> None:
             ranks = key.split("_")[3]
             print(f"torch/horovod images/s at {ranks} rank{'s' if ranks != '1' else ''}"
                   f"{' with K-FAC' if key.endswith('kfac') else ''}: {report[key]:.3f}")
-    write_text_atomically(output, json.dumps(report, indent=2) + "\n")
-    plot(report, outputs.output_file(stem, ".png"))
-    print(f"wrote {output} and {outputs.output_file(stem, '.png')}")
+    plot(report, stem)
+    print(f"wrote {save_json(stem, report, indent=2)} and {outputs.output_file(stem, '.png')}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ best validation loss, beside the machine's load average.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,12 +21,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from figures import results, table  # noqa: E402
+from figures import results, save_json, table  # noqa: E402
 from studies import check_launch, run_train  # noqa: E402
 
 from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.console import RankZeroParser  # noqa: E402
-from hpcdl.runtime.errors import UsageError, run_main  # noqa: E402
+from hpcdl.runtime.errors import run_main  # noqa: E402
 from hpcdl.runtime.numbers import integer  # noqa: E402
 
 TASK = "examples.transformer_lm:task"
@@ -56,9 +55,7 @@ def train(method: str, args: argparse.Namespace, workdir: Path) -> dict:
     flags = ["--task", TASK, *METHODS[method], "--epochs", str(args.epochs), "--batch-size", "16", "--seed", "1",
              "--target-metric", str(args.target)]
     print(" ".join(flags), flush=True)
-    run = run_train(flags, workdir / method, ranks=args.ranks, timeout=1800)
-    if run.returncode != 0 or run.summary is None:
-        raise UsageError(f"the {method} run failed (exit {run.returncode}): {run.log_tail}")
+    run = run_train(flags, workdir / method, ranks=args.ranks, timeout=1800, required=f"the {method} run")
     summary, rows = run.summary, run.rows
     reached = next((row for row in rows if row["test_loss"] <= args.target), None)
     return dict(flags=METHODS[method], seconds_to_target=summary["time_to_target_seconds"],
@@ -78,10 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method}: validation loss {args.target} in {run['seconds_to_target']} s "
               f"({run['epochs_to_target']} epochs); best {run['best_test_loss']:.3f}")
     load = os.getloadavg()
-    output = outputs.output_file(stem, ".json")
-    output.write_text(json.dumps(dict(task=TASK, ranks=args.ranks, target=args.target, epochs=args.epochs,
-                                      global_batch=16 * args.ranks, load_average=load, cores=os.cpu_count(),
-                                      runs=runs), indent=1) + "\n")
+    output = save_json(stem, dict(task=TASK, ranks=args.ranks, target=args.target, epochs=args.epochs,
+                                  global_batch=16 * args.ranks, load_average=load, cores=os.cpu_count(), runs=runs))
     print(f"wrote {output}")
     return 0
 

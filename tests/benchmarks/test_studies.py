@@ -75,3 +75,18 @@ def test_a_failed_run_keeps_its_one_line_error_and_no_rows(tmp_path: Path) -> No
     run = studies.run_train(["--epochs", "0"], tmp_path / "run", timeout=120)
     assert run.returncode == 2 and run.rows == [] and run.summary is None
     assert "--epochs must be >= 1" in run.log_tail
+    with pytest.raises(UsageError, match=r"^the trial run failed \(exit 2\): .*--epochs must be >= 1"):
+        studies.run_train(["--epochs", "0"], tmp_path / "again", timeout=120, required="the trial run")
+
+
+@pytest.mark.parametrize("state", ["missing", "incomplete"])
+def test_every_mnist_study_refuses_a_missing_or_incomplete_folder_in_one_line(tmp_path: Path, state: str) -> None:
+    """kfac_large_batch, kfac_phases and kfac_traffic only looked for the training images' file: an empty one
+    passed, and every run failed later."""
+    folder = tmp_path / "mnist"
+    if state == "incomplete":
+        folder.mkdir()
+        (folder / "train-images-idx3-ubyte").write_bytes(b"")
+    with pytest.raises(UsageError, match="hpcdl.fetch_mnist") as refused:
+        studies.check_mnist(folder)
+    assert "\n" not in str(refused.value)
