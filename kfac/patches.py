@@ -6,12 +6,19 @@ needs the sum over every patch of a aᵀ. Materialising all patches (``F.unfold`
 their Gram matrix costs ``positions x (C*kh*kw)^2`` multiply-adds, which on a ResNet is several
 times the cost of the convolution itself.
 
-:func:`patch_moment` computes the same sum with about ``kh`` times less work when the vertical
-stride is 1: a patch is ``kh`` rows of ``kw``-wide horizontal pieces, and the product of the
-pieces of row offset ``i1`` and ``i2`` summed over all output rows only depends on the shift
-``i2 - i1`` and the range of input rows, so it is computed once per shift from one Gram over the
-rows shared by every window (plus small corrections for the few rows at the ends).
-Other strides fall back to ``F.unfold``, which the tests also use as the reference.
+:func:`patch_moment` computes the same sum without materialising the patches, exactly:
+
+- *row products* (any stride): a patch is ``kh`` rows of ``kw``-wide horizontal pieces. The block
+  of kernel rows ``i1`` and ``i2`` is a sum, over the padded rows ``r`` that kernel row ``i1``
+  reads, of piece[r] piece[r + dh (i2 - i1)]ᵀ. Each such product depends only on the row and the
+  shift, so one batched product per shift (over all rows at once) gives every row's product, and
+  a 0/1 matrix of which rows each kernel row reads sums them into blocks: every pair of rows is
+  multiplied once, about ``kh/2`` times less work than the Gram of the unfolded patches, in
+  ``kh`` batched products instead of one product per window.
+- *autocorrelation* (stride 1, large inputs): see :func:`_autocorrelation_moment`.
+- 1x1 kernels: the Gram of the (strided) pixels, through ``F.unfold``.
+
+The tests check each against ``F.unfold`` in float64.
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# The autocorrelation's border strips cost a dozen small calls: it beats the row products only on larger
+# inputs (on one CPU core: from about 2^19 input elements for resnet32's layers; benchmarks/kfac_overhead.py).
+_AUTOCORRELATION_MIN_INPUT = 1 << 19
+_PRODUCT_ELEMENTS = 1 << 22  # the largest (rows, width, width) stack of row products kept at once
 
 @dataclass(frozen=True)
 class ConvGeometry:
@@ -78,12 +89,15 @@ def patch_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> Tensor:
 
     ``x`` is the layer input (N, C, H, W); the result is (D, D) with D = C*kh*kw (+1), in x's dtype.
     """
-    if geometry.stride == (1, 1) and geometry.kernel != (1, 1) and _border_share(x, geometry) <= 1 / 3:
-        moment, sums, count = _autocorrelation_moment(x, geometry, with_bias)
-    elif geometry.stride[0] == 1 and geometry.kernel[0] > 1:
-        moment, sums, count = _row_shift_moment(x, geometry, with_bias)
-    else:
+    sums: Tensor | None
+    if geometry.kernel == (1, 1):  # a patch is one pixel: nothing to share between kernel offsets
         moment, sums, count = _unfold_moment(geometry.pad(x), geometry)
+    elif (
+        geometry.stride == (1, 1) and x.numel() >= _AUTOCORRELATION_MIN_INPUT and _border_share(x, geometry) <= 1 / 3
+    ):
+        moment, sums, count = _autocorrelation_moment(x, geometry, with_bias)
+    else:
+        moment, sums, count = _row_gram_moment(x, geometry, with_bias)
     if not with_bias:
         return moment
     assert sums is not None
@@ -122,11 +136,12 @@ def _unfold_moment(padded: Tensor, geometry: ConvGeometry) -> tuple[Tensor, Tens
 
 
 def _row_pieces(x: Tensor, geometry: ConvGeometry) -> Tensor:
-    """pieces[:, q] = the kw-wide horizontal piece at every output column of every example, for padded row q.
+    """pieces[q] = the kw-wide horizontal piece at every output column of every example, for padded row q.
 
-    Shape (C*kw, Hp, N*Wo), features ordered (channel, kernel column). The long axis is innermost
-    so that any range of rows is one strided matrix for the BLAS, without copies. Zero padding is
-    left as the zeros the tensor starts with instead of padding the input first.
+    Shape (Hp, C*kw, N*Wo), features ordered (channel, kernel column): each row is one matrix with
+    the long axis innermost, as a batched product takes it. Zero padding is left as the zeros the
+    tensor starts with instead of padding the input first; any input layout (channels-last too) is
+    read through a view.
     """
     n, c, h, w = x.shape
     (_, kw), (_, sw), (_, dw) = geometry.kernel, geometry.stride, geometry.dilation
@@ -137,67 +152,56 @@ def _row_pieces(x: Tensor, geometry: ConvGeometry) -> Tensor:
         left = right = top = bottom = 0
     hp, wp = h + top + bottom, w + left + right
     _, wo = geometry.output_size(hp, wp)
-    pieces = x.new_empty(c, kw, hp, n, wo)
-    pieces[:, :, :top].zero_()
-    pieces[:, :, top + h :].zero_()
-    by_row = x.permute(1, 2, 0, 3)  # (C, H, N, W), a view
+    pieces = x.new_zeros(hp, c, kw, n, wo)
+    by_row = x.permute(2, 1, 0, 3)  # (H, C, N, W), a view
     for j in range(kw):
         first = j * dw - left  # input column read by output column 0 (negative: inside the padding)
         lo = max(0, min(wo, -(first // sw)))
         hi = max(lo, min(wo, (w - 1 - first) // sw + 1))
-        inside = pieces[:, j, top : top + h]
-        inside[..., :lo].zero_()
-        inside[..., hi:].zero_()
         if lo < hi:
             start = first + sw * lo
-            inside[..., lo:hi] = by_row[..., start : start + sw * (hi - lo - 1) + 1 : sw]
-    return pieces.view(c * kw, hp, n * wo)
+            pieces[top : top + h, :, j, :, lo:hi] = by_row[..., start : start + sw * (hi - lo - 1) + 1 : sw]
+    return pieces.view(hp, c * kw, n * wo)
 
 
-def _row_shift_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tuple[Tensor, Tensor | None, float]:
-    """The patch moment for vertical stride 1, sharing work between kernel rows (see module doc)."""
+def _row_gram_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tuple[Tensor, Tensor | None, float]:
+    """The patch moment from products of padded rows, each pair of rows multiplied once (see module doc)."""
     pieces = _row_pieces(x, geometry)
-    width, hp, _ = pieces.shape
-    (kh, kw), (dh, _) = geometry.kernel, geometry.dilation
+    hp, width, long = pieces.shape
+    (kh, kw), (sh, _), (dh, _) = geometry.kernel, geometry.stride, geometry.dilation
     c = width // kw
-    ho = hp - dh * (kh - 1)
-    n_wo = pieces.shape[2]
+    ho = (hp - dh * (kh - 1) - 1) // sh + 1
+    # windows[i, r] = 1 where kernel row i reads padded row r for some output row.
+    windows = pieces.new_zeros(kh, hp)
+    for i in range(kh):
+        windows[i, dh * i : dh * i + sh * (ho - 1) + 1 : sh] = 1
+    # Rows per batched product: its (rows, width, width) result stays within the moment's size or 16 MiB.
+    chunk = max(kh * kh, _PRODUCT_ELEMENTS // (width * width))
 
-    def rows(lo: int, hi: int) -> Tensor:
-        return pieces[:, lo:hi].reshape(width, -1)
-
-    # blocks[i1, :, i2, :] = Σ over output rows r of pieces[:, r + dh*i1] pieces[:, r + dh*i2]ᵀ.
-    # For one shift i2 - i1 every window [dh*i1, dh*i1 + ho) shares the core rows; only the few
-    # rows at either end differ from window to window.
+    # blocks[i1, :, i2, :] = Σ over output rows t of pieces[sh*t + dh*i1] pieces[sh*t + dh*i2]ᵀ
+    #                      = Σ_r windows[i1, r] pieces[r] pieces[r + dh*(i2 - i1)]ᵀ for i2 >= i1.
     blocks = pieces.new_empty(kh, width, kh, width)
     for shift in range(kh):
-        step = dh * shift
-        windows = kh - shift
-        core_lo, core_hi = dh * (windows - 1), ho
-        has_core = core_lo < core_hi
-        core = rows(core_lo, core_hi) @ rows(core_lo + step, core_hi + step).T if has_core else None
-        for i1 in range(windows):
-            lo, hi = dh * i1, dh * i1 + ho
-            ranges = [(lo, core_lo), (core_hi, hi)] if has_core else [(lo, hi)]
-            block = core
-            for a, b in ranges:
-                if a < b:
-                    part = rows(a, b) @ rows(a + step, b + step).T
-                    block = part if block is None else block + part
-            assert block is not None  # every window has at least one row
-            blocks[i1, :, i1 + shift, :] = block
+        step, used = dh * shift, kh - shift  # kernel rows i1 < used have a partner i1 + shift
+        last = dh * (used - 1) + sh * (ho - 1) + 1  # rows [0, last) hold every window of these kernel rows
+        sums = pieces.new_zeros(used, width * width)
+        for lo in range(0, last, chunk):
+            hi = min(last, lo + chunk)
+            products = torch.bmm(pieces[lo:hi], pieces[lo + step : hi + step].transpose(1, 2))
+            sums.addmm_(windows[:used, lo:hi], products.view(hi - lo, -1))
+        for i1, block in enumerate(sums.view(used, width, width)):
+            blocks[i1, :, i1 + shift] = block
             if shift:
-                blocks[i1 + shift, :, i1, :] = block.T
+                blocks[i1 + shift, :, i1] = block.T
 
     # Reorder features from (kernel row, channel, kernel column) to the weight's (channel, row, column).
     d = c * kh * kw
     moment = blocks.view(kh, c, kw, kh, c, kw).permute(1, 0, 2, 4, 3, 5).reshape(d, d)
-    sums = None
+    sums_a = None
     if with_bias:
-        row_sums = pieces.sum(2)  # (C*kw, Hp)
-        per_row = torch.stack([row_sums[:, dh * i : dh * i + ho].sum(1) for i in range(kh)])  # (kh, C*kw)
-        sums = per_row.view(kh, c, kw).permute(1, 0, 2).reshape(d)
-    return moment, sums, float(ho * n_wo)
+        per_row = windows @ pieces.sum(2)  # (kh, C*kw)
+        sums_a = per_row.view(kh, c, kw).permute(1, 0, 2).reshape(d)
+    return moment, sums_a, float(ho * long)
 
 
 def _outside(size: int, k: int, d: int, pad: int, out: int) -> list[list[int]]:
