@@ -24,6 +24,7 @@ The tests check each against ``F.unfold`` in float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -136,12 +137,12 @@ def _unfold_moment(padded: Tensor, geometry: ConvGeometry) -> tuple[Tensor, Tens
 
 
 def _row_pieces(x: Tensor, geometry: ConvGeometry) -> Tensor:
-    """pieces[q] = the kw-wide horizontal piece at every output column of every example, for padded row q.
+    """pieces[:, q] = the kw-wide horizontal piece at every output column of every example, for padded row q.
 
-    Shape (Hp, C*kw, N*Wo), features ordered (channel, kernel column): each row is one matrix with
-    the long axis innermost, as a batched product takes it. Zero padding is left as the zeros the
-    tensor starts with instead of padding the input first; any input layout (channels-last too) is
-    read through a view.
+    Shape (C*kw, Hp, N*Wo), features ordered (channel, kernel column). The long axis is innermost, so
+    that any range of rows is one strided matrix and each row one matrix of a batch, without copies.
+    Zero padding is left as the zeros the tensor starts with instead of padding the input first; any
+    input layout (channels-last too) is read through a view.
     """
     n, c, h, w = x.shape
     (_, kw), (_, sw), (_, dw) = geometry.kernel, geometry.stride, geometry.dilation
@@ -152,22 +153,28 @@ def _row_pieces(x: Tensor, geometry: ConvGeometry) -> Tensor:
         left = right = top = bottom = 0
     hp, wp = h + top + bottom, w + left + right
     _, wo = geometry.output_size(hp, wp)
-    pieces = x.new_zeros(hp, c, kw, n, wo)
-    by_row = x.permute(2, 1, 0, 3)  # (H, C, N, W), a view
+    pieces = x.new_zeros(c, kw, hp, n, wo)
+    by_row = x.permute(1, 2, 0, 3)  # (C, H, N, W), a view
     for j in range(kw):
         first = j * dw - left  # input column read by output column 0 (negative: inside the padding)
         lo = max(0, min(wo, -(first // sw)))
         hi = max(lo, min(wo, (w - 1 - first) // sw + 1))
         if lo < hi:
             start = first + sw * lo
-            pieces[top : top + h, :, j, :, lo:hi] = by_row[..., start : start + sw * (hi - lo - 1) + 1 : sw]
-    return pieces.view(hp, c * kw, n * wo)
+            pieces[:, j, top : top + h, :, lo:hi] = by_row[..., start : start + sw * (hi - lo - 1) + 1 : sw]
+    return pieces.view(c * kw, hp, n * wo)
+
+
+@cache
+def _weight_order(c: int, kh: int, kw: int, device: torch.device) -> Tensor:
+    """order[f] = the (kernel row, channel, kernel column) position of weight feature f = (channel, row, column)."""
+    return torch.arange(c * kh * kw, device=device).view(kh, c, kw).transpose(0, 1).reshape(-1)
 
 
 def _row_gram_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tuple[Tensor, Tensor | None, float]:
     """The patch moment from products of padded rows, each pair of rows multiplied once (see module doc)."""
     pieces = _row_pieces(x, geometry)
-    hp, width, long = pieces.shape
+    width, hp, long = pieces.shape
     (kh, kw), (sh, _), (dh, _) = geometry.kernel, geometry.stride, geometry.dilation
     c = width // kw
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
@@ -175,32 +182,45 @@ def _row_gram_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tupl
     windows = pieces.new_zeros(kh, hp)
     for i in range(kh):
         windows[i, dh * i : dh * i + sh * (ho - 1) + 1 : sh] = 1
-    # Rows per batched product: its (rows, width, width) result stays within the moment's size or 16 MiB.
+    # Rows per batched product: its (rows, width, width) result stays within kh² rows or 16 MiB.
     chunk = max(kh * kh, _PRODUCT_ELEMENTS // (width * width))
 
-    # blocks[i1, :, i2, :] = Σ over output rows t of pieces[sh*t + dh*i1] pieces[sh*t + dh*i2]ᵀ
-    #                      = Σ_r windows[i1, r] pieces[r] pieces[r + dh*(i2 - i1)]ᵀ for i2 >= i1.
+    def product(lo: int, hi: int, step: int) -> Tensor:
+        """Σ over rows lo..hi-1 of pieces[:, r] pieces[:, r + step]ᵀ: one product with a long inner axis."""
+        return pieces[:, lo:hi].reshape(width, -1) @ pieces[:, lo + step : hi + step].reshape(width, -1).T
+
+    # blocks[i1, :, i2, :] = Σ over output rows t of pieces[:, sh*t + dh*i1] pieces[:, sh*t + dh*i2]ᵀ
+    #                      = Σ_r windows[i1, r] pieces[:, r] pieces[:, r + dh*(i2 - i1)]ᵀ for i2 >= i1.
+    # With vertical stride 1 the rows every window of a shift reads (the core) take one product; the few
+    # rows at either end take one product each, in a batch, and are added to the windows that read them.
     blocks = pieces.new_empty(kh, width, kh, width)
     for shift in range(kh):
         step, used = dh * shift, kh - shift  # kernel rows i1 < used have a partner i1 + shift
         last = dh * (used - 1) + sh * (ho - 1) + 1  # rows [0, last) hold every window of these kernel rows
+        core_lo, core_hi = (dh * (used - 1), ho) if sh == 1 else (0, 0)
+        has_core = core_lo < core_hi
         sums = pieces.new_zeros(used, width * width)
-        for lo in range(0, last, chunk):
-            hi = min(last, lo + chunk)
-            products = torch.bmm(pieces[lo:hi], pieces[lo + step : hi + step].transpose(1, 2))
-            sums.addmm_(windows[:used, lo:hi], products.view(hi - lo, -1))
+        for a, b in [(0, core_lo), (core_hi, last)] if has_core else [(0, last)]:
+            for lo in range(a, b, chunk):
+                hi = min(b, lo + chunk)
+                rows = pieces[:, lo:hi].transpose(0, 1)
+                products = torch.bmm(rows, pieces[:, lo + step : hi + step].permute(1, 2, 0))
+                sums.addmm_(windows[:used, lo:hi], products.view(hi - lo, -1))
+        if has_core:
+            sums += product(core_lo, core_hi, step).view(1, -1)
         for i1, block in enumerate(sums.view(used, width, width)):
             blocks[i1, :, i1 + shift] = block
             if shift:
                 blocks[i1 + shift, :, i1] = block.T
 
-    # Reorder features from (kernel row, channel, kernel column) to the weight's (channel, row, column).
-    d = c * kh * kw
-    moment = blocks.view(kh, c, kw, kh, c, kw).permute(1, 0, 2, 4, 3, 5).reshape(d, d)
+    # Reorder features from (kernel row, channel, kernel column) to the weight's (channel, row, column): two
+    # gathers of whole rows and of columns, several times faster than one six-dimensional permuted copy.
+    order = _weight_order(c, kh, kw, pieces.device)
+    moment = blocks.view(kh * width, kh * width).index_select(0, order).index_select(1, order)
     sums_a = None
     if with_bias:
-        per_row = windows @ pieces.sum(2)  # (kh, C*kw)
-        sums_a = per_row.view(kh, c, kw).permute(1, 0, 2).reshape(d)
+        per_row = pieces.sum(2) @ windows.T  # (C*kw, kh)
+        sums_a = per_row.view(c, kw, kh).permute(0, 2, 1).reshape(-1)
     return moment, sums_a, float(ho * long)
 
 
