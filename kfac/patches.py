@@ -141,8 +141,8 @@ def _row_pieces(x: Tensor, geometry: ConvGeometry) -> Tensor:
 
     Shape (C*kw, Hp, N*Wo), features ordered (channel, kernel column). The long axis is innermost, so
     that any range of rows is one strided matrix and each row one matrix of a batch, without copies.
-    Zero padding is left as the zeros the tensor starts with instead of padding the input first; any
-    input layout (channels-last too) is read through a view.
+    Zero padding is written as zeros in place instead of padding the input first; any input layout
+    (channels-last too) is read through a view.
     """
     n, c, h, w = x.shape
     (_, kw), (_, sw), (_, dw) = geometry.kernel, geometry.stride, geometry.dilation
@@ -153,15 +153,20 @@ def _row_pieces(x: Tensor, geometry: ConvGeometry) -> Tensor:
         left = right = top = bottom = 0
     hp, wp = h + top + bottom, w + left + right
     _, wo = geometry.output_size(hp, wp)
-    pieces = x.new_zeros(c, kw, hp, n, wo)
+    pieces = x.new_empty(c, kw, hp, n, wo)
+    pieces[:, :, :top].zero_()
+    pieces[:, :, top + h :].zero_()
     by_row = x.permute(1, 2, 0, 3)  # (C, H, N, W), a view
     for j in range(kw):
         first = j * dw - left  # input column read by output column 0 (negative: inside the padding)
         lo = max(0, min(wo, -(first // sw)))
         hi = max(lo, min(wo, (w - 1 - first) // sw + 1))
+        inside = pieces[:, j, top : top + h]
+        inside[..., :lo].zero_()
+        inside[..., hi:].zero_()
         if lo < hi:
             start = first + sw * lo
-            pieces[:, j, top : top + h, :, lo:hi] = by_row[..., start : start + sw * (hi - lo - 1) + 1 : sw]
+            inside[..., lo:hi] = by_row[..., start : start + sw * (hi - lo - 1) + 1 : sw]
     return pieces.view(c * kw, hp, n * wo)
 
 
