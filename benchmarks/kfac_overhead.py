@@ -325,7 +325,7 @@ def conv_statistics(args: argparse.Namespace) -> None:
         ratio = statistics.median(b / t for b, t in zip(seconds["baseline"][1:], seconds["this"][1:], strict=True))
         ms = {k: 1e3 * statistics.median(v[1:]) for k, v in seconds.items()}
         print(f"{name} batch {batch}: conv A statistics {ms['baseline']:.1f} ms (baseline) -> {ms['this']:.1f} ms, "
-              f"{ratio:.2f}x faster (median of {args.rounds} interleaved rounds, {args.threads} thread(s))")
+              f"baseline/this {ratio:.2f} (median of {args.rounds} interleaved rounds, {args.threads} thread(s))")
 
 
 def set_tf32(args: argparse.Namespace) -> None:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # The autocorrelation's border strips cost a dozen small calls: it beats the row products only on larger
-# inputs (on one CPU core: from about 2^19 input elements for resnet32's layers; benchmarks/kfac_overhead.py).
-_AUTOCORRELATION_MIN_INPUT = 1 << 19
+# inputs (on one CPU core, 3x3 kernels with 16 to 128 channels: from 2^17 to 2^19 input elements).
+_AUTOCORRELATION_MIN_INPUT = 1 << 18
 _PRODUCT_ELEMENTS = 1 << 22  # the largest (rows, width, width) stack of row products kept at once
 
 @dataclass(frozen=True)
