@@ -11,10 +11,10 @@ times the cost of the convolution itself.
 - *row products* (any stride): a patch is ``kh`` rows of ``kw``-wide horizontal pieces. The block
   of kernel rows ``i1`` and ``i2`` is a sum, over the padded rows ``r`` that kernel row ``i1``
   reads, of piece[r] piece[r + dh (i2 - i1)]ᵀ. Each such product depends only on the row and the
-  shift, so one batched product per shift (over all rows at once) gives every row's product, and
-  a 0/1 matrix of which rows each kernel row reads sums them into blocks: every pair of rows is
-  multiplied once, about ``kh/2`` times less work than the Gram of the unfolded patches, in
-  ``kh`` batched products instead of one product per window.
+  shift, so every pair of rows is multiplied once: the rows all windows of a shift read in one
+  product with a long inner axis, the rows at the ends in one batched product, summed into their
+  windows by a 0/1 matrix. About ``kh`` times fewer multiply-adds than the Gram of the unfolded
+  patches, a few products per kernel row and no loop over positions.
 - *autocorrelation* (stride 1, large inputs): see :func:`_autocorrelation_moment`.
 - 1x1 kernels: the Gram of the (strided) pixels, through ``F.unfold``.
 
