@@ -187,7 +187,7 @@ def _row_gram_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tupl
     windows = pieces.new_zeros(kh, hp)
     for i in range(kh):
         windows[i, dh * i : dh * i + sh * (ho - 1) + 1 : sh] = 1
-    # Rows per batched product: its (rows, width, width) result stays within kh² rows or 16 MiB.
+    # Rows per batched product: its (rows, width, width) result stays within 16 MiB (or kh² rows, if more).
     chunk = max(kh * kh, _PRODUCT_ELEMENTS // (width * width))
 
     def product(lo: int, hi: int, step: int) -> Tensor:
