@@ -294,6 +294,40 @@ def profile(args: argparse.Namespace, stepper: Stepper, period: int) -> None:
     print(table)
 
 
+def conv_statistics(args: argparse.Namespace) -> None:
+    """--conv-statistics: every Conv2d layer's A statistics (the hooks' work) of this checkout against --baseline's,
+    alternating pass by pass over the layers; prints the median of the per-round ratios."""
+    from hpcdl.training.models import build_model as hpcdl_model
+
+    torch.set_num_threads(args.threads)
+    packages = {"this": import_kfac(None), "baseline": import_kfac(args.baseline)}
+    for spec in args.conv_statistics.split():
+        name, batch = spec.split(":")
+        channels, size = (1, 28) if name.startswith("mnist") else (3, 32)
+        model = hpcdl_model(name, num_classes=10, in_channels=channels)
+        convs = {k: [layer for layer in p.layers.find_layers(model) if isinstance(layer, p.layers.Conv2dLayer)]
+                 for k, p in packages.items()}
+        inputs: list[torch.Tensor] = []
+        hooks = [layer.module.register_forward_hook(lambda m, i, o, seen=inputs: seen.append(i[0]))
+                 for layer in convs["this"]]
+        with torch.no_grad():
+            model(torch.randn(int(batch), channels, size, size))
+        for hook in hooks:
+            hook.remove()
+        seconds: dict[str, list[float]] = {k: [] for k in packages}
+        for _ in range(args.rounds + 1):  # the first round warms up and is left out
+            for k, layers in convs.items():
+                start = time.perf_counter()
+                with torch.no_grad():
+                    for layer, x in zip(layers, inputs, strict=True):
+                        layer.a_moment(x)
+                seconds[k].append(time.perf_counter() - start)
+        ratio = statistics.median(b / t for b, t in zip(seconds["baseline"][1:], seconds["this"][1:], strict=True))
+        ms = {k: 1e3 * statistics.median(v[1:]) for k, v in seconds.items()}
+        print(f"{name} batch {batch}: conv A statistics {ms['baseline']:.1f} ms (baseline) -> {ms['this']:.1f} ms, "
+              f"baseline/this {ratio:.2f} (median of {args.rounds} interleaved rounds, {args.threads} thread(s))")
+
+
 def set_tf32(args: argparse.Namespace) -> None:
     """The training script's own choice on a GPU: TF32 for its float32 matmuls and convolutions."""
     if args.device == "cuda":
@@ -430,6 +464,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kfac-pytorch", type=Path, default=None,
                         help="kfac-pytorch's checkout or install site: a contender beside ours (no install needed)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler table for (1, 10)")
+    parser.add_argument("--conv-statistics", metavar="MODEL:BATCH ...", default=None,
+                        help="instead: time each conv layer's A statistics against --baseline's, e.g. "
+                             "'resnet32:4 mnist_cnn:256' (prints only)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
                              "--refresh-results replaces benchmarks/results/kfac_overhead*)")
@@ -447,6 +484,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--kfac-pytorch: {error}")
     if args.memory_of is not None:
         memory_child(args)
+        return
+    if args.conv_statistics is not None:
+        if args.baseline is None:
+            parser.error("--conv-statistics needs --baseline DIR (a checkout whose kfac/ it is compared with)")
+        conv_statistics(args)
         return
     suffix = "" if args.device == "cpu" else "_cuda"
     args.out = outputs.results_stem(args.out, f"kfac_overhead{suffix}", (".json", ".csv", ".png"),

@@ -55,3 +55,18 @@ def test_the_phases_hold_k_fac_s_extra_time(study: Any, monkeypatch) -> None:
     assert phases["statistics"] >= 2 * len(kfac.pre.layers) * 50  # ms per step: every hook's sleep
     assert abs(phases["hooks and the rest"]) < 0.2 * extra
     assert set(entry["phases"]) == set(study.PHASES)
+
+
+def test_conv_statistics_times_every_conv_layer_of_both_packages(study: Any, capsys) -> None:
+    """--conv-statistics runs each package's a_moment on every conv layer's real input and prints one line per
+    model; without --baseline it stops with a one-line usage error before measuring."""
+    from pathlib import Path
+
+    from hpcdl.runtime.errors import UsageError
+
+    repo = Path(__file__).resolve().parents[2]
+    study.main(["--conv-statistics", "mnist_cnn:2", "--rounds", "1", "--threads", "1", "--baseline", str(repo)])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("mnist_cnn batch 2: conv A statistics") and "baseline/this" in line
+    with pytest.raises(UsageError, match="--conv-statistics needs --baseline"):
+        study.main(["--conv-statistics", "mnist_cnn:2"])

@@ -10,7 +10,7 @@ from torch import nn
 from kfac.patches import (
     ConvGeometry,
     _autocorrelation_moment,
-    _row_shift_moment,
+    _row_gram_moment,
     bordered_moment,
     conv_patches,
     patch_moment,
@@ -67,11 +67,9 @@ def test_each_fast_method_matches_unfold_where_it_applies(case: dict, mode: str)
         pytest.skip("reflect padding must be smaller than the image")
     x = torch.randn(2, 3, 9, 11, dtype=torch.float64)
     want = _unfold_reference(x, conv, True)
-    methods = []
+    methods = [_row_gram_moment]
     if geometry.stride == (1, 1):
         methods.append(_autocorrelation_moment)
-    if geometry.stride[0] == 1 and geometry.kernel[0] > 1:
-        methods.append(_row_shift_moment)
     for method in methods:
         got = bordered_moment(*method(x, geometry, True))
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=method.__name__)
@@ -157,3 +155,84 @@ def test_an_unknown_conv_approximation_is_refused() -> None:
 
     with pytest.raises(ValueError, match="expand"):
         Conv2dLayer("c", nn.Conv2d(1, 1, 3), "average")
+
+
+def _dense_moment(x: torch.Tensor, conv: nn.Conv2d, with_bias: bool) -> torch.Tensor:
+    """Σ a aᵀ in float64, one explicit outer product per patch (patches cut out of the padded input by slicing)."""
+    geometry = ConvGeometry.of(conv)
+    padded = F.pad(x.double(), geometry.padding, mode=geometry.padding_mode)
+    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+    ho, wo = geometry.output_size(*padded.shape[-2:])
+    d = x.shape[1] * kh * kw + int(with_bias)
+    total = torch.zeros(d, d, dtype=torch.float64)
+    for t in range(ho):
+        for u in range(wo):
+            window = padded[:, :, sh * t : sh * t + dh * (kh - 1) + 1 : dh, sw * u : sw * u + dw * (kw - 1) + 1 : dw]
+            a = window.reshape(x.shape[0], -1)
+            if with_bias:
+                a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1)
+            total += torch.einsum("ni,nj->ij", a, a)
+    return total
+
+
+LAYER_CASES = [
+    dict(kernel_size=3, padding=1),
+    dict(kernel_size=3, stride=2, padding=1),
+    dict(kernel_size=1),
+    dict(kernel_size=1, stride=2),
+    dict(kernel_size=5),
+    dict(kernel_size=3, padding=2, dilation=2),
+    dict(kernel_size=(3, 5), stride=(2, 1), padding=(0, 2)),
+    dict(kernel_size=3, padding=1, padding_mode="reflect"),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: "-".join(f"{k[0]}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_layer_a_statistics_match_explicit_outer_products(case: dict, bias: bool, channels_last: bool) -> None:
+    """Conv2dLayer's A statistics in float32 (whichever method it picks) against float64 outer products."""
+    from kfac.layers import Conv2dLayer
+
+    torch.manual_seed(3)
+    conv = nn.Conv2d(4, 6, bias=bias, **case)
+    x = torch.randn(3, 4, 10, 9)
+    if channels_last:
+        conv, x = conv.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    moment, count = Conv2dLayer("c", conv).a_moment(x)
+    want = _dense_moment(x, conv, bias)
+    assert count == 3 and moment.dtype == torch.float32
+    torch.testing.assert_close(moment.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("chunk", [1, 1 << 22])
+def test_row_products_in_chunks_of_rows_add_up_to_the_same_moment(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small product budget splits the rows into several batched products (bounded memory); the sum is the same."""
+    import kfac.patches as patches
+
+    monkeypatch.setattr(patches, "_PRODUCT_ELEMENTS", chunk)
+    torch.manual_seed(4)
+    conv = nn.Conv2d(3, 2, 3, padding=1, dilation=(2, 1)).double()
+    x = torch.randn(2, 3, 14, 7, dtype=torch.float64)
+    got = bordered_moment(*_row_gram_moment(x, ConvGeometry.of(conv), True))
+    torch.testing.assert_close(got, _dense_moment(x, conv, True), rtol=1e-10, atol=1e-10)
+
+
+def test_a_large_input_takes_the_autocorrelation_and_a_small_one_the_row_products(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Which method patch_moment picks, and that both give the dense moment (float64, a ResNet-shaped layer)."""
+    import kfac.patches as patches
+
+    called: list[str] = []
+    for name in ("_autocorrelation_moment", "_row_gram_moment"):
+        method = getattr(patches, name)
+        monkeypatch.setattr(patches, name, lambda *a, _m=method, _n=name: called.append(_n) or _m(*a))
+    torch.manual_seed(5)
+    conv = nn.Conv2d(16, 16, 3, padding=1).double()
+    geometry = ConvGeometry.of(conv)
+    large = torch.randn(patches._AUTOCORRELATION_MIN_INPUT // (16 * 16 * 16), 16, 16, 16, dtype=torch.float64)
+    for x in (large, large[:2]):
+        torch.testing.assert_close(patch_moment(x, geometry, True), _unfold_reference(x, conv, True),
+                                   rtol=1e-10, atol=1e-8)
+    assert called == ["_autocorrelation_moment", "_row_gram_moment"]
