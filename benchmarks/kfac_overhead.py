@@ -296,9 +296,13 @@ def profile(args: argparse.Namespace, stepper: Stepper, period: int) -> None:
 
 def conv_statistics(args: argparse.Namespace) -> None:
     """--conv-statistics: every Conv2d layer's A statistics (the hooks' work) of this checkout against --baseline's,
-    alternating pass by pass over the layers; prints the median of the per-round ratios."""
+    alternating pass by pass over the layers; the median of the per-round ratios, printed and saved (--out, or
+    benchmarks/results/kfac_conv_statistics.json with --refresh-results)."""
     from hpcdl.training.models import build_model as hpcdl_model
 
+    stem = outputs.results_stem(args.out, "kfac_conv_statistics", (".json",), refresh_results=args.refresh_results,
+                                force=args.force, flag="--out")
+    load, rows = os.getloadavg(), []
     torch.set_num_threads(args.threads)
     packages = {"this": import_kfac(None), "baseline": import_kfac(args.baseline)}
     for spec in args.conv_statistics.split():
@@ -326,6 +330,10 @@ def conv_statistics(args: argparse.Namespace) -> None:
         ms = {k: 1e3 * statistics.median(v[1:]) for k, v in seconds.items()}
         print(f"{name} batch {batch}: conv A statistics {ms['baseline']:.1f} ms (baseline) -> {ms['this']:.1f} ms, "
               f"baseline/this {ratio:.2f} (median of {args.rounds} interleaved rounds, {args.threads} thread(s))")
+        rows.append(dict(model=name, batch=int(batch), baseline_ms=ms["baseline"], this_ms=ms["this"], speedup=ratio))
+    report = dict(threads=args.threads, rounds=args.rounds, baseline=str(args.baseline), torch=torch.__version__,
+                  load_average_at_start=load, rows=rows)
+    print(f"wrote {save_json(stem, report, indent=2)}")
 
 
 def set_tf32(args: argparse.Namespace) -> None:
@@ -466,7 +474,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="torch.profiler table for (1, 10)")
     parser.add_argument("--conv-statistics", metavar="MODEL:BATCH ...", default=None,
                         help="instead: time each conv layer's A statistics against --baseline's, e.g. "
-                             "'resnet32:4 mnist_cnn:256' (prints only)")
+                             "'resnet32:4 mnist_cnn:256'")
     parser.add_argument("--out", type=Path, default=None,
                         help="results stem: STEM.json/.csv/.png (default: a new folder under runs/bench/; "
                              "--refresh-results replaces benchmarks/results/kfac_overhead*)")
@@ -576,7 +584,17 @@ def _table() -> str:
                   "the previous kfac / SGD", "target"], rows)
 
 
-FIGURES = {"overhead.ratios": lambda: " / ".join(times(_at(f, i)["ratio"]) for f, i in FREQUENCIES),
+def _conv_speedups() -> str:
+    rows = results("kfac_conv_statistics")["rows"]
+    resnet = [r for r in rows if r["model"] == "resnet32"]
+    others = "".join(f", {times(r['speedup'])} on {r['model']}'s {r['batch']} examples" for r in rows
+                     if r["model"] != "resnet32")
+    return (" / ".join(times(r["speedup"]) for r in resnet) + " at batch " + " / ".join(str(r["batch"]) for r in resnet)
+            + f" on resnet32{others} ({results('kfac_conv_statistics')['threads']} thread)")
+
+
+FIGURES = {"overhead.conv_statistics": _conv_speedups,
+           "overhead.ratios": lambda: " / ".join(times(_at(f, i)["ratio"]) for f, i in FREQUENCIES),
            "overhead.10_10": lambda: times(_at(10, 10)["ratio"]), "overhead.table": _table}
 
 

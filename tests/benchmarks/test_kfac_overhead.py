@@ -57,16 +57,20 @@ def test_the_phases_hold_k_fac_s_extra_time(study: Any, monkeypatch) -> None:
     assert set(entry["phases"]) == set(study.PHASES)
 
 
-def test_conv_statistics_times_every_conv_layer_of_both_packages(study: Any, capsys) -> None:
-    """--conv-statistics runs each package's a_moment on every conv layer's real input and prints one line per
-    model; without --baseline it stops with a one-line usage error before measuring."""
+def test_conv_statistics_times_every_conv_layer_of_both_packages(study: Any, capsys, tmp_path) -> None:
+    """--conv-statistics runs each package's a_moment on every conv layer's real input, prints one line per
+    model and saves the rows; without --baseline it stops with a one-line usage error before measuring."""
+    import json
     from pathlib import Path
 
     from hpcdl.runtime.errors import UsageError
 
     repo = Path(__file__).resolve().parents[2]
-    study.main(["--conv-statistics", "mnist_cnn:2", "--rounds", "1", "--threads", "1", "--baseline", str(repo)])
-    line = capsys.readouterr().out.strip().splitlines()[-1]
+    study.main(["--conv-statistics", "mnist_cnn:2", "--rounds", "1", "--threads", "1", "--baseline", str(repo),
+                "--out", str(tmp_path / "conv")])
+    line = capsys.readouterr().out.strip().splitlines()[-2]
     assert line.startswith("mnist_cnn batch 2: conv A statistics") and "baseline/this" in line
+    [row] = json.loads((tmp_path / "conv.json").read_text())["rows"]
+    assert (row["model"], row["batch"]) == ("mnist_cnn", 2) and row["speedup"] > 0
     with pytest.raises(UsageError, match="--conv-statistics needs --baseline"):
         study.main(["--conv-statistics", "mnist_cnn:2"])
