@@ -1,12 +1,15 @@
-"""Running Kronecker factors, and how a batch's statistics travel between ranks.
+"""Running Kronecker factors: a batch's statistics, how they travel between ranks, how they enter the factors.
 
 Each rank adds up Σ a aᵀ and Σ g gᵀ over its own batch. One flat buffer per layer carries the
 upper triangles of both sums and their counts; summed over all ranks it gives the global batch
 average however the batch was split, which is why a 4-rank run equals a 1-rank run.
+RunningFactors averages each step's batch factors into the running ones, leaving out on the device
+a batch that is not finite or a step the optimizer skips.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -88,6 +91,15 @@ class BatchStatistics:
             g_count=sum((p.g_count for p in parts[1:]), first.g_count),
         )
 
+    def averages(self, loss_scale: float | Tensor) -> tuple[Tensor, Tensor] | None:
+        """This batch's factors, Σ a aᵀ / count and Σ g gᵀ / (count · scale²) with the loss scale's square
+        divided out of G; None when counts known on the host say nothing ran (device counts of 0 give 0/0,
+        which the update leaves out as not finite)."""
+        if not isinstance(self.a_count, Tensor) and (self.a_count == 0 or self.g_count == 0):
+            return None
+        scale = loss_scale.to(self.g_sum.device) ** 2 if isinstance(loss_scale, Tensor) else loss_scale**2
+        return self.a_sum / self.a_count, self.g_sum / (self.g_count * scale)
+
     @staticmethod
     def empty_buffer(a_dim: int, g_dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A rank whose layer saw no data this step still joins the allreduce, with zero counts."""
@@ -114,3 +126,73 @@ def masked_running_averages(olds: list[Tensor], news: list[Tensor], decay: float
         mixed = torch.mul(old, decay).add_(new, alpha=1.0 - decay)
         averaged.append(torch.where(k, old, mixed, out=mixed))
     return averaged
+
+
+Batch = tuple[int, Tensor, Tensor]  # (layer, A of this batch, G of this batch)
+
+
+class RunningFactors:
+    """Per layer, the running factors ``a`` and ``g`` (None until the layer's first usable batch), and
+    ``skipped``: the layer updates left out so far, a count on the device (None before the first update).
+
+    The lists are updated in place, item by item (a factor is replaced, never mutated: a decomposition
+    may still read the old one), so a reference to them stays current.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.a: list[Tensor | None] = [None] * n
+        self.g: list[Tensor | None] = [None] * n
+        self.skipped: Tensor | None = None
+
+    def update(self, summed: Mapping[int, BatchStatistics], decay: float, loss_scale: float | Tensor,
+               found_inf: Tensor | None) -> None:
+        """F ← ξF + (1−ξ)F_batch for every layer in ``summed`` (this step's statistics, by layer) whose batch
+        factors are usable: finite, and ``found_inf`` (when given) not saying the optimizer skips this step."""
+        batches: list[Batch] = []
+        for index in sorted(summed):
+            averages = summed[index].averages(loss_scale)
+            if averages is not None:
+                batches.append((index, *averages))
+        if batches:
+            self._average(batches, decay, found_inf)
+
+    def _average(self, batches: list[Batch], decay: float, found_inf: Tensor | None) -> None:
+        """The verdicts are decided on the device (usable) and the old factors selected with torch.where, so
+        nothing is read back to the host, except once for a layer's first factors (whether it has factors at
+        all decides which layers are decomposed, on the host)."""
+        ok = usable(batches, found_inf)
+        keep = [~verdict for verdict in ok]
+        old = [(k, b) for k, b in enumerate(batches) if self.a[b[0]] is not None]
+        for factors, side in ((self.a, 1), (self.g, 2)):
+            olds = [factors[b[0]] for _, b in old]
+            news = [b[side] for _, b in old]
+            averaged = masked_running_averages(olds, news, decay, [keep[k] for k, _ in old])  # type: ignore[arg-type]
+            for (_, b), factor in zip(old, averaged, strict=False):
+                factors[b[0]] = factor
+        first = [(k, b) for k, b in enumerate(batches) if self.a[b[0]] is None]
+        if first:
+            verdicts = torch.stack([ok[k].to(ok[0].device) for k, _ in first]).tolist()  # the one host read
+            for (_, (index, a_batch, g_batch)), fine in zip(first, verdicts, strict=False):
+                if fine:
+                    self.a[index], self.g[index] = a_batch, g_batch
+        skipped = torch.stack([k.to(keep[0].device) for k in keep]).sum()
+        self.skipped = skipped if self.skipped is None else self.skipped + skipped
+
+
+def usable(batches: list[Batch], found_inf: Tensor | None) -> list[Tensor]:
+    """Per batch, a 0-dim boolean on its device: both factors finite and the step not skipped.
+
+    The max-norm of a tensor is finite exactly when every entry is (NaN propagates), and unlike
+    a sum it cannot overflow; torch._foreach_norm computes all of them in a few fused kernels.
+    """
+    norms = torch._foreach_norm([t for _, a, g in batches for t in (a, g)], float("inf"))
+    if len({n.device for n in norms}) == 1:
+        finite = torch.isfinite(torch.stack(norms)).view(-1, 2).all(1)
+        if found_inf is not None:
+            finite &= found_inf.to(finite.device).reshape(()) == 0
+        return list(finite.unbind(0))
+    # layers on several devices (model parallel): one verdict per layer where it lives
+    verdicts = [torch.isfinite(norms[2 * k]) & torch.isfinite(norms[2 * k + 1]) for k in range(len(batches))]
+    if found_inf is None:
+        return verdicts
+    return [ok & (found_inf.to(ok.device).reshape(()) == 0) for ok in verdicts]

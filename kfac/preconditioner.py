@@ -13,9 +13,10 @@ by the KL clip. Gradients are expected to be the same on every rank already (Hor
 DistributedOptimizer after ``synchronize()``). docs/kfac.md has the conventions and defaults.
 
 This module orders the work; each part has a module of its own: the settings (kfac.options), the statistics'
-exchange (kfac.exchange), the decomposition methods (kfac.methods), sharing within rank groups (kfac.sharing),
-the decompositions held and the directions computed with them (kfac.held), late decompositions (kfac.late), the
-checkpoint (kfac.checkpoint) and the phase timings (kfac.timing).
+exchange (kfac.exchange), the running factors and their update (kfac.factors), the decomposition methods
+(kfac.methods), sharing within rank groups (kfac.sharing), the decompositions held and the directions computed
+with them (kfac.held), late decompositions (kfac.late), the checkpoint (kfac.checkpoint) and the phase timings
+(kfac.timing).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kfac.comm import Communicator
 from kfac.decompose import Recoveries, Results
 from kfac.default_comm import default_communicator
 from kfac.exchange import StatisticsExchange
-from kfac.factors import masked_running_averages
+from kfac.factors import RunningFactors
 from kfac.held import HeldDecompositions
 from kfac.late import LateDecompositions
 from kfac.layers import KFACLayer, SkipSpec, find_layers
@@ -157,7 +158,6 @@ class KFACPreconditioner:
         # Decompositions that needed a recovery, by kind (solve.RECOVERIES), on the rank that computed them.
         self.eigen_recoveries: dict[str, int] = {kind: 0 for kind in solve.RECOVERIES}
         self._warned_recovery = False
-        self._skipped_updates: Tensor | None = None  # on the device: layer factor updates left out
         self._late = LateDecompositions()
         self._sources = Sources()  # what the decompositions came from: a checkpoint saves it (kfac.checkpoint)
         self._restoring: KFACState | None = None  # loaded, its decompositions recomputed at the next step()
@@ -183,8 +183,7 @@ class KFACPreconditioner:
         self._receiver_block = self.comm.groups(self.assignment.receiver_blocks())
 
         n = len(self.layers)
-        self.a_factors: list[Tensor | None] = [None] * n
-        self.g_factors: list[Tensor | None] = [None] * n
+        self._factors = RunningFactors(n)
         self._held = HeldDecompositions(n, self._method)
         passes = options.backward_passes_per_step
         per_example = float(passes) if options.loss_reduction == "mean" else 0.0
@@ -234,6 +233,16 @@ class KFACPreconditioner:
         self.steps += 1
 
     @property
+    def a_factors(self) -> list[Tensor | None]:
+        """Per layer, the running factor A (None until the layer's first usable statistics)."""
+        return self._factors.a
+
+    @property
+    def g_factors(self) -> list[Tensor | None]:
+        """Per layer, the running factor G (None until the layer's first usable statistics)."""
+        return self._factors.g
+
+    @property
     def statistics_in_forward(self) -> float:
         """The seconds of ``timings['statistics']`` that ran inside forward (the rest ran in backward)."""
         return self._timer.in_forward
@@ -251,7 +260,7 @@ class KFACPreconditioner:
     def stats(self) -> dict[str, Any]:
         """Counters for logs: decompositions recovered by kind, and factor updates left out (skipped
         or non-finite steps, summed over layers). Reading them waits for the device."""
-        skipped = 0 if self._skipped_updates is None else int(self._skipped_updates)
+        skipped = 0 if self._factors.skipped is None else int(self._factors.skipped)
         stats: dict[str, Any] = {"eigen_recoveries": dict(self.eigen_recoveries), "skipped_factor_updates": skipped}
         if isinstance(self._method, Newton):  # warm and cold starts, their steps, Cholesky fallbacks on this rank
             stats["newton"] = dict(self._method.counts)
@@ -327,8 +336,7 @@ class KFACPreconditioner:
         self._exchange.add(index, stats)
 
     def _update_factors(self, step: int, found_inf: Tensor | None) -> None:
-        decay = _value(self.options.factor_decay, step)
-        loss_scale = self._loss_scale()
+        """Sum this step's statistics over the ranks and average them into the running factors (kfac.factors)."""
         if self.comm.size > 1:
             with self._timer.phase("factor_reduction"):
                 self._exchange.reduce()
@@ -340,47 +348,9 @@ class KFACPreconditioner:
                 stacklevel=3,
             )
         summed = self._exchange.take()
-        batches: list[tuple[int, Tensor, Tensor]] = []  # (layer, A of this batch, G of this batch)
-        for index in range(len(self.layers)):
-            self._captures[index].new_step()
-            stats = summed.get(index)
-            if stats is None:
-                continue
-            if not isinstance(stats.a_count, Tensor) and (stats.a_count == 0 or stats.g_count == 0):
-                continue  # counts known on the host: nothing ran. Device counts of 0 give 0/0 below, masked.
-            scale = loss_scale.to(stats.g_sum.device) ** 2 if isinstance(loss_scale, Tensor) else loss_scale**2
-            batches.append((index, stats.a_sum / stats.a_count, stats.g_sum / (stats.g_count * scale)))
-        if batches:
-            self._average_into_factors(batches, decay, found_inf)
-
-    def _average_into_factors(
-        self, batches: list[tuple[int, Tensor, Tensor]], decay: float, found_inf: Tensor | None
-    ) -> None:
-        """F ← ξF + (1−ξ)F_batch for every layer whose batch factors are usable, decided on the device.
-
-        A batch is left out when it is not finite (an fp16 overflow, a layer no rank ran: 0/0) or
-        when ``found_inf`` says the optimizer skips this step. One fused max-norm over all layers
-        gives the verdicts; the old factors are selected with torch.where, so nothing is read back
-        to the host, except once for a layer's first factors (whether it has factors at all decides
-        which layers are decomposed, on the host).
-        """
-        usable = _usable(batches, found_inf)
-        keep = [~ok for ok in usable]
-        old = [(k, b) for k, b in enumerate(batches) if self.a_factors[b[0]] is not None]
-        for factors, side in ((self.a_factors, 1), (self.g_factors, 2)):
-            olds = [factors[b[0]] for _, b in old]
-            news = [b[side] for _, b in old]
-            averaged = masked_running_averages(olds, news, decay, [keep[k] for k, _ in old])  # type: ignore[arg-type]
-            for (_, b), factor in zip(old, averaged, strict=False):
-                factors[b[0]] = factor
-        first = [(k, b) for k, b in enumerate(batches) if self.a_factors[b[0]] is None]
-        if first:
-            verdicts = torch.stack([usable[k].to(usable[0].device) for k, _ in first]).tolist()  # the one host read
-            for (_, (index, a_batch, g_batch)), ok in zip(first, verdicts, strict=False):
-                if ok:
-                    self.a_factors[index], self.g_factors[index] = a_batch, g_batch
-        skipped = torch.stack([k.to(keep[0].device) for k in keep]).sum()
-        self._skipped_updates = skipped if self._skipped_updates is None else self._skipped_updates + skipped
+        for capture in self._captures:
+            capture.new_step()
+        self._factors.update(summed, _value(self.options.factor_decay, step), self._loss_scale(), found_inf)
 
     def _loss_scale(self) -> float | Tensor:
         """The GradScaler's current scale, as the tensor it keeps on the device (no host read)."""
@@ -510,21 +480,3 @@ class KFACPreconditioner:
         dtype = next(iter(grads.values())).dtype if grads else self.layers[0].dtype
         self._sharing.directions(block, self.assignment, grads, directions, dtype)
 
-
-def _usable(batches: list[tuple[int, Tensor, Tensor]], found_inf: Tensor | None) -> list[Tensor]:
-    """Per batch, a 0-dim boolean on its device: both factors finite and the step not skipped.
-
-    The max-norm of a tensor is finite exactly when every entry is (NaN propagates), and unlike
-    a sum it cannot overflow; torch._foreach_norm computes all of them in a few fused kernels.
-    """
-    norms = torch._foreach_norm([t for _, a, g in batches for t in (a, g)], float("inf"))
-    if len({n.device for n in norms}) == 1:
-        finite = torch.isfinite(torch.stack(norms)).view(-1, 2).all(1)
-        if found_inf is not None:
-            finite &= found_inf.to(finite.device).reshape(()) == 0
-        return list(finite.unbind(0))
-    # layers on several devices (model parallel): one verdict per layer where it lives
-    verdicts = [torch.isfinite(norms[2 * k]) & torch.isfinite(norms[2 * k + 1]) for k in range(len(batches))]
-    if found_inf is None:
-        return verdicts
-    return [ok & (found_inf.to(ok.device).reshape(()) == 0) for ok in verdicts]
