@@ -1,10 +1,11 @@
-"""Triangle packing, per-step statistics and running averages."""
+"""Triangle packing, per-step statistics, running averages and the factor update."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kfac.factors import BatchStatistics, pack_upper, running_average, unpack_upper, upper_size
+from kfac.factors import BatchStatistics, RunningFactors, pack_upper, running_average, unpack_upper, upper_size, usable
 
 
 def _sym(n: int) -> torch.Tensor:
@@ -38,3 +39,62 @@ def test_running_average_starts_with_the_first_batch() -> None:
     average = running_average(None, first, 0.9)
     assert average is not first and torch.equal(average, first)
     torch.testing.assert_close(running_average(average, second, 0.9), torch.full((2, 2), 0.9 + 0.1 * 3.0))
+
+
+def _stats(seed: int, count: float | torch.Tensor = 4.0, poison: float | None = None) -> BatchStatistics:
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(3, 3, generator=g), torch.randn(2, 2, generator=g)
+    a, b = a @ a.T, b @ b.T
+    if poison is not None:
+        b[1, 0] = poison
+    return BatchStatistics(a, count, b, count)
+
+
+def test_running_factors_average_usable_batches_and_leave_out_the_others() -> None:
+    decay, factors = 0.75, RunningFactors(2)
+    s0, s1 = _stats(0), _stats(1, poison=float("nan"))
+    factors.update({0: s0, 1: s1}, decay, 1.0, None)
+    torch.testing.assert_close(factors.a[0], s0.a_sum / 4)
+    torch.testing.assert_close(factors.g[0], s0.g_sum / 4)
+    assert factors.a[1] is None and factors.g[1] is None  # a non-finite first batch starts nothing
+    assert int(factors.skipped) == 1
+
+    a0, g0 = factors.a[0], factors.g[0]
+    before = a0.clone()
+    s0, s1 = _stats(2, count=2.0), _stats(3)
+    factors.update({0: s0, 1: s1}, decay, 2.0, None)  # a loss scale of 2: G is divided by 2² as well
+    torch.testing.assert_close(factors.a[0], decay * before + (1 - decay) * s0.a_sum / 2)
+    torch.testing.assert_close(factors.g[0], decay * g0 + (1 - decay) * s0.g_sum / (2 * 4))
+    assert torch.equal(a0, before)  # replaced, not mutated: a decomposition may still read the old factor
+    torch.testing.assert_close(factors.g[1], s1.g_sum / (4 * 4))
+    assert int(factors.skipped) == 1
+
+    kept = [f.clone() for f in factors.a + factors.g]
+    factors.update({0: _stats(4), 1: _stats(5)}, decay, 1.0, torch.tensor(1.0))  # the optimizer skips this step
+    assert all(torch.equal(x, y) for x, y in zip(kept, factors.a + factors.g, strict=True))
+    assert int(factors.skipped) == 3
+
+    s1 = _stats(6)
+    factors.update({0: _stats(7, count=torch.tensor(0.0)), 1: s1}, decay, 1.0, torch.tensor(0.0))  # 0/0 on layer 0
+    assert torch.equal(factors.a[0], kept[0]) and torch.equal(factors.g[0], kept[2])
+    torch.testing.assert_close(factors.a[1], decay * kept[1] + (1 - decay) * s1.a_sum / 4)
+    assert int(factors.skipped) == 4
+
+    factors.update({0: _stats(8, count=0.0)}, decay, 1.0, None)  # counts on the host: nothing ran, nothing counted
+    assert torch.equal(factors.a[0], kept[0]) and int(factors.skipped) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_usable_is_false_exactly_when_an_entry_is_not_finite(dtype: torch.dtype) -> None:
+    """Every position of several sizes (vectorised bodies and their tails), against torch.isfinite."""
+    huge = torch.finfo(dtype).max
+    for n in (1, 3, 8, 13):
+        for value in (float("nan"), float("inf"), -float("inf"), huge, -huge):
+            for position in range(n * n):
+                a = torch.ones(n, n, dtype=dtype)
+                a.view(-1)[position] = value
+                g = torch.full((2, 2), -huge, dtype=dtype)
+                batches = [(0, a, g), (1, g, a.T.contiguous())]
+                expected = bool(torch.isfinite(a).all())
+                assert [bool(v) for v in usable(batches, None)] == [expected, expected], (n, value, position)
+                assert [bool(v) for v in usable(batches, torch.tensor(1.0))] == [False, False]
