@@ -593,7 +593,13 @@ def _conv_speedups() -> str:
             + f" on resnet32{others} ({results('kfac_conv_statistics')['threads']} thread)")
 
 
-FIGURES = {"overhead.conv_statistics": _conv_speedups,
+def _small_batch() -> str:
+    run = results("kfac_overhead_b4")
+    return ", ".join(f"{times(r['baseline_ratio'])} → {times(r['ratio'])} at ({r['factor_update_freq']}, "
+                     f"{r['inv_update_freq']})" for r in run["results"]) + f" (resnet32, batch {run['batch'][0]})"
+
+
+FIGURES = {"overhead.conv_statistics": _conv_speedups, "overhead.small_batch": _small_batch,
            "overhead.ratios": lambda: " / ".join(times(_at(f, i)["ratio"]) for f, i in FREQUENCIES),
            "overhead.10_10": lambda: times(_at(10, 10)["ratio"]), "overhead.table": _table}
 
