@@ -64,10 +64,12 @@ def test_killed_rank_ends_the_job_within_60_seconds(backend: str, tmp_path: Path
     assert report(job) < PROMPT, job.tail()
     assert re.search(r"process rank 1 with PID \d+ on node \S+ exited on signal 9 \(Killed\)", job.err), job.tail()
     assert checkpoint_steps(job.output_dir) == []  # 11 steps per epoch on 4 ranks: none was due
-    # A rank whose torch.distributed peer vanished before mpirun ended it says so in one line, no traceback.
-    lost = [line for line in job.err.splitlines() if "another rank of the job is gone" in line]
-    assert all(re.fullmatch(r"hpcdl\.train: rank \d stops: another rank of the job is gone \(.*\); aborting the "
-                            r"whole job", line) for line in lost), lost
+    # A rank whose torch.distributed peer vanished before mpirun ended it says so in one line. The ranks share
+    # mpirun's stderr, which forwards what each writes in pieces: two ranks' lines can land inside each other, so
+    # each rank's line is counted by its parts, not read as a line of the output.
+    gone = job.err.count("another rank of the job is gone")
+    said = re.findall(r"hpcdl\.train: rank \d stops: another rank of the job is gone \(", job.err)
+    assert len(said) == gone and job.err.count("); aborting the whole job") >= gone, job.tail()
 
 
 def test_exception_on_one_rank_aborts_the_whole_job(tmp_path: Path) -> None:
