@@ -38,6 +38,9 @@ def build(package: ModuleType, model: Any, *, factor_update_steps: int, inv_upda
     for module in model.modules():  # its full backward hooks cannot precede an in-place op; same function
         if isinstance(module, torch.nn.ReLU):
             module.inplace = False
+    if grad_scaler is not None and hasattr(grad_scaler, "get_scale"):
+        # it recognises only the deprecated torch.cuda.amp.GradScaler; a callable returning the scale is its other form
+        grad_scaler = grad_scaler.get_scale
     preconditioner = package.preconditioner.KFACPreconditioner(
         model, factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, damping=damping,
         factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, accumulation_steps=accumulation_steps,

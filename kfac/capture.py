@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac.factors import BatchStatistics
 from kfac.layers import KFACLayer
-from kfac.precision import ieee_fp32
+from kfac.precision import fp32_products
 
 
 class LayerCapture:
@@ -42,8 +42,10 @@ class LayerCapture:
         on_complete: Callable[[LayerCapture], None],
         pass_examples: Sequence[int] | None = None,
         timed: Callable[[str], AbstractContextManager[None]] | None = None,
+        precision: str = "ieee",
     ) -> None:
         self.layer = layer
+        self._precision = precision  # of the statistics' float32 products on CUDA: 'ieee' or 'tf32'
         self._timed = timed if timed is not None else _untimed
         self._pass_examples = pass_examples
         self._is_capturing = is_capturing
@@ -89,7 +91,7 @@ class LayerCapture:
         with self._timed("forward"):
             self._limit = self._limit_of_pass(self.passes)
             x = self._first(inputs[0].detach())
-            with torch.no_grad(), torch.autocast(x.device.type, enabled=False), ieee_fp32():  # float32, no TF32
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False), fp32_products(self._precision):
                 moment, count = self.layer.a_moment(x)
             self.a_sum = moment if self.a_sum is None else self.a_sum.add_(moment)
             self.a_count += count
@@ -106,7 +108,8 @@ class LayerCapture:
 
     def _gradient_hook(self, grad_output: Tensor) -> None:
         with self._timed("backward"):
-            with torch.no_grad(), torch.autocast(grad_output.device.type, enabled=False), ieee_fp32():
+            device = grad_output.device.type
+            with torch.no_grad(), torch.autocast(device, enabled=False), fp32_products(self._precision):
                 moment, count = self.layer.g_moment(self._first(grad_output))
                 if self._per_example_factor:  # the per-example gradient of a mean-reduced loss: N x grad_output
                     moment.mul_((self._per_example_factor * self.layer.examples(grad_output)) ** 2)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kfac.layers import CONV_APPROXIMATIONS, SkipSpec
-from kfac.methods import METHODS, Eigen, Inverse
+from kfac.methods import METHODS, Eigen, Inverse, Newton
 
 Schedule = float | Callable[[int], float]
 # The payload precisions offered for what K-FAC shares by allgather: bfloat16 has float32's exponent range
@@ -64,6 +64,7 @@ class KFACOptions:
     factor_comm_dtype: torch.dtype | None
     bucket_cap_mb: float
     conv_approximation: str
+    tf32: bool = False
 
     def __post_init__(self) -> None:
         for name, freq in (
@@ -77,7 +78,9 @@ class KFACOptions:
         check_schedule("factor_decay", self.factor_decay, below_one=True)
         if self.kl_clip is not None:
             check_schedule("kl_clip", self.kl_clip)
-        object.__setattr__(self, "method", _method_of(self.method))
+        if not isinstance(self.tf32, bool):
+            raise ValueError(f"tf32 must be True or False, got {self.tf32!r}")
+        object.__setattr__(self, "method", _method_of(self.method, self.tf32))
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if self.eigen_dtype not in (torch.float32, torch.float64):
@@ -106,11 +109,12 @@ class KFACOptions:
         return self.method
 
 
-def _method_of(method: str | Eigen | Inverse) -> Eigen | Inverse:
+def _method_of(method: str | Eigen | Inverse, tf32: bool) -> Eigen | Inverse:
+    """A method named becomes its instance; newton's takes ``tf32`` (its first steps in TF32 on CUDA)."""
     if isinstance(method, str):
         if method not in METHODS:
             raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
-        return METHODS[method]()
+        return Newton(tf32=True) if method == "newton" and tf32 else METHODS[method]()
     if not isinstance(method, (Eigen, Inverse)):
         raise ValueError(f"method must be one of {tuple(METHODS)} or a kfac.methods instance, got {method!r}")
     return method

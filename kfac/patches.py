@@ -11,18 +11,30 @@ times the cost of the convolution itself.
 - *row products* (any stride): a patch is ``kh`` rows of ``kw``-wide horizontal pieces. The block
   of kernel rows ``i1`` and ``i2`` is a sum, over the padded rows ``r`` that kernel row ``i1``
   reads, of piece[r] piece[r + dh (i2 - i1)]ᵀ. Each such product depends only on the row and the
-  shift, so every pair of rows is multiplied once: the rows all windows of a shift read in one
-  product with a long inner axis, the rows at the ends in one batched product, summed into their
-  windows by a 0/1 matrix. About ``kh`` times fewer multiply-adds than the Gram of the unfolded
-  patches, a few products per kernel row and no loop over positions.
+  shift, so every pair of rows is multiplied once, all pairs of a shift in one batched product,
+  summed into their windows by a 0/1 matrix. About ``kh`` times fewer multiply-adds than the Gram of
+  the unfolded patches, in 2 kh + 6 calls: on a GPU, where each call costs the host several
+  microseconds, the number of calls matters as much as the multiply-adds.
 - *autocorrelation* (stride 1, large inputs): see :func:`_autocorrelation_moment`.
-- 1x1 kernels: the Gram of the (strided) pixels, through ``F.unfold``.
+- *unfold*: the Gram of the unfolded patches, a batch of examples at a time; the only method for 1x1
+  kernels (a patch is one pixel).
+
+Which is fastest depends on the machine more than on the shape: on a CPU core the row products and
+the autocorrelation win by the multiply-adds they save, measured once into a fixed rule; on a GPU the
+calls and the bytes moved count as well (measured on an H200: benchmarks/results/kfac_conv_methods_cuda.json).
+So on any other device the
+first input of each shape times every method that applies and keeps the fastest, like
+``torch.backends.cudnn.benchmark`` (:func:`choose_method`); with deterministic algorithms on, or while a
+graph is captured or compiled, the fixed rule decides. The methods are exact and agree to rounding.
 
 The tests check each against ``F.unfold`` in float64.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -33,7 +45,9 @@ from torch import Tensor, nn
 # The autocorrelation's border strips cost a dozen small calls: it beats the row products only on larger
 # inputs (on one CPU core, 3x3 kernels with 16 to 128 channels: from 2^17 to 2^19 input elements).
 _AUTOCORRELATION_MIN_INPUT = 1 << 18
-_PRODUCT_ELEMENTS = 1 << 22  # the largest (rows, width, width) stack of row products kept at once
+_PRODUCT_ELEMENTS = 1 << 22  # the largest (rows, width, width) stack of row products kept at once on a CPU
+_DEVICE_PRODUCT_ELEMENTS = 1 << 26  # and on a GPU (256 MiB in float32)
+_UNFOLD_BYTES = 1 << 28  # the unfolded patches of a batch are built this many bytes at a time
 
 @dataclass(frozen=True)
 class ConvGeometry:
@@ -90,19 +104,69 @@ def patch_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> Tensor:
 
     ``x`` is the layer input (N, C, H, W); the result is (D, D) with D = C*kh*kw (+1), in x's dtype.
     """
-    sums: Tensor | None
-    if geometry.kernel == (1, 1):  # a patch is one pixel: nothing to share between kernel offsets
-        moment, sums, count = _unfold_moment(geometry.pad(x), geometry)
-    elif (
-        geometry.stride == (1, 1) and x.numel() >= _AUTOCORRELATION_MIN_INPUT and _border_share(x, geometry) <= 1 / 3
-    ):
-        moment, sums, count = _autocorrelation_moment(x, geometry, with_bias)
-    else:
-        moment, sums, count = _row_gram_moment(x, geometry, with_bias)
+    moment, sums, count = METHODS[choose_method(x, geometry, with_bias)](x, geometry, with_bias)
     if not with_bias:
         return moment
     assert sums is not None
     return bordered_moment(moment, sums, count)
+
+
+def applicable_methods(x: Tensor, geometry: ConvGeometry) -> list[str]:
+    """The methods that compute this input's moment, in the fixed rule's order of preference on a CPU."""
+    if geometry.kernel == (1, 1):  # a patch is one pixel: nothing to share between kernel offsets
+        return ["unfold"]
+    return ["autocorrelation", "rows", "unfold"] if geometry.stride == (1, 1) else ["rows", "unfold"]
+
+
+def fixed_method(x: Tensor, geometry: ConvGeometry) -> str:
+    """The rule measured on one CPU core: the autocorrelation on large stride-1 inputs with little border to
+    correct, the row products otherwise."""
+    methods = applicable_methods(x, geometry)
+    if methods[0] == "autocorrelation" and (
+        x.numel() < _AUTOCORRELATION_MIN_INPUT or _border_share(x, geometry) > 1 / 3
+    ):
+        return methods[1]
+    return methods[0]
+
+
+_chosen: dict[tuple, str] = {}  # (shape, strides, dtype, device, geometry, bias, precision) -> the fastest
+
+
+def choose_method(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> str:
+    """The method for this input: the fixed rule on a CPU, with deterministic algorithms, in a captured or
+    compiled graph; elsewhere the fastest measured on the first input of its shape (then remembered)."""
+    methods = applicable_methods(x, geometry)
+    if len(methods) == 1:
+        return methods[0]
+    if (
+        x.device.type == "cpu"
+        or torch.are_deterministic_algorithms_enabled()
+        or torch.compiler.is_compiling()
+        or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        return fixed_method(x, geometry)
+    precision = torch.backends.cuda.matmul.fp32_precision  # TF32 or not changes which is fastest
+    key = (tuple(x.shape), x.stride(), x.dtype, x.device, geometry, with_bias, precision)
+    if key not in _chosen:
+        _chosen[key] = min(methods, key=lambda name: method_seconds(name, x, geometry, with_bias))
+    return _chosen[key]
+
+
+def method_seconds(name: str, x: Tensor, geometry: ConvGeometry, with_bias: bool, repeats: int = 2) -> float:
+    """The best of ``repeats`` timed runs of one method, after one untimed run (library heuristics, allocator)."""
+    def finish() -> None:  # the device's queue drained, so that the clock sees the work itself
+        if x.device.type != "cpu":
+            torch.accelerator.synchronize(x.device)
+
+    METHODS[name](x, geometry, with_bias)
+    best = float("inf")
+    for _ in range(repeats):
+        finish()
+        start = time.perf_counter()
+        METHODS[name](x, geometry, with_bias)
+        finish()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def mean_patches(x: Tensor, geometry: ConvGeometry) -> Tensor:
@@ -130,102 +194,97 @@ def bordered_moment(moment: Tensor, sums: Tensor, count: float) -> Tensor:
     return out
 
 
-def _unfold_moment(padded: Tensor, geometry: ConvGeometry) -> tuple[Tensor, Tensor, float]:
-    columns = F.unfold(padded, geometry.kernel, dilation=geometry.dilation, stride=geometry.stride)
-    features = columns.permute(1, 0, 2).reshape(columns.shape[1], -1)  # (C*kh*kw, N*positions)
-    return features @ features.T, features.sum(1), float(features.shape[1])
+def _unfold_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool = True) -> tuple[Tensor, Tensor, float]:
+    """The Gram of the unfolded patches, built for as many examples at a time as fit in _UNFOLD_BYTES."""
+    if geometry.kernel == (1, 1) and not any(geometry.padding):  # the patches are the (strided) pixels
+        sh, sw = geometry.stride
+        pixels = x[:, :, ::sh, ::sw].movedim(1, -1).reshape(-1, x.shape[1])  # a view of a channels-last input
+        return pixels.T @ pixels, pixels.sum(0), float(pixels.shape[0])
+    padded = geometry.pad(x)
+    n, c, height, width = padded.shape
+    d = c * geometry.kernel[0] * geometry.kernel[1]
+    positions = math.prod(geometry.output_size(height, width))
+    step = max(1, _UNFOLD_BYTES // max(1, d * positions * padded.element_size()))
+    moment = padded.new_zeros(d, d)
+    sums = padded.new_zeros(d)
+    for lo in range(0, n, step):
+        columns = F.unfold(padded[lo : lo + step], geometry.kernel, dilation=geometry.dilation, stride=geometry.stride)
+        features = columns.permute(1, 0, 2).reshape(d, -1)  # (C*kh*kw, examples*positions)
+        moment.addmm_(features, features.T)
+        sums += features.sum(1)
+    return moment, sums, float(n * positions)
 
 
-def _row_pieces(x: Tensor, geometry: ConvGeometry) -> Tensor:
-    """pieces[:, q] = the kw-wide horizontal piece at every output column of every example, for padded row q.
+def _pieces_by_row(x: Tensor, geometry: ConvGeometry) -> Tensor:
+    """pieces[r] = the kw-wide horizontal pieces of padded row r at every output column of every example.
 
-    Shape (C*kw, Hp, N*Wo), features ordered (channel, kernel column). The long axis is innermost, so
-    that any range of rows is one strided matrix and each row one matrix of a batch, without copies.
-    Zero padding is written as zeros in place instead of padding the input first; any input layout
-    (channels-last too) is read through a view.
+    Shape (Hp, C*kw, N*Wo), features ordered (channel, kernel column): two copies (the padding, the pieces),
+    whatever the input's layout, so that each row is one matrix of a batch and a range of rows one slab.
     """
-    n, c, h, w = x.shape
+    padded = geometry.pad(x)
+    n, c, hp, wp = padded.shape
     (_, kw), (_, sw), (_, dw) = geometry.kernel, geometry.stride, geometry.dilation
-    left, right, top, bottom = geometry.padding
-    if geometry.padding_mode != "constant":
-        x = geometry.pad(x)
-        n, c, h, w = x.shape
-        left = right = top = bottom = 0
-    hp, wp = h + top + bottom, w + left + right
     _, wo = geometry.output_size(hp, wp)
-    pieces = x.new_empty(c, kw, hp, n, wo)
-    pieces[:, :, :top].zero_()
-    pieces[:, :, top + h :].zero_()
-    by_row = x.permute(1, 2, 0, 3)  # (C, H, N, W), a view
-    for j in range(kw):
-        first = j * dw - left  # input column read by output column 0 (negative: inside the padding)
-        lo = max(0, min(wo, -(first // sw)))
-        hi = max(lo, min(wo, (w - 1 - first) // sw + 1))
-        inside = pieces[:, j, top : top + h]
-        inside[..., :lo].zero_()
-        inside[..., hi:].zero_()
-        if lo < hi:
-            start = first + sw * lo
-            inside[..., lo:hi] = by_row[..., start : start + sw * (hi - lo - 1) + 1 : sw]
-    return pieces.view(c * kw, hp, n * wo)
+    span = dw * (kw - 1) + 1
+    pieces = padded.permute(2, 1, 0, 3).unfold(3, span, sw)[..., ::dw]  # (Hp, C, N, Wo, kw), a view
+    return pieces.permute(0, 1, 4, 2, 3).reshape(hp, c * kw, n * wo)
 
 
 @cache
-def _weight_order(c: int, kh: int, kw: int, device: torch.device) -> Tensor:
-    """order[f] = the (kernel row, channel, kernel column) position of weight feature f = (channel, row, column)."""
-    return torch.arange(c * kh * kw, device=device).view(kh, c, kw).transpose(0, 1).reshape(-1)
+def _windows(kh: int, dh: int, sh: int, ho: int, hp: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """windows[i, r] = 1 where kernel row i reads padded row r for some output row (built once per shape)."""
+    windows = torch.zeros(kh, hp, dtype=dtype)
+    for i in range(kh):
+        windows[i, dh * i : dh * i + sh * (ho - 1) + 1 : sh] = 1
+    return windows.to(device)
+
+
+@cache
+def _block_index(kh: int, device: torch.device) -> Tensor:
+    """Where block (i1, i2) lies in [row products by shift; their transposes]: shift i2 - i1's entry i1 above the
+    diagonal, the transpose of shift i1 - i2's entry i2 below it."""
+    offset = [sum(kh - s for s in range(shift)) for shift in range(kh)]
+    upper = kh * (kh + 1) // 2
+    index = [offset[i2 - i1] + i1 if i2 >= i1 else upper + offset[i1 - i2] + i2 for i1 in range(kh) for i2 in range(kh)]
+    return torch.tensor(index, device=device)
 
 
 def _row_gram_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tuple[Tensor, Tensor | None, float]:
-    """The patch moment from products of padded rows, each pair of rows multiplied once (see module doc)."""
-    pieces = _row_pieces(x, geometry)
-    width, hp, long = pieces.shape
+    """The patch moment from products of padded rows, in a few batched calls (see module doc).
+
+    For each vertical shift s, every pair of rows s apart is multiplied once in one batched product, and the
+    0/1 window matrix sums the products into each kernel row's block: block (i1, i1 + s) = Σ_r windows[i1, r]
+    pieces[r] pieces[r + dh s]ᵀ. 2 kh + 6 calls in all (more only where a shift's products are split to bound
+    their memory), whatever the stride, which is what a GPU's launch-bound hooks need.
+    """
+    pieces = _pieces_by_row(x, geometry)
+    hp, width, long = pieces.shape
     (kh, kw), (sh, _), (dh, _) = geometry.kernel, geometry.stride, geometry.dilation
     c = width // kw
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
-    # windows[i, r] = 1 where kernel row i reads padded row r for some output row.
-    windows = pieces.new_zeros(kh, hp)
-    for i in range(kh):
-        windows[i, dh * i : dh * i + sh * (ho - 1) + 1 : sh] = 1
-    # Rows per batched product: its (rows, width, width) result stays within 16 MiB (or kh² rows, if more).
-    chunk = max(kh * kh, _PRODUCT_ELEMENTS // (width * width))
-
-    def product(lo: int, hi: int, step: int) -> Tensor:
-        """Σ over rows lo..hi-1 of pieces[:, r] pieces[:, r + step]ᵀ: one product with a long inner axis."""
-        return pieces[:, lo:hi].reshape(width, -1) @ pieces[:, lo + step : hi + step].reshape(width, -1).T
-
-    # blocks[i1, :, i2, :] = Σ over output rows t of pieces[:, sh*t + dh*i1] pieces[:, sh*t + dh*i2]ᵀ
-    #                      = Σ_r windows[i1, r] pieces[:, r] pieces[:, r + dh*(i2 - i1)]ᵀ for i2 >= i1.
-    # With vertical stride 1 the rows every window of a shift reads (the core) take one product; the few
-    # rows at either end take one product each, in a batch, and are added to the windows that read them.
-    blocks = pieces.new_empty(kh, width, kh, width)
+    windows = _windows(kh, dh, sh, ho, hp, pieces.dtype, pieces.device)
+    chunk = max(1, (_PRODUCT_ELEMENTS if pieces.device.type == "cpu" else _DEVICE_PRODUCT_ELEMENTS) // width**2)
+    by_shift = []
     for shift in range(kh):
         step, used = dh * shift, kh - shift  # kernel rows i1 < used have a partner i1 + shift
         last = dh * (used - 1) + sh * (ho - 1) + 1  # rows [0, last) hold every window of these kernel rows
-        core_lo, core_hi = (dh * (used - 1), ho) if sh == 1 else (0, 0)
-        has_core = core_lo < core_hi
-        sums = pieces.new_zeros(used, width * width)
-        for a, b in [(0, core_lo), (core_hi, last)] if has_core else [(0, last)]:
-            for lo in range(a, b, chunk):
-                hi = min(b, lo + chunk)
-                rows = pieces[:, lo:hi].transpose(0, 1)
-                products = torch.bmm(rows, pieces[:, lo + step : hi + step].permute(1, 2, 0))
-                sums.addmm_(windows[:used, lo:hi], products.view(hi - lo, -1))
-        if has_core:
-            sums += product(core_lo, core_hi, step).view(1, -1)
-        for i1, block in enumerate(sums.view(used, width, width)):
-            blocks[i1, :, i1 + shift] = block
-            if shift:
-                blocks[i1 + shift, :, i1] = block.T
-
-    # Reorder features from (kernel row, channel, kernel column) to the weight's (channel, row, column): two
-    # gathers of whole rows and of columns, several times faster than one six-dimensional permuted copy.
-    order = _weight_order(c, kh, kw, pieces.device)
-    moment = blocks.view(kh * width, kh * width).index_select(0, order).index_select(1, order)
+        total: Tensor | None = None
+        for lo in range(0, last, chunk):
+            hi = min(last, lo + chunk)
+            products = torch.bmm(pieces[lo:hi], pieces[lo + step : hi + step].transpose(1, 2))  # (rows, W, W)
+            part = windows[:used, lo:hi] @ products.view(hi - lo, -1)
+            total = part if total is None else total.add_(part)
+        assert total is not None
+        by_shift.append(total.view(used, width, width))
+    upper = torch.cat(by_shift)
+    blocks = torch.cat([upper, upper.transpose(1, 2)]).index_select(0, _block_index(kh, pieces.device))
+    # (i1, i2, channel, column, channel, column) -> the weight's (channel, row, column) on both sides
+    d = c * kh * kw
+    moment = blocks.view(kh, kh, c, kw, c, kw).permute(2, 0, 3, 4, 1, 5).reshape(d, d)
     sums_a = None
     if with_bias:
-        per_row = pieces.sum(2) @ windows.T  # (C*kw, kh)
-        sums_a = per_row.view(c, kw, kh).permute(0, 2, 1).reshape(-1)
+        per_row = windows @ pieces.sum(2)  # (kh, C*kw)
+        sums_a = per_row.view(kh, c, kw).transpose(0, 1).reshape(-1)
     return moment, sums_a, float(ho * long)
 
 
@@ -236,7 +295,11 @@ def _outside(size: int, k: int, d: int, pad: int, out: int) -> list[list[int]]:
 
 def _border_share(x: Tensor, geometry: ConvGeometry) -> float:
     """How much border correction the autocorrelation needs, relative to the image (small images: a lot)."""
-    h, w = x.shape[-2:]
+    return _border_share_of(x.shape[-2], x.shape[-1], geometry)
+
+
+@cache
+def _border_share_of(h: int, w: int, geometry: ConvGeometry) -> float:
     left, right, top, bottom = geometry.padding if geometry.padding_mode == "constant" else (0, 0, 0, 0)
     if geometry.padding_mode != "constant":
         h, w = h + sum(geometry.padding[2:]), w + sum(geometry.padding[:2])
@@ -351,3 +414,10 @@ def _autocorrelation_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) 
                 per_offset.append(image[:, r0:r1, q0:q1].sum((1, 2)))
         sums = torch.stack(per_offset, dim=1).reshape(d)  # (C, kh*kw) -> features (channel, row, column)
     return moment, sums, float(n * ho * wo)
+
+
+METHODS: dict[str, Callable[[Tensor, ConvGeometry, bool], tuple[Tensor, Tensor | None, float]]] = {
+    "autocorrelation": _autocorrelation_moment,
+    "rows": _row_gram_moment,
+    "unfold": _unfold_moment,
+}

@@ -5,7 +5,10 @@ and its solve divides by eigenvalues that span many orders of magnitude, so TF32
 mantissa (about 1e-3 relative) would put the result far outside the dense-solve tolerance the
 tests hold (1e-5). The policy, documented in docs/kfac.md:
 
-- factors: float32 (float64 for a float64 model), autocast off, cuBLAS and cuDNN in IEEE fp32;
+- factors: float32 (float64 for a float64 model), autocast off, cuBLAS and cuDNN in IEEE fp32; with the
+  preconditioner's ``tf32=True``, TF32 products with float32 accumulation on CUDA: each factor is then the
+  exact moment of inputs rounded to TF32 (about 1e-3 relative), far inside the batch-to-batch noise of
+  the estimate, and the statistics use the GPU's matrix units (several times IEEE fp32's rate);
 - decompositions: float32 ``eigh`` (or ``eigen_dtype``), retried in float64 when it fails;
 - preconditioning: the decompositions' dtype, cuBLAS in IEEE fp32.
 
@@ -18,21 +21,26 @@ nothing else, as the caller must: once a process has set TF32 through both those
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
 
-@contextmanager
-def ieee_fp32() -> Iterator[None]:
+def ieee_fp32() -> AbstractContextManager[None]:
     """cuBLAS matmuls and cuDNN convolutions in full float32 inside the block (no TF32)."""
+    return fp32_products("ieee")
+
+
+@contextmanager
+def fp32_products(precision: str) -> Iterator[None]:
+    """cuBLAS matmuls and cuDNN convolutions of float32 at ``precision`` ('ieee' or 'tf32') inside the block."""
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv  # type: ignore[attr-defined]
     saved = (matmul.fp32_precision, conv.fp32_precision)
-    if saved == ("ieee", "ieee"):
+    if saved == (precision, precision):
         yield
         return
-    matmul.fp32_precision = "ieee"
-    conv.fp32_precision = "ieee"
+    matmul.fp32_precision = precision
+    conv.fp32_precision = precision
     try:
         yield
     finally:

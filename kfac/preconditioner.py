@@ -106,6 +106,10 @@ class KFACPreconditioner:
         bucket_cap_mb: factor statistics of consecutive layers travel in one allreduce of up to this
             many megabytes (started as soon as backward has reached all of them), so a deterministic
             Horovod run, which fuses nothing, does not pay one collective per layer.
+        tf32: on CUDA, the factor statistics' float32 products in TF32 with float32 accumulation (the GPU's
+            matrix units; each factor within about 1e-3 relative, inside the estimate's own noise), and with
+            method 'newton' its first steps too; the solve and the preconditioning stay IEEE float32. Off by
+            default (every product IEEE); hpcdl.train turns it on for CUDA runs. No effect on a CPU.
 
     ``damping``, ``factor_decay``, ``kl_clip`` and ``lr`` may be callables of the step number.
     """
@@ -136,6 +140,7 @@ class KFACPreconditioner:
         factor_comm_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 25.0,
         conv_approximation: str = "expand",
+        tf32: bool = False,
     ) -> None:
         self.options = options = KFACOptions(
             factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq, damping=damping,
@@ -144,7 +149,7 @@ class KFACPreconditioner:
             colocate_factors=colocate_factors, backward_passes_per_step=backward_passes_per_step,
             late_decompositions=late_decompositions, factor_examples=factor_examples,
             cpu_eigen_limit=cpu_eigen_limit, comm_dtype=comm_dtype, factor_comm_dtype=factor_comm_dtype,
-            bucket_cap_mb=bucket_cap_mb, conv_approximation=conv_approximation,
+            bucket_cap_mb=bucket_cap_mb, conv_approximation=conv_approximation, tf32=tf32,
         )
         self._method = options.solver
         self.method = self._method.name
@@ -191,7 +196,8 @@ class KFACPreconditioner:
         if options.factor_examples is not None:
             shares = examples_per_pass(options.factor_examples, self.comm.rank, self.comm.size, passes)
         self._captures = [
-            LayerCapture(layer, self._capturing, per_example, self._collector(index), shares, self._timer.hook)
+            LayerCapture(layer, self._capturing, per_example, self._collector(index), shares, self._timer.hook,
+                         "tf32" if options.tf32 else "ieee")
             for index, layer in enumerate(self.layers)
         ]
 

@@ -137,4 +137,5 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
         factor_comm_dtype=torch.bfloat16 if config.kfac_factor_precision == "bf16" else None,
         conv_approximation=config.kfac_conv_approx,
         method=config.kfac_method,
+        tf32=any(p.is_cuda for p in model.parameters()),  # like the model's own float32 products (job.train_in_tf32)
     )

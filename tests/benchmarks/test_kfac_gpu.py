@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from hpcdl.runtime.errors import UsageError
 from tests.support.scripts import load_benchmark
@@ -95,3 +97,26 @@ def test_a_folder_without_kfac_pytorch_is_named_in_one_line(tmp_path: Path) -> N
     adapter = load_benchmark("kfac_pytorch_adapter")
     with pytest.raises(ValueError, match="no kfac-pytorch under"):
         adapter.package_dir(tmp_path)
+
+
+def test_kfac_pytorch_gets_the_loss_scale_in_the_form_it_understands() -> None:
+    """kfac-pytorch recognises only the deprecated torch.cuda.amp.GradScaler and calls anything else for the scale;
+    the adapter hands it the scaler's get_scale (its AMP run failed with "'GradScaler' object is not callable")."""
+    adapter = load_benchmark("kfac_pytorch_adapter")
+    received: dict[str, Any] = {}
+
+    class Preconditioner:
+        def __init__(self, model: Any, **options: Any) -> None:
+            received.update(options)
+
+        def step(self) -> None:
+            pass
+
+    package = SimpleNamespace(preconditioner=SimpleNamespace(KFACPreconditioner=Preconditioner))
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    adapter.build(package, torch.nn.Linear(2, 2), factor_update_steps=1, inv_update_steps=10, damping=0.1,
+                  factor_decay=0.95, kl_clip=0.01, lr=0.1, grad_scaler=scaler)
+    assert received["grad_scaler"]() == 512.0
+    adapter.build(package, torch.nn.Linear(2, 2), factor_update_steps=1, inv_update_steps=10, damping=0.1,
+                  factor_decay=0.95, kl_clip=0.01, lr=0.1)
+    assert received["grad_scaler"] is None

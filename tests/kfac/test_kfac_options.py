@@ -33,6 +33,7 @@ class Untouchable(nn.Module):
         (dict(bucket_cap_mb=0.0), "bucket_cap_mb must be positive"),
         (dict(conv_approximation="mean"), "conv_approximation must be one of"),
         (dict(method=object()), "method must be one of"),
+        (dict(tf32="yes"), "tf32 must be True or False"),
     ],
 )
 def test_a_bad_setting_is_one_line_before_the_model_is_looked_at(kwargs, message) -> None:
@@ -56,6 +57,41 @@ def test_a_method_name_becomes_its_class_and_an_instance_stays_itself() -> None:
     assert type(pre.options.solver) is Inverse and pre.method == "inverse"
     newton = Newton(tf32=True)
     assert KFACPreconditioner(nn.Linear(2, 2), method=newton).options.solver is newton
+    for tf32 in (False, True):  # newton named takes the preconditioner's tf32
+        solver = KFACPreconditioner(nn.Linear(2, 2), method="newton", tf32=tf32).options.solver
+        assert isinstance(solver, Newton) and solver.tf32 is tf32
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_the_statistics_products_run_at_the_precision_tf32_asks_for(tf32: bool) -> None:
+    """Inside the hooks cuBLAS and cuDNN are switched to TF32 or IEEE as asked (read back from torch's own flags,
+    which hold on a CPU too), and the caller's setting comes back after them."""
+    import kfac.layers as layers
+
+    seen: list[tuple[str, str]] = []
+    a_moment, g_moment = layers.LinearLayer.a_moment, layers.LinearLayer.g_moment
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+
+    def record(method):
+        def wrapped(self, x):
+            seen.append((matmul.fp32_precision, conv.fp32_precision))
+            return method(self, x)
+        return wrapped
+
+    saved = (matmul.fp32_precision, conv.fp32_precision)
+    try:
+        matmul.fp32_precision = conv.fp32_precision = "ieee" if tf32 else "tf32"
+        layers.LinearLayer.a_moment, layers.LinearLayer.g_moment = record(a_moment), record(g_moment)
+        model = nn.Linear(3, 2)
+        pre = KFACPreconditioner(model, tf32=tf32)
+        model(torch.randn(4, 3)).sum().backward()
+        pre.step()
+        want = "tf32" if tf32 else "ieee"
+        assert seen == [(want, want), (want, want)]
+        assert (matmul.fp32_precision, conv.fp32_precision) == (("ieee",) * 2 if tf32 else ("tf32",) * 2)
+    finally:
+        layers.LinearLayer.a_moment, layers.LinearLayer.g_moment = a_moment, g_moment
+        matmul.fp32_precision, conv.fp32_precision = saved
 
 
 @pytest.mark.parametrize("comm_dtype, factor_comm_dtype", [(torch.bfloat16, None), (None, torch.bfloat16)])
@@ -67,7 +103,7 @@ def test_every_setting_reaches_its_own_option(comm_dtype, factor_comm_dtype) -> 
                  grad_worker_fraction=0.75, method=newton, eigen_dtype=torch.float64, loss_reduction="sum",
                  skip_layers=("Conv2d",), colocate_factors=False, backward_passes_per_step=4,
                  late_decompositions=True, factor_examples=7, cpu_eigen_limit=9, comm_dtype=comm_dtype,
-                 factor_comm_dtype=factor_comm_dtype, bucket_cap_mb=1.5, conv_approximation="reduce")
+                 factor_comm_dtype=factor_comm_dtype, bucket_cap_mb=1.5, conv_approximation="reduce", tf32=True)
     assert sorted(given) == sorted(field.name for field in fields(KFACOptions))
     defaults = inspect.signature(KFACPreconditioner).parameters
     assert all(given[name] != defaults[name].default for name in given if "comm_dtype" not in name)

@@ -7,12 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kfac.patches as patches
 from kfac.patches import (
+    METHODS,
     ConvGeometry,
-    _autocorrelation_moment,
     _row_gram_moment,
+    applicable_methods,
     bordered_moment,
+    choose_method,
     conv_patches,
+    fixed_method,
     patch_moment,
 )
 
@@ -58,21 +62,24 @@ def test_patch_moment_matches_unfold(case: dict, with_bias: bool) -> None:
     ids=lambda c: "-".join(f"{k[0]}{v}" for k, v in c.items()),
 )
 @pytest.mark.parametrize("mode", ["zeros", "reflect"])
-def test_each_fast_method_matches_unfold_where_it_applies(case: dict, mode: str) -> None:
-    """patch_moment picks a method by stride and image size; each one is checked on its own here."""
+def test_each_method_matches_unfold_where_it_applies(case: dict, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """patch_moment picks a method by device, shape and stride; each one is checked on its own here, the unfolded
+    patches' Gram also built one example at a time (its memory bound) and from a channels-last input."""
     torch.manual_seed(2)
     conv = nn.Conv2d(3, 4, padding_mode=mode, **case).double()
     geometry = ConvGeometry.of(conv)
     if mode == "reflect" and any(p >= s for p, s in zip(geometry.padding, (11, 11, 9, 9), strict=False)):
         pytest.skip("reflect padding must be smaller than the image")
-    x = torch.randn(2, 3, 9, 11, dtype=torch.float64)
+    x = torch.randn(3, 3, 9, 11, dtype=torch.float64)
     want = _unfold_reference(x, conv, True)
-    methods = [_row_gram_moment]
-    if geometry.stride == (1, 1):
-        methods.append(_autocorrelation_moment)
-    for method in methods:
-        got = bordered_moment(*method(x, geometry, True))
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=method.__name__)
+    names = applicable_methods(x, geometry)
+    assert ("autocorrelation" in names) == (geometry.stride == (1, 1) and geometry.kernel != (1, 1))
+    for name in names:
+        for layout in (x, x.to(memory_format=torch.channels_last)):
+            got = bordered_moment(*METHODS[name](layout, geometry, True))
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=name)
+    monkeypatch.setattr(patches, "_UNFOLD_BYTES", 1)  # one example at a time
+    torch.testing.assert_close(bordered_moment(*METHODS["unfold"](x, geometry, True)), want, rtol=1e-10, atol=1e-10)
 
 
 def test_patch_moment_matches_unfold_with_padding_numbers_as_used_by_pytorch() -> None:
@@ -218,21 +225,45 @@ def test_row_products_in_chunks_of_rows_add_up_to_the_same_moment(chunk: int, mo
     torch.testing.assert_close(got, _dense_moment(x, conv, True), rtol=1e-10, atol=1e-10)
 
 
-def test_a_large_input_takes_the_autocorrelation_and_a_small_one_the_row_products(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Which method patch_moment picks, and that both give the dense moment (float64, a ResNet-shaped layer)."""
-    import kfac.patches as patches
-
-    called: list[str] = []
-    for name in ("_autocorrelation_moment", "_row_gram_moment"):
-        method = getattr(patches, name)
-        monkeypatch.setattr(patches, name, lambda *a, _m=method, _n=name: called.append(_n) or _m(*a))
+def test_on_a_cpu_a_large_input_takes_the_autocorrelation_and_a_small_one_the_row_products() -> None:
+    """The fixed rule (measured on one core), and that both give the dense moment (float64, a ResNet-shaped layer)."""
     torch.manual_seed(5)
     conv = nn.Conv2d(16, 16, 3, padding=1).double()
     geometry = ConvGeometry.of(conv)
     large = torch.randn(patches._AUTOCORRELATION_MIN_INPUT // (16 * 16 * 16), 16, 16, 16, dtype=torch.float64)
+    assert [choose_method(x, geometry, True) for x in (large, large[:2])] == ["autocorrelation", "rows"]
     for x in (large, large[:2]):
         torch.testing.assert_close(patch_moment(x, geometry, True), _unfold_reference(x, conv, True),
                                    rtol=1e-10, atol=1e-8)
-    assert called == ["_autocorrelation_moment", "_row_gram_moment"]
+    one_by_one = ConvGeometry.of(nn.Conv2d(16, 16, 1))
+    assert applicable_methods(large, one_by_one) == ["unfold"] == [choose_method(large, one_by_one, True)]
+
+
+def test_elsewhere_the_fastest_method_measured_on_the_first_input_of_a_shape_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off the CPU each shape's first input times every method that applies, once; deterministic algorithms take the
+    fixed rule instead (the timing could pick differently from run to run). Tensors on 'meta' stand in for a GPU's."""
+    timed: list[tuple[str, tuple[int, ...]]] = []
+    cost = {"autocorrelation": 3.0, "rows": 2.0, "unfold": 1.0}
+
+    def seconds(name: str, x: torch.Tensor, geometry: ConvGeometry, with_bias: bool, repeats: int = 2) -> float:
+        timed.append((name, tuple(x.shape)))
+        return cost[name]
+
+    monkeypatch.setattr(patches, "method_seconds", seconds)
+    monkeypatch.setattr(patches, "_chosen", {})
+    geometry = ConvGeometry.of(nn.Conv2d(8, 8, 3, padding=1))
+    x = torch.empty(4, 8, 32, 32, device="meta")
+    assert choose_method(x, geometry, True) == "unfold"
+    assert sorted(timed) == [("autocorrelation", (4, 8, 32, 32)), ("rows", (4, 8, 32, 32)), ("unfold", (4, 8, 32, 32))]
+    cost["rows"] = 0.5  # a remembered shape is not timed again
+    assert choose_method(x, geometry, True) == "unfold" and len(timed) == 3
+    assert choose_method(x[:2], geometry, True) == "rows" and len(timed) == 6
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert choose_method(x[:3], geometry, True) == fixed_method(x[:3], geometry) == "rows" and len(timed) == 6
+
+
+def test_method_seconds_times_a_method_on_the_cpu() -> None:
+    geometry = ConvGeometry.of(nn.Conv2d(4, 4, 3, padding=1))
+    assert 0 < patches.method_seconds("rows", torch.randn(2, 4, 8, 8), geometry, True, repeats=1) < 10
