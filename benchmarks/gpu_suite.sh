@@ -21,8 +21,8 @@
 #
 # docs/gpu.md has the exact device calls and what to do with what comes back. --dry-run prints each run's plan
 # and checks on the CPU every command, flag, script and test selection the real run uses, and that the steps'
-# limits fit the run's budget; it fails otherwise. A step's limit comes from the measured H200 run of
-# 2026-11-27 (issue 48) where it ran then, and is an estimate (said in the plan) where it did not.
+# limits fit the run's budget; it fails otherwise. A step's limit comes from the measured H200 runs of
+# 2026-11-27 and 2026-11-28 where it ran then, and is an estimate (said in the plan) where it did not.
 # Every step runs under its own limit, none starts past the budget, and after every step $OUT (the device
 # tool's folder; default runs/gpu-suite/<time>, which git ignores) gets summary.txt, summary.json and
 # results.tar.gz (logs and each benchmark's JSON, which the benchmarks rewrite as they go): a run cut short
@@ -47,7 +47,7 @@ done
 [ $DRY_RUN = 1 ] || [ ${#RUNS[@]} -eq 1 ] || { echo "error: one run per device call" >&2; exit 2; }
 
 # Each run's budget: under 5 minutes of device time with the machine's start (about a minute, first call only).
-declare -A BUDGETS=([A]=200 [B]=290 [C]=220)
+declare -A BUDGETS=([A]=285 [B]=290 [C]=220)
 OUT="${OUT:-$ROOT/runs/gpu-suite/$(date -u +%Y%m%dT%H%M%S)-$$}"
 WHL="${HPCDL_WHEELHOUSE:-$ROOT/.whl}"
 SCRATCH="${HPCDL_GPU_SCRATCH:-/tmp}" # what a warm machine's next run reuses
@@ -177,14 +177,14 @@ check_command() {
 }
 
 # run_step NAME LOG LIMIT:SOURCE CMD...: CMD under a limit of LIMIT seconds (less if the budget has less).
-# SOURCE says where the limit comes from: h200 (the measured run of 2026-11-27) or est (an estimate).
+# SOURCE says where the limit comes from: h200 (the measured runs of 2026-11-27/28) or est (an estimate).
 # NEEDS=mpi (hpcdl.train or MPI) / NEEDS=horovod skips the step, said so, where that is missing.
 # EXPECT_FAIL=1 (for a refusal check) counts a non-zero exit as success.
 run_step() {
   local name="$1" logname="$2" log="$WORK/logs/$2" limit="${3%%:*}" source="${3#*:}"
   shift 3
   PLANNED=$((PLANNED + limit))
-  PLAN+=("$(printf '%-44s %4s s  (%s)' "$name" "$limit" "$([ "$source" = h200 ] && echo 'from the H200 run of 2026-11-27' || echo estimated)")")
+  PLAN+=("$(printf '%-44s %4s s  (%s)' "$name" "$limit" "$([ "$source" = h200 ] && echo 'from the H200 runs of 2026-11-27/28' || echo estimated)")")
   if [ $DRY_RUN = 1 ]; then
     local why
     if why="$(check_command "$@" 2>&1)"; then record "$name" "dry-run ok${why:+ ($why)}"; else record "$name" "DRY-RUN FAILED: $why"; fi
@@ -305,14 +305,16 @@ export WHL SITE OUT PY SCRATCH
 # ---------------------------------------------------------------- run A: the loop, --amp auto, the loader
 run_A() {
   setup A0
-  NEEDS=mpi run_step "A1 loop fp32 / amp / amp+cl vs bare" loop.log 85:h200 \
+  NEEDS=mpi run_step "A1 loop fp32 / amp / amp+cl vs bare" loop.log 100:h200 \
     "$PY" benchmarks/train_throughput.py --device cuda --modes fp32 amp amp+cl --rounds 2 --steps 15 --skip-scaling \
     --output "$R/train_throughput_cuda"
-  run_step "A2 --amp auto: bf16 vs fp16+scaler" amp.log 40:est \
+  run_step "A2 --amp auto: bf16 vs fp16+scaler" amp.log 90:est \
     "$PY" benchmarks/amp_dtype.py --device cuda --steps 15 --warmup 5 --rounds 2 --out "$R/amp_dtype_cuda"
-  run_step "A4 loader, nvJPEG vs libjpeg-turbo" loader.log 40:est \
-    "$PY" benchmarks/loader_throughput.py --device cuda --images 768 --workers 8 --batches 4 --rounds 2 \
-    --contenders folder-cpu folder-gpu --data "$SCRATCH/hpcdl-loader-data" --output "$R/loader_throughput_cuda"
+  # 64 timed batches, 4 x the 16 that 4 workers read ahead (fewer would time the queue: the run of 2026-11-28)
+  run_step "A4 loader, nvJPEG vs libjpeg-turbo" loader.log 60:est \
+    "$PY" benchmarks/loader_throughput.py --device cuda --images 2304 --workers 4 --batch-size 32 --batches 64 \
+    --rounds 2 --skip-training --contenders folder-cpu folder-gpu --data "$SCRATCH/hpcdl-loader-data-2304" \
+    --output "$R/loader_throughput_cuda"
 }
 
 # ---------------------------------------------------------------- run B: Horovod with NCCL

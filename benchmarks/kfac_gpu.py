@@ -240,7 +240,7 @@ def _eigen() -> str:
     assert newton is not None
     return (f"eigen {times(eigen['ratio'])} SGD's step at (1, 10), its decompositions "
             f"{eigen['phase_ms_per_step']['decompositions']:.0f} ms a step against newton's "
-            f"{newton['phase_ms_per_step']['decompositions']:.0f}")
+            f"{newton['phase_ms_per_step']['decompositions']:.0f} ms")
 
 
 TARGET = {(1, 10): 2.0, (10, 100): 1.15}

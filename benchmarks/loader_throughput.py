@@ -294,6 +294,13 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             sys.exit(f"loader_throughput.py: error: --contenders {' '.join(unknown)}: not among {' '.join(names)}")
         names = args.contenders
+    from hpcdl.data.pipeline import PREFETCH_FACTOR
+
+    queue = max(args.workers) * PREFETCH_FACTOR  # batches the CPU decoders hold ready before the timing starts
+    if args.device == "cuda" and any(n.endswith("-cpu") for n in names) and args.batches < 4 * queue:
+        # a fast host fills the queue during the warm-up batch: fewer timed batches would time the queue
+        sys.exit(f"loader_throughput.py: error: --batches {args.batches} must be at least 4 x the {queue} batches "
+                 f"{max(args.workers)} workers read ahead ({4 * queue}), or the timing measures the queue")
 
     from hpcdl.tools.pack import pack
 
@@ -309,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
                        else f"CPU, {torch.get_num_threads()} threads")
         report: dict = {"device": args.device, "device_name": device_name, "images": len(sizes),
                         "mean_jpeg_kb": sum(sizes) / len(sizes) / 1000, "batch_size": args.batch_size,
-                        "timed_batches": args.batches, "rounds": args.rounds, "pipeline_alone": {}, "ratios": {}}
+                        "timed_batches": args.batches, "prefetch_factor": PREFETCH_FACTOR, "rounds": args.rounds,
+                        "pipeline_alone": {}, "ratios": {}}
         reads = reader_rates(folder, shards, max(args.rounds, 5))
         report["reader_alone"] = {"images_per_second": reads,
                                   "shards/folder": paired_ratio(reads, "shards", "folder")}

@@ -34,6 +34,8 @@ from hpcdl.data.spec import DataSpec, Normalization
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
+PREFETCH_FACTOR = 4  # batches each loader worker reads ahead
+
 
 class InputPipeline:
     """What every pipeline offers the training loop."""
@@ -208,7 +210,7 @@ class LoaderPipeline(InputPipeline):
         options: dict[str, Any] = dict(num_workers=workers, persistent_workers=workers > 0, batch_size=batch_size,
                                        sampler=keys, pin_memory=pin)
         if workers > 0:
-            options["prefetch_factor"] = 4
+            options["prefetch_factor"] = PREFETCH_FACTOR
         return options
 
     def close(self) -> None:

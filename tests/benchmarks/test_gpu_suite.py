@@ -59,7 +59,7 @@ def test_dry_run_checks_every_step_of_every_run_and_passes(tmp_path: Path, help_
     assert count >= 8  # the nvJPEG tests among them: selected by their skip on CUDA, not by their names
     for run in "ABC":
         assert re.search(rf"run {run}: the plan, \d+ s of steps in a \d+ s budget", result.stdout)
-    assert "(from the H200 run of 2026-11-27)" in result.stdout and "(estimated)" in result.stdout
+    assert "(from the H200 runs of 2026-11-27/28)" in result.stdout and "(estimated)" in result.stdout
     steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
     assert len(steps) >= 20 and all(set(step) == {"step", "status", "seconds", "limit"} for step in steps)
     assert (tmp_path / "results.tar.gz").is_file()

@@ -82,5 +82,21 @@ def test_collect_takes_the_suites_files_from_its_archive(gpu: Any, tmp_path: Pat
     assert gpu.main(["--collect", str(files_at), "--output-dir", str(folder)]) == 0
     assert sorted(p.name for p in folder.iterdir()) == ["train_throughput_cuda.json"]  # only what a row reads
     assert json.loads((folder / "train_throughput_cuda.json").read_text()) == LOOP
-    with pytest.raises(SystemExit, match="no results.tar.gz"):
+    with pytest.raises(SystemExit, match="neither results.tar.gz nor kfac_gpu/kfac_gpu.json"):
         gpu.main(["--collect", str(tmp_path / "nothing"), "--output-dir", str(folder)])
+
+
+def test_collect_takes_k_fac_s_gathered_results(gpu: Any, tmp_path: Path) -> None:
+    """kfac_gpu.sh --out $OUT/kfac_gpu: its gathered JSON (and plot) come back beside no suite archive."""
+    files_at, folder = tmp_path / "files", tmp_path / "out"
+    (files_at / "kfac_gpu").mkdir(parents=True)
+    folder.mkdir()
+    report = {"kind": "kfac_gpu", "steps": []}
+    (files_at / "kfac_gpu" / "kfac_gpu.json").write_text(json.dumps(report))
+    (files_at / "kfac_gpu" / "kfac_gpu_amp.json").write_text("{}")
+    assert gpu.main(["--collect", str(files_at), "--output-dir", str(folder)]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["kfac_gpu.json"]
+    assert json.loads((folder / "kfac_gpu.json").read_text()) == report
+    (files_at / "kfac_gpu" / "kfac_gpu.json").write_text('{"cut off')
+    with pytest.raises(json.JSONDecodeError):
+        gpu.main(["--collect", str(files_at), "--output-dir", str(folder)])
