@@ -149,11 +149,7 @@ class RunningFactors:
                found_inf: Tensor | None) -> None:
         """F ← ξF + (1−ξ)F_batch for every layer in ``summed`` (this step's statistics, by layer) whose batch
         factors are usable: finite, and ``found_inf`` (when given) not saying the optimizer skips this step."""
-        batches: list[Batch] = []
-        for index in sorted(summed):
-            averages = summed[index].averages(loss_scale)
-            if averages is not None:
-                batches.append((index, *averages))
+        batches = batch_averages(summed, loss_scale)
         if batches:
             self._average(batches, decay, found_inf)
 
@@ -162,7 +158,9 @@ class RunningFactors:
         nothing is read back to the host, except once for a layer's first factors (whether it has factors at
         all decides which layers are decomposed, on the host)."""
         ok = usable(batches, found_inf)
-        keep = [~verdict for verdict in ok]
+        one_device = len({verdict.device for verdict in ok}) == 1
+        kept = ~torch.stack(ok) if one_device else None  # one call for all layers on one device
+        keep = list(kept.unbind(0)) if kept is not None else [~verdict for verdict in ok]
         old = [(k, b) for k, b in enumerate(batches) if self.a[b[0]] is not None]
         for factors, side in ((self.a, 1), (self.g, 2)):
             olds = [factors[b[0]] for _, b in old]
@@ -176,8 +174,26 @@ class RunningFactors:
             for (_, (index, a_batch, g_batch)), fine in zip(first, verdicts, strict=False):
                 if fine:
                     self.a[index], self.g[index] = a_batch, g_batch
-        skipped = torch.stack([k.to(keep[0].device) for k in keep]).sum()
+        skipped = kept.sum() if kept is not None else torch.stack([k.to(keep[0].device) for k in keep]).sum()
         self.skipped = skipped if self.skipped is None else self.skipped + skipped
+
+
+def batch_averages(summed: Mapping[int, BatchStatistics], loss_scale: float | Tensor) -> list[Batch]:
+    """Every layer's batch factors (:meth:`BatchStatistics.averages`), by layer, in two multi-tensor divisions
+    where the counts are all numbers or all tensors (on a GPU a few launches instead of two per layer)."""
+    stats = [(index, summed[index]) for index in sorted(summed)]
+    stats = [(i, s) for i, s in stats if isinstance(s.a_count, Tensor) or (s.a_count != 0 and s.g_count != 0)]
+    if not stats:
+        return []
+    scale = loss_scale.to(stats[0][1].g_sum.device) ** 2 if isinstance(loss_scale, Tensor) else loss_scale**2
+    a_counts = [s.a_count for _, s in stats]
+    g_counts = [s.g_count * scale for _, s in stats]
+    alike = all(isinstance(c, Tensor) == isinstance(a_counts[0], Tensor) for c in a_counts + g_counts)
+    if not alike or len({s.a_sum.device for _, s in stats}) > 1:
+        return [(i, *averages) for i, s in stats if (averages := s.averages(loss_scale)) is not None]
+    a = torch._foreach_div([s.a_sum for _, s in stats], a_counts)  # type: ignore[arg-type]
+    g = torch._foreach_div([s.g_sum for _, s in stats], g_counts)  # type: ignore[arg-type]
+    return [(i, a_i, g_i) for (i, _), a_i, g_i in zip(stats, a, g, strict=True)]
 
 
 def usable(batches: list[Batch], found_inf: Tensor | None) -> list[Tensor]:

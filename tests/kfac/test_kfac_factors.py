@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kfac.factors import BatchStatistics, RunningFactors, pack_upper, running_average, unpack_upper, upper_size, usable
+from kfac.factors import (
+    BatchStatistics,
+    RunningFactors,
+    batch_averages,
+    pack_upper,
+    running_average,
+    unpack_upper,
+    upper_size,
+    usable,
+)
 
 
 def _sym(n: int) -> torch.Tensor:
@@ -98,3 +107,25 @@ def test_usable_is_false_exactly_when_an_entry_is_not_finite(dtype: torch.dtype)
                 expected = bool(torch.isfinite(a).all())
                 assert [bool(v) for v in usable(batches, None)] == [expected, expected], (n, value, position)
                 assert [bool(v) for v in usable(batches, torch.tensor(1.0))] == [False, False]
+
+
+@pytest.mark.parametrize("counts", ["numbers", "tensors", "mixed"])
+@pytest.mark.parametrize("scale", [1.0, 8.0, "tensor"])
+def test_the_batch_averages_of_all_layers_at_once_are_each_layer_s(counts: str, scale) -> None:
+    """Two multi-tensor divisions give what each layer's own averages() gives, bit for bit: counts as numbers
+    (this rank's shapes), as 0-dim tensors (after an allreduce) or both, the loss scale a number or a tensor; a
+    layer whose counts known on the host are 0 is left out."""
+    torch.manual_seed(3)
+    loss_scale = torch.tensor(16.0) if scale == "tensor" else scale
+
+    def count(value: float, k: int) -> float | torch.Tensor:
+        tensor = counts == "tensors" or (counts == "mixed" and k % 2 == 1)
+        return torch.tensor(value, dtype=torch.float64) if tensor else value
+
+    summed = {k: BatchStatistics(_sym(3 + k), count(5.0 + k, k), _sym(2 + k), count(7.0 * (k + 1), k)) for k in range(4)}
+    summed[5] = BatchStatistics(_sym(2), 0.0, _sym(2), 0.0)  # nothing ran
+    got = batch_averages(summed, loss_scale)
+    assert [index for index, _, _ in got] == [0, 1, 2, 3]
+    for index, a, g in got:
+        want = summed[index].averages(loss_scale)
+        assert want is not None and torch.equal(a, want[0]) and torch.equal(g, want[1])
