@@ -267,3 +267,26 @@ def test_elsewhere_the_fastest_method_measured_on_the_first_input_of_a_shape_is_
 def test_method_seconds_times_a_method_on_the_cpu() -> None:
     geometry = ConvGeometry.of(nn.Conv2d(4, 4, 3, padding=1))
     assert 0 < patches.method_seconds("rows", torch.randn(2, 4, 8, 8), geometry, True, repeats=1) < 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_method_timed_for_each_shape_gives_the_exact_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA each shape's first input is timed once per method and the fastest kept; the moment it gives
+    equals the float64 reference (IEEE products), and stays within 1e-3 of it with TF32 products."""
+    from kfac.precision import fp32_products
+
+    monkeypatch.setattr(patches, "_chosen", {})
+    torch.manual_seed(7)
+    for conv, shape in ((nn.Conv2d(16, 8, 3, padding=1), (4, 16, 20, 20)), (nn.Conv2d(8, 8, 3, stride=2, padding=1),
+                        (4, 8, 17, 17)), (nn.Conv2d(8, 4, 1), (4, 8, 9, 9))):
+        x = torch.randn(shape, dtype=torch.float64)
+        want = _unfold_reference(x, conv.double(), True)
+        geometry = ConvGeometry.of(conv)
+        for precision, tolerance in (("ieee", 1e-5), ("tf32", 1e-3)):
+            on_gpu = x.float().cuda().to(memory_format=torch.channels_last)
+            with fp32_products(precision):
+                got = patch_moment(on_gpu, geometry, True)
+                assert choose_method(on_gpu, geometry, True) in applicable_methods(x, geometry)
+            error = float((got.double().cpu() - want).norm() / want.norm())
+            assert error < tolerance, (conv, precision, error)
+    assert len(patches._chosen) == 4  # the two 3x3 shapes, once per precision; 1x1 has one method, never timed
