@@ -91,11 +91,16 @@ class BatchStatistics:
             g_count=sum((p.g_count for p in parts[1:]), first.g_count),
         )
 
+    @property
+    def ran(self) -> bool:
+        """False when counts known on the host say nothing ran (device counts are not read: they may be 0)."""
+        return isinstance(self.a_count, Tensor) or bool(self.a_count != 0 and self.g_count != 0)
+
     def averages(self, loss_scale: float | Tensor) -> tuple[Tensor, Tensor] | None:
         """This batch's factors, Σ a aᵀ / count and Σ g gᵀ / (count · scale²) with the loss scale's square
         divided out of G; None when counts known on the host say nothing ran (device counts of 0 give 0/0,
         which the update leaves out as not finite)."""
-        if not isinstance(self.a_count, Tensor) and (self.a_count == 0 or self.g_count == 0):
+        if not self.ran:
             return None
         scale = loss_scale.to(self.g_sum.device) ** 2 if isinstance(loss_scale, Tensor) else loss_scale**2
         return self.a_sum / self.a_count, self.g_sum / (self.g_count * scale)
@@ -181,8 +186,7 @@ class RunningFactors:
 def batch_averages(summed: Mapping[int, BatchStatistics], loss_scale: float | Tensor) -> list[Batch]:
     """Every layer's batch factors (:meth:`BatchStatistics.averages`), by layer, in two multi-tensor divisions
     where the counts are all numbers or all tensors (on a GPU a few launches instead of two per layer)."""
-    stats = [(index, summed[index]) for index in sorted(summed)]
-    stats = [(i, s) for i, s in stats if isinstance(s.a_count, Tensor) or (s.a_count != 0 and s.g_count != 0)]
+    stats = [(index, summed[index]) for index in sorted(summed) if summed[index].ran]
     if not stats:
         return []
     scale = loss_scale.to(stats[0][1].g_sum.device) ** 2 if isinstance(loss_scale, Tensor) else loss_scale**2

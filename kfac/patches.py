@@ -21,11 +21,10 @@ times the cost of the convolution itself.
 
 Which is fastest depends on the machine more than on the shape: on a CPU core the row products and
 the autocorrelation win by the multiply-adds they save, measured once into a fixed rule; on a GPU the
-calls and the bytes moved count as well (measured on an H200: benchmarks/results/kfac_conv_methods_cuda.json).
-So on any other device the
-first input of each shape times every method that applies and keeps the fastest, like
-``torch.backends.cudnn.benchmark`` (:func:`choose_method`); with deterministic algorithms on, or while a
-graph is captured or compiled, the fixed rule decides. The methods are exact and agree to rounding.
+calls and the bytes moved count as well (an H200's: benchmarks/results/kfac_conv_methods_cuda.json). So
+on any other device the first input of each shape times every method that applies and keeps the fastest,
+like ``torch.backends.cudnn.benchmark`` (:func:`choose_method`); with deterministic algorithms on, or while
+a graph is captured or compiled, the fixed rule decides. The methods are exact and agree to rounding.
 
 The tests check each against ``F.unfold`` in float64.
 """
@@ -104,7 +103,7 @@ def patch_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> Tensor:
 
     ``x`` is the layer input (N, C, H, W); the result is (D, D) with D = C*kh*kw (+1), in x's dtype.
     """
-    moment, sums, count = METHODS[choose_method(x, geometry, with_bias)](x, geometry, with_bias)
+    moment, sums, count = MOMENT_METHODS[choose_method(x, geometry, with_bias)](x, geometry, with_bias)
     if not with_bias:
         return moment
     assert sums is not None
@@ -158,12 +157,12 @@ def method_seconds(name: str, x: Tensor, geometry: ConvGeometry, with_bias: bool
         if x.device.type != "cpu":
             torch.accelerator.synchronize(x.device)
 
-    METHODS[name](x, geometry, with_bias)
+    MOMENT_METHODS[name](x, geometry, with_bias)
     best = float("inf")
     for _ in range(repeats):
         finish()
         start = time.perf_counter()
-        METHODS[name](x, geometry, with_bias)
+        MOMENT_METHODS[name](x, geometry, with_bias)
         finish()
         best = min(best, time.perf_counter() - start)
     return best
@@ -195,7 +194,8 @@ def bordered_moment(moment: Tensor, sums: Tensor, count: float) -> Tensor:
 
 
 def _unfold_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool = True) -> tuple[Tensor, Tensor, float]:
-    """The Gram of the unfolded patches, built for as many examples at a time as fit in _UNFOLD_BYTES."""
+    """The Gram of the unfolded patches, built for as many examples at a time as fit in _UNFOLD_BYTES (the patch
+    sums come at no cost, so they are returned whatever ``with_bias``)."""
     if geometry.kernel == (1, 1) and not any(geometry.padding):  # the patches are the (strided) pixels
         sh, sw = geometry.stride
         pixels = x[:, :, ::sh, ::sw].movedim(1, -1).reshape(-1, x.shape[1])  # a view of a channels-last input
@@ -424,7 +424,8 @@ def _autocorrelation_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) 
     return moment, sums, float(n * ho * wo)
 
 
-METHODS: dict[str, Callable[[Tensor, ConvGeometry, bool], tuple[Tensor, Tensor | None, float]]] = {
+# The ways to compute a patch moment, by name; each returns (Σ a aᵀ, Σ a or None, the patch count).
+MOMENT_METHODS: dict[str, Callable[[Tensor, ConvGeometry, bool], tuple[Tensor, Tensor | None, float]]] = {
     "autocorrelation": _autocorrelation_moment,
     "rows": _row_gram_moment,
     "unfold": _unfold_moment,

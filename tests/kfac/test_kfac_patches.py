@@ -9,7 +9,7 @@ from torch import nn
 
 import kfac.patches as patches
 from kfac.patches import (
-    METHODS,
+    MOMENT_METHODS,
     ConvGeometry,
     _row_gram_moment,
     applicable_methods,
@@ -76,10 +76,10 @@ def test_each_method_matches_unfold_where_it_applies(case: dict, mode: str, monk
     assert ("autocorrelation" in names) == (geometry.stride == (1, 1) and geometry.kernel != (1, 1))
     for name in names:
         for layout in (x, x.to(memory_format=torch.channels_last)):
-            got = bordered_moment(*METHODS[name](layout, geometry, True))
+            got = bordered_moment(*MOMENT_METHODS[name](layout, geometry, True))
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=name)
     monkeypatch.setattr(patches, "_UNFOLD_BYTES", 1)  # one example at a time
-    torch.testing.assert_close(bordered_moment(*METHODS["unfold"](x, geometry, True)), want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(bordered_moment(*MOMENT_METHODS["unfold"](x, geometry, True)), want, rtol=1e-10, atol=1e-10)
 
 
 def test_patch_moment_matches_unfold_with_padding_numbers_as_used_by_pytorch() -> None:
