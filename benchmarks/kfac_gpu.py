@@ -6,7 +6,7 @@ Runs from the GPU machine's own Python with ``PYTHONPATH=.`` (kfac/ imports only
 torch, torchvision, numpy, tqdm and matplotlib, which such images carry): ResNet-50, batch 64, 224x224, SGD against
 K-FAC with its GPU method (``newton``: Newton–Schulz inverses from matrix products; eigen's H200 figures are
 issue 44's) at (factor, inverse) update frequencies (1, 10) and (10, 100), in fp32 (TF32 on) and with ``--amp``, each
-step by benchmarks/kfac_overhead.py (contenders alternating step by step, phases with a synchronised round), peak
+step by benchmarks/kfac_overhead.py (contenders alternating step by step, phases timed by device events), peak
 memory in fresh processes (fp32). kfac-pytorch comes from a local copy (``--kfac-pytorch``, default
 ``.kfac-pytorch`` when present: a folder holding its ``kfac`` package, e.g. ``git archive`` of its checkout; no
 install and no dist-info needed, benchmarks/kfac_pytorch_adapter.py).
@@ -53,7 +53,7 @@ class Step:
 
 
 def timing_seconds(with_kfac_pytorch: bool) -> float:
-    """The estimated seconds of one precision's timing rounds (all frequencies), its synchronised rounds included."""
+    """The estimated seconds of one precision's timing rounds (all frequencies), its device-timed rounds included."""
     total = PROCESS_S + WARMUP_STEPS * STEP_MS["sgd"] / 1e3
     for factors, inverse in CONFIGS:
         period = inverse  # lcm(factors, inverse) for these pairs
@@ -217,7 +217,8 @@ def _phases() -> str:
     assert r is not None
     phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phase_ms_per_step"].items() if v)
     unattributed = 100 * r["unattributed_share"]
-    return f"{r['extra_ms_per_step']:.1f} ms a step over SGD's: {phases} ms (unattributed {unattributed:.0f} %)"
+    return (f"{r['extra_ms_per_step']:.1f} ms a step over SGD's: {phases} ms (unattributed {unattributed:.0f} %; "
+            f"phases from {r['phases_from']})")
 
 
 def _conv_methods() -> str:

@@ -23,8 +23,11 @@ Where K-FAC's extra time goes: the preconditioner's phases (kfac.preconditioner.
 includes the hooks' work inside forward and backward) per step, and "hooks and the rest", K-FAC's
 extra time less its phases. On the CPU they come from the typical round itself. On a GPU a phase's
 host seconds are only the time to queue it, so one more period is run with the preconditioner's
-``synchronise_timings`` (each phase waits for the device before and after): its phases and its
-remainder are reported, the step ratios still come from the unsynchronised rounds.
+``device_timings`` (each phase's span on the device, between CUDA events recorded as it starts and
+ends, nothing waited for inside the step: kfac.timing): its phases and its remainder are reported,
+the step ratios still come from the rounds before it. (Waiting for the device around each phase
+instead, ``synchronise_timings``, stalls the host's launches of forward's and backward's kernels
+around every hook: the step it times is slower than a real one by time no phase holds.)
 
 Peak memory: each variant (SGD, and K-FAC at each frequency) runs in a fresh process for one
 inverse-update period (at most 12 steps, step 0 has every phase): ``torch.cuda.max_memory_allocated``
@@ -200,9 +203,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             )
         attribution = None
         if args.device == "cuda":  # the phases with the device's seconds in them (see the module doc)
-            contenders["kfac"].pre.synchronise_timings = True
+            contenders["kfac"].pre.device_timings = True
             attribution = one_round(args, sgd, {"kfac": contenders["kfac"]}, period)
-            contenders["kfac"].pre.synchronise_timings = False
+            contenders["kfac"].pre.device_timings = False
         results.append(summarise(args, factor_freq, inv_freq, rounds, contenders["kfac"].pre, attribution))
         if args.partial is not None:  # what is measured so far survives a timeout
             args.partial(results)
@@ -231,6 +234,8 @@ def one_round(args: argparse.Namespace, sgd: Stepper, contenders: dict[str, Step
             _sync(args.device)
             totals[name] += time.perf_counter() - start
     ms = {name: total / period * 1e3 for name, total in totals.items()}
+    if getattr(pre, "device_timings", False):
+        pre.settle_timings()
     phases = {p: (pre.timings.get(p, 0.0) - before[p]) / period * 1e3 for p in PHASES}
     entry = {"sgd_ms": ms["sgd"], "kfac_ms": ms["kfac"], "ratio": ms["kfac"] / ms["sgd"], "phases": phases}
     for name in contenders:
@@ -249,7 +254,7 @@ def attributed(entry: dict) -> dict[str, float]:
 def summarise(args: argparse.Namespace, factor_freq: int, inv_freq: int, rounds: list[dict], pre: Any,
               attribution: dict | None = None) -> dict:
     # Interference only ever adds time: the median of the per-round ratios is reported, with the
-    # phases of the round closest to it, or on a GPU those of the synchronised round.
+    # phases of the round closest to it, or on a GPU those of the round timed by device events.
     ratio = statistics.median(r["ratio"] for r in rounds)
     typical = min(rounds, key=lambda r: abs(r["ratio"] - ratio))
     source = attribution or typical
@@ -270,7 +275,7 @@ def summarise(args: argparse.Namespace, factor_freq: int, inv_freq: int, rounds:
         "phase_ms_per_step": phases,
         "extra_ms_per_step": source["kfac_ms"] - source["sgd_ms"],
         "unattributed_share": phases["hooks and the rest"] / max(source["kfac_ms"] - source["sgd_ms"], 1e-9),
-        "phases_from": "a synchronised round" if attribution else "the typical round",
+        "phases_from": "a round timed by device events" if attribution else "the typical round",
         "eigen_recoveries": pre.stats["eigen_recoveries"],
     }
     if "baseline_ratio" in rounds[0]:

@@ -156,7 +156,7 @@ class KFACPreconditioner:
         self.grad_scaler = grad_scaler
         self.steps = 0
         self._timer = PhaseTimer(lambda: self.layers[0].device if self.layers else None)
-        self.timings = self._timer.seconds  # host seconds per phase (kfac.timing.PHASES)
+        self.timings = self._timer.seconds  # seconds per phase (kfac.timing.PHASES): the host's unless device_timings
         # Collectives issued, by kind ("kfac.factors", "kfac.decompositions", "kfac.directions"); a share by
         # scatter is two (an alltoall, then an allgather).
         self.collectives: dict[str, int] = defaultdict(int)
@@ -261,6 +261,20 @@ class KFACPreconditioner:
     @synchronise_timings.setter
     def synchronise_timings(self, value: bool) -> None:
         self._timer.synchronise = value
+
+    @property
+    def device_timings(self) -> bool:
+        """Whether each phase is timed on the device by CUDA events, without waiting (kfac.timing); its
+        seconds reach ``timings`` when :meth:`settle_timings` runs."""
+        return self._timer.device_events
+
+    @device_timings.setter
+    def device_timings(self, value: bool) -> None:
+        self._timer.device_events = value
+
+    def settle_timings(self) -> None:
+        """Wait for the device and add the phases timed on it (``device_timings``) to ``timings``."""
+        self._timer.settle()
 
     @property
     def stats(self) -> dict[str, Any]:

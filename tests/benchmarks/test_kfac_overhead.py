@@ -57,6 +57,20 @@ def test_the_phases_hold_k_fac_s_extra_time(study: Any, monkeypatch) -> None:
     assert set(entry["phases"]) == set(study.PHASES)
 
 
+def test_a_device_timed_round_settles_the_events_before_it_reads_the_phases(study: Any, monkeypatch) -> None:
+    """On CUDA the attribution round times the phases by device events: their seconds reach ``timings`` only
+    when settled, so the round settles before it reads them (here a stand-in settle adds a known second)."""
+    monkeypatch.setattr(study, "build_model", lambda args: nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10)))
+    args = argparse.Namespace(device="cpu", precision="fp32", batch_size=2)
+    batch = study.make_batch(args)
+    sgd, kfac = study.Stepper(args, batch), study.Stepper(args, batch, study.import_kfac(None), (1, 2))
+    kfac.pre.device_timings = True
+    monkeypatch.setattr(kfac.pre, "settle_timings", lambda: kfac.pre.timings.__setitem__(
+        "factors", kfac.pre.timings["factors"] + 1.0))
+    entry = study.one_round(args, sgd, {"kfac": kfac}, 2)
+    assert entry["phases"]["factors"] >= 1e3 / 2  # ms per step: the settled second, over the round's 2 steps
+
+
 def test_conv_statistics_times_every_conv_layer_of_both_packages(study: Any, capsys, tmp_path) -> None:
     """--conv-statistics runs each package's a_moment on every conv layer's real input, prints one line per
     model and saves the rows; without --baseline it stops with a one-line usage error before measuring."""

@@ -84,3 +84,21 @@ def test_tracing_synchronises_the_preconditioner_s_phases_too() -> None:
     assert pre.synchronise_timings
     phases.synchronise = False
     assert not pre.synchronise_timings
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_timings_put_every_phase_s_device_time_in_timings_after_settling() -> None:
+    """On a GPU, with ``device_timings`` a step's phases (the hooks' statistics in forward and backward too) are
+    spans between CUDA events, read when settled: nothing before, every phase that ran after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 30 * 30, 10)).cuda()
+    pre = KFACPreconditioner(model, factor_update_freq=1, inv_update_freq=1)
+    pre.device_timings = True
+    x, y = torch.randn(32, 3, 32, 32, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
+    nn.functional.cross_entropy(model(x), y).backward()
+    pre.step()
+    assert sum(pre.timings.values()) == 0.0 and pre.statistics_in_forward == 0.0
+    pre.settle_timings()
+    for phase in ("statistics", "factors", "decompositions", "precondition"):
+        assert pre.timings[phase] > 0.0, phase
+    assert 0.0 < pre.statistics_in_forward < pre.timings["statistics"]
