@@ -187,9 +187,9 @@ def _against(other: str = "muon", name: str = TWO_BY_ONE) -> dict[str, tuple[flo
     return ratios
 
 
-def _two_by_one_table() -> str:
-    rows = {r["method"]: r for r in results(TWO_BY_ONE)["summary"]}
-    against = _against()
+def _two_by_one_table(name: str = TWO_BY_ONE) -> str:
+    rows = {r["method"]: r for r in results(name)["summary"]}
+    against = _against(name=name)
 
     def row(method: str, r: dict) -> list:
         each = ", ".join(percent(a) for a in r["final_accuracy"])
@@ -203,15 +203,41 @@ def _two_by_one_table() -> str:
                  [row(m, r) for m, r in rows.items()])
 
 
-def _two_by_one_short() -> str:
-    parts = [f"{method.removeprefix('kfac-')} {times(ratio)}" for method, (ratio, _, _) in _against().items()]
-    seeds = max(n for _, _, n in _against().values())
+def _two_by_one_short(name: str = TWO_BY_ONE) -> str:
+    against = _against(name=name)
+    parts = [f"{method.removeprefix('kfac-')} {times(ratio)}" for method, (ratio, _, _) in against.items()]
+    seeds = max(n for _, _, n in against.values())
     return f"time to 98.5 % over Muon's on 2 nodes x 1 rank: {', '.join(parts)} ({seeds} seeds, medians)"
+
+
+EVERY_STEP = "kfac_methods_2x1_every_step"  # the same cell, evaluated after every step (--evals-per-epoch 14)
+
+
+def _every_step_seeds() -> str:
+    """Per seed, each method's steps to 98.5 % and its time over Muon's (the runs of one round)."""
+    by_seed: dict[int, dict[str, study.Outcome]] = {}
+    for o in study.outcomes_of(results(EVERY_STEP)):
+        by_seed.setdefault(o.cell.seed, {})[o.cell.method] = o
+    rows = []
+    for seed, runs in sorted(by_seed.items()):
+        muon = runs["muon"].to_target(0.985)
+        for method, o in runs.items():
+            reached = o.to_target(0.985)
+            if method == "muon" or reached is None or muon is None:
+                continue
+            rows.append([seed, method.removeprefix("kfac-"), reached[0], muon[0], times(reached[0] / muon[0]),
+                         times((o.seconds_per_step or 0.0) / (runs["muon"].seconds_per_step or 1.0)),
+                         times(reached[1] / muon[1])])
+    return table(["seed", "method", "steps to 98.5 %", "Muon's", "steps / Muon's", "step / Muon's",
+                  "time to 98.5 % / Muon's"], rows)
 
 
 FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
            "methods.decomposition.short": _decomposition_short, "methods.2x1.table": _two_by_one_table,
-           "methods.2x1.short": _two_by_one_short}
+           "methods.2x1.short": _two_by_one_short,
+           "methods.2x1.every_step.table": lambda: _two_by_one_table(EVERY_STEP),
+           "methods.2x1.every_step.short": lambda: _two_by_one_short(EVERY_STEP),
+           "methods.2x1.every_step.seeds": _every_step_seeds}
 
 
 if __name__ == "__main__":

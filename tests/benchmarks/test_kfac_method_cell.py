@@ -25,10 +25,10 @@ def dry_run(*flags: str) -> list[list[str]]:
 
 
 @pytest.mark.processes  # runs the benchmark's --dry-run
-def test_the_2x1_round_runs_each_method_then_muon_at_their_tuned_settings(tmp_path: Path) -> None:
+def test_the_2x1_round_runs_each_method_then_muon_at_their_tuned_settings_evaluated_as_asked(tmp_path: Path) -> None:
     write_mnist(tmp_path)
     commands = dry_run("--data-dir", str(tmp_path), "--ranks", "2", "--vcluster", "vc", "--first-order", "muon",
-                       "--seeds", "3", "4")
+                       "--seeds", "3", "4", "--evals-per-epoch", "14")
     tuned = {"kfac": 0.4, "muon": 0.02}  # the tuning's picks at batch 4096 (kfac_large_batch_modern.md's table)
     names = []
     for words in commands:
@@ -40,4 +40,5 @@ def test_the_2x1_round_runs_each_method_then_muon_at_their_tuned_settings(tmp_pa
         # hpcdl.train's rate is per rank's batch: twice it is the tuned global rate at 2 ranks x 2048.
         assert config.batch_size * 2 == 4096
         assert abs(2 * config.base_lr - tuned["kfac" if config.kfac else method]) < 1e-9
+        assert config.eval_every == 1  # 14 evaluations an epoch of 14 steps: the time to target to the step
     assert names == [(seed, m) for seed in (3, 4) for m in ("kfac-eigen", "kfac-newton", "kfac-inverse", "muon")]
