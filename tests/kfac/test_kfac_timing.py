@@ -100,18 +100,19 @@ class FakeEvent:
 
 @pytest.fixture
 def device_clock(monkeypatch):
-    """The device's clock (advanced by the test, as kernels would), and every wait for the device."""
+    """A timer on events of a fake device, the device's clock (advanced by the test, as kernels would), and every
+    wait for the device."""
     now, waits = [0.0], []
     monkeypatch.setattr(timing, "_event", lambda: FakeEvent(now, waits))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append("device"))
     monkeypatch.setattr(timing, "perf_counter", lambda: 0.0)  # the host's clock must not count
-    return now, waits
+    timer = PhaseTimer(lambda: torch.device("cuda", 0))
+    timer.device_events = True
+    return timer, now, waits
 
 
 def test_device_events_time_each_phase_on_the_device_without_waiting_until_settled(device_clock) -> None:
-    now, waits = device_clock
-    timer = PhaseTimer(lambda: torch.device("cuda", 0))
-    timer.device_events = True
+    timer, now, waits = device_clock
     with timer.phase("decompositions"):
         now[0] += 1.0
         with timer.phase("sharing"):
@@ -132,9 +133,7 @@ def test_device_events_time_each_phase_on_the_device_without_waiting_until_settl
 
 
 def test_a_phase_open_at_settle_is_counted_by_the_next_settle(device_clock) -> None:
-    now, _ = device_clock
-    timer = PhaseTimer(lambda: torch.device("cuda", 0))
-    timer.device_events = True
+    timer, now, _ = device_clock
     with timer.hook("forward"):
         now[0] += 1.0
         with timer.phase("factor_reduction"):
