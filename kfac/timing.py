@@ -36,12 +36,11 @@ def _event() -> Any:
 
 @dataclass
 class _Span:
-    """A phase timed on the device: its events, the span it is nested in (an index), whether it is a hook's
-    work in forward."""
+    """A phase timed on the device: its events, whether it is (or is nested in) a hook's work in forward, the
+    spans nested in it (indices), whether settle() has counted it."""
 
     name: str
     start: Any
-    parent: int | None
     in_forward: bool
     end: Any = None
     children: list[int] = field(default_factory=list)
@@ -126,7 +125,7 @@ class PhaseTimer:
     def _device_span(self, name: str, in_forward: bool) -> Iterator[None]:
         parent = self._open_spans[-1] if self._open_spans else None
         in_forward = in_forward or (parent is not None and self._spans[parent].in_forward)
-        span = _Span(name, _event(), parent, in_forward)
+        span = _Span(name, _event(), in_forward)
         span.start.record()
         index = len(self._spans)
         self._spans.append(span)
