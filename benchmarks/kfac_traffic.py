@@ -49,8 +49,8 @@ from kfac.comm import Communicator, Group, Handle, chunk_overlaps
 from kfac.default_comm import default_communicator
 from kfac.factors import upper_size
 from kfac.layers import find_layers
+from kfac.methods import METHODS
 from kfac.sharing import share_by
-from kfac.solve import eigen_shapes
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("factors", "decompositions", "directions")
@@ -178,14 +178,15 @@ def _numel(shapes: Sequence[Sequence[int]]) -> int:
     return sum(math.prod(shape) for shape in shapes)
 
 
-def member_parts(layers: Layers, world: int, fraction: float) -> dict[str, list[list[int]]]:
+def member_parts(layers: Layers, world: int, fraction: float, method: str = "eigen") -> dict[str, list[list[int]]]:
     """Per kind, per group (worker groups for decompositions, receiver blocks for directions), the elements each
     member contributes in one round: the real owners of kfac's own work assignment (most ranks own nothing
-    when there are more ranks than layers)."""
+    when there are more ranks than layers), each decomposition in ``method``'s wire form."""
     a, g = layers.a_dims, layers.g_dims
     work = assign_work(list(a), list(g), world, fraction)
-    owned = {r: _numel([s for i, kind in work.owned_factors(r) for s in eigen_shapes(a[i] if kind == "A" else g[i])])
-             for r in range(world)}
+    form = METHODS[method]()
+    owned = {r: _numel([s for i, kind in work.owned_factors(r)
+                        for s in form.wire_shapes(a[i] if kind == "A" else g[i])]) for r in range(world)}
     sources: dict[int, int] = defaultdict(int)
     for block in work.receiver_blocks():
         for i in range(len(a)):
@@ -220,16 +221,18 @@ def factor_elements(layers: Layers) -> int:
     return sum(upper_size(x) + upper_size(y) + 2 for x, y in zip(layers.a_dims, layers.g_dims, strict=True))
 
 
-def kfac_round_bytes(layers: Layers, world: int, fraction: float, rank: int = 0) -> dict[str, int]:
-    """Payload bytes ``rank`` hands to collectives in one round of each kind (fp32, the eigen method):
+def kfac_round_bytes(layers: Layers, world: int, fraction: float, rank: int = 0,
+                     method: str = "eigen") -> dict[str, int]:
+    """Payload bytes ``rank`` hands to collectives in one round of each kind (fp32):
 
     factors: the upper triangles of both factors and two counts of every layer, in bucketed allreduces;
-    decompositions: one collective in the rank's worker group sharing the eigenvectors and eigenvalues of
-    the factors each member owns; directions (fraction < 1): one collective in the rank's receiver block
-    sharing the preconditioned gradients of the layers each member is the grad worker for.
+    decompositions: one collective in the rank's worker group sharing the decompositions of the factors each
+    member owns, in ``method``'s wire form (eigen: eigenvectors and eigenvalues; inverse, newton: the inverses'
+    upper triangles); directions (fraction < 1): one collective in the rank's receiver block sharing the
+    preconditioned gradients of the layers each member is the grad worker for.
     """
     out = dict(factors=factor_elements(layers) * FP32)
-    for kind, groups in member_parts(layers, world, fraction).items():
+    for kind, groups in member_parts(layers, world, fraction, method).items():
         group = next(k for k, grp in enumerate(_groups(world, fraction, kind)) if rank in grp)
         members = _groups(world, fraction, kind)[group]
         out[kind] = handed_elements(groups[group], members.index(rank)) * FP32

@@ -9,7 +9,9 @@ its share of them, and how a layer's gradient is preconditioned with a pair of t
   inverse; a factor that does not converge gets the Cholesky inverse. Nothing runs on the host.
 
 A decomposition is a tuple of tensors (kfac.solve.Decomposition), so every method's travels, is stacked and
-is checkpointed the same way. :data:`METHODS` maps the names ``KFACPreconditioner(method=...)`` accepts.
+is checkpointed the same way. What travels between ranks is each method's wire form (``to_wire``): eigen's
+tensors as they are, an inverse's upper triangle (it is exactly symmetric), half the bytes.
+:data:`METHODS` maps the names ``KFACPreconditioner(method=...)`` accepts.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import Tensor
 
 from kfac import newton, solve
 from kfac.decompose import EigenJob, Recoveries, Results, decompose_eigen
+from kfac.factors import pack_upper, unpack_upper, upper_size
 from kfac.workers import map_largest_first
 
 
@@ -66,8 +69,17 @@ class Eigen:
     # decompositions themselves, since recomputing one from its factors alone would not reproduce it bit for bit.
     warm_starts = False
 
-    def shapes(self, n: int) -> tuple[tuple[int, ...], ...]:
+    def wire_shapes(self, n: int) -> tuple[tuple[int, ...], ...]:
+        """The shapes of an n x n factor's decomposition as it travels between ranks."""
         return solve.eigen_shapes(n)
+
+    @staticmethod
+    def to_wire(decomposition: solve.Decomposition) -> solve.Decomposition:
+        return decomposition
+
+    @staticmethod
+    def from_wire(tensors: Sequence[Tensor], n: int) -> solve.Decomposition:
+        return tuple(tensors)
 
     def decompose(self, jobs: Sequence[FactorJob], dtype: torch.dtype, cpu_limit: int) -> tuple[Results, Recoveries]:
         eigen_jobs = [EigenJob(job.key, job.factor, job.previous) for job in jobs]
@@ -79,8 +91,19 @@ class Inverse:
     needs_gamma = True
     warm_starts = False
 
-    def shapes(self, n: int) -> tuple[tuple[int, ...], ...]:
-        return solve.inverse_shapes(n)
+    def wire_shapes(self, n: int) -> tuple[tuple[int, ...], ...]:
+        """An inverse travels as its upper triangle: n(n+1)/2 numbers."""
+        return ((upper_size(n),),)
+
+    @staticmethod
+    def to_wire(decomposition: solve.Decomposition) -> solve.Decomposition:
+        (inverse,) = decomposition
+        return (pack_upper(inverse),)
+
+    @staticmethod
+    def from_wire(tensors: Sequence[Tensor], n: int) -> solve.Decomposition:
+        (upper,) = tensors
+        return (unpack_upper(upper, n),)
 
     def decompose(self, jobs: Sequence[FactorJob], dtype: torch.dtype, cpu_limit: int) -> tuple[Results, Recoveries]:
         on_cpu = all(job.factor.device.type == "cpu" for job in jobs)

@@ -206,7 +206,8 @@ class KFACPreconditioner:
         fraction = self.options.grad_worker_fraction
         if fraction == "auto":
             return auto_fraction(
-                [math.prod(s) for i in range(len(self.layers)) for k in "AG" for s in self._decomposition_shapes(i, k)],
+                [math.prod(s) for i in range(len(self.layers)) for k in "AG"
+                 for s in self._method.wire_shapes(self._factor_size(i, k))],
                 sum(layer.a_dim * layer.g_dim for layer in self.layers), self.comm.size, self.options.inv_update_freq)
         return float(fraction)
 
@@ -382,10 +383,10 @@ class KFACPreconditioner:
         return value if isinstance(value, Tensor) else float(scaler.get_scale())
 
     # ------------------------------------------------------------------ decompositions
-    def _decomposition_shapes(self, index: int, kind: str) -> tuple[tuple[int, ...], ...]:
+    def _factor_size(self, index: int, kind: str) -> int:
+        """n of layer ``index``'s n x n factor ``kind`` ('A' or 'G')."""
         layer = self.layers[index]
-        n = layer.a_dim if kind == "A" else layer.g_dim
-        return self._method.shapes(n)
+        return layer.a_dim if kind == "A" else layer.g_dim
 
     def _update_decompositions(self, stale: list[int], step: int) -> None:
         """Decompose the stale layers' factors (this rank's share) and share them with the grad workers.
@@ -433,7 +434,7 @@ class KFACPreconditioner:
         self._record_recoveries(recoveries)
         group = self._worker_group
         if len(group.ranks) > 1:
-            self._sharing.decompositions(group, self.assignment, stale, results, self._decomposition_shapes,
+            self._sharing.decompositions(group, self.assignment, stale, results, self._method, self._factor_size,
                                          self._decomposition_dtype(stale[0]))
         self._held.install(stale, {i: (results[(i, "A")], results[(i, "G")]) for i in stale
                                    if self.assignment.is_grad_worker(i, rank)})

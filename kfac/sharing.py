@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -20,10 +20,22 @@ from torch import Tensor
 from kfac.assignment import WorkAssignment
 from kfac.comm import buffer_to_tensors, chunk_overlaps, tensors_to_buffer
 from kfac.decompose import Results
+from kfac.solve import Decomposition
 
 # What one member sends: (the shapes, known on every rank; its tensors on that member, else None; their dtype).
 Payload = tuple[Sequence[Sequence[int]], Sequence[Tensor] | None, torch.dtype]
 Key = tuple[int, str]  # (layer, "A" or "G")
+
+
+class WireForm(Protocol):
+    """How a method's decomposition of an n x n factor travels (kfac.methods: eigen's as is, an inverse's upper
+    triangle)."""
+
+    def wire_shapes(self, n: int) -> tuple[tuple[int, ...], ...]: ...
+
+    def to_wire(self, decomposition: Decomposition) -> Decomposition: ...
+
+    def from_wire(self, tensors: Sequence[Tensor], n: int) -> Decomposition: ...
 
 SHARING_RULES = ("allgather", "sum", "scatter")
 # What scatter's second collective costs beyond its bytes (a launch, Horovod's negotiation), in elements a link
@@ -104,10 +116,11 @@ class Sharing:
         return received
 
     def decompositions(self, group: Any, assignment: WorkAssignment, layers: Sequence[int],
-                       results: Results,
-                       shapes_of: Callable[[int, str], tuple[tuple[int, ...], ...]], dtype: torch.dtype) -> None:
+                       results: Results, form: WireForm, size_of: Callable[[int, str], int],
+                       dtype: torch.dtype) -> None:
         """Every owner in ``group`` sends the decompositions of ``layers``' factors it computed (in ``results``
-        on it) to the group; ``results`` then holds every member's."""
+        on it) to the group, in the method's wire ``form``; ``results`` then holds every member's, the owner's
+        own included as it came back from the wire (the same bits on every member)."""
         todo = set(layers)
 
         def owned(root: int) -> list[Key]:
@@ -116,13 +129,14 @@ class Sharing:
         payloads: dict[int, Payload] = {}
         for root in group.ranks:
             items = owned(root)
-            shapes = [shape for i, kind in items for shape in shapes_of(i, kind)]
-            sent = [t for item in items for t in results[item]] if root == self.rank else None
+            shapes = [shape for item in items for shape in form.wire_shapes(size_of(*item))]
+            sent = [t for item in items for t in form.to_wire(results[item])] if root == self.rank else None
             payloads[root] = (shapes, sent, dtype)
         for root, tensors in self.gather_from_each(group, "kfac.decompositions", payloads).items():
             items_of_root = iter(tensors)
             for item in owned(root):
-                results[item] = tuple(next(items_of_root) for _ in shapes_of(*item))
+                n = size_of(*item)
+                results[item] = form.from_wire([next(items_of_root) for _ in form.wire_shapes(n)], n)
 
     def directions(self, block: Any, assignment: WorkAssignment, grads: dict[int, Tensor],
                    directions: dict[int, Tensor], dtype: torch.dtype) -> None:

@@ -123,13 +123,11 @@ def damped_inverse(factor: Tensor, gamma: float, dtype: torch.dtype) -> Decompos
     work_dtype = torch.promote_types(dtype, torch.float32)
     damped = factor.to(work_dtype) + gamma * torch.eye(factor.shape[0], dtype=work_dtype, device=factor.device)
     lower, info = torch.linalg.cholesky_ex(damped)
-    if int(info) != 0:  # not numerically positive definite: fall back to a general inverse
-        return (torch.linalg.inv(damped),)
-    return (torch.cholesky_inverse(lower),)
-
-
-def inverse_shapes(n: int) -> tuple[tuple[int, ...], ...]:
-    return ((n, n),)
+    # not numerically positive definite: fall back to a general inverse
+    inverse = torch.linalg.inv(damped) if int(info) != 0 else torch.cholesky_inverse(lower)
+    # Exactly symmetric (x_ij + x_ji rounds as x_ji + x_ij; a no-op where it already is), so that its upper
+    # triangle is all of it: what ranks share (kfac.methods.Inverse.to_wire) is then lossless.
+    return ((inverse + inverse.mT) / 2,)
 
 
 def precondition_inverse(grad: Tensor, a: Decomposition, g: Decomposition) -> Tensor:

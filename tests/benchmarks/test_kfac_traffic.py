@@ -66,19 +66,20 @@ class Loopback(SingleProcess):
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
 @pytest.mark.parametrize("rank", [0, 3])
+@pytest.mark.parametrize("method", ["eigen", "newton"])
 def test_the_byte_model_equals_the_counted_collectives_of_every_kind(traffic: ModuleType, fraction: float,
-                                                                     rank: int) -> None:
+                                                                     rank: int, method: str) -> None:
     torch.manual_seed(0)
     model = build_model("mnist_cnn", 10, 1)
     comm = traffic.CountingCommunicator(Loopback(rank, 4))
     preconditioner = KFACPreconditioner(model, factor_update_freq=1, inv_update_freq=1, grad_worker_fraction=fraction,
-                                        communicator=comm, lr=0.1)
+                                        communicator=comm, lr=0.1, method=method)
     steps = 2
     for _ in range(steps):
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(torch.randn(8, 1, 28, 28)), torch.randint(0, 10, (8,))).backward()
         preconditioner.step()
-    expected = traffic.kfac_round_bytes(traffic.Layers.of(model), 4, fraction, rank)
+    expected = traffic.kfac_round_bytes(traffic.Layers.of(model), 4, fraction, rank, method)
     for kind in traffic.KINDS:
         counted_bytes, rounds = comm.tally.get(kind, [0, 0])
         assert rounds == (steps if expected[kind] else 0), kind

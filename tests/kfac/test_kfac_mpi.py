@@ -239,18 +239,20 @@ def test_every_grad_worker_fraction_equals_one_rank_on_the_global_batch(dp: Data
     assert_all_ranks(not problems, "; ".join(problems))
 
 
-def test_newton_at_every_grad_worker_fraction_equals_one_rank(dp: DataParallel) -> None:
-    """The owners' Newton–Schulz inverses (warm-started from what they hold) reach every grad worker: float64
-    iterations stop at a residual of 1e-9, so the run equals the 1-rank newton run to 1e-5."""
-    reference = _train_single_process(dp.size, method="newton")
+@pytest.mark.parametrize("method", ["newton", "inverse"])
+def test_each_inverse_method_at_every_grad_worker_fraction_equals_one_rank(method: str, dp: DataParallel) -> None:
+    """The owners' inverses reach every grad worker as upper triangles and are rebuilt bit for bit on every rank
+    (Newton–Schulz warm-started from what the owner holds, its float64 iterations stopping at a residual of 1e-9;
+    Cholesky), so the run equals the 1-rank run of the same method to 1e-5 and every rank holds the same."""
+    reference = _train_single_process(dp.size, method=method)
     problems = []
     for fraction in _fractions(dp.size):
-        params, pre = _train_distributed(dp, fraction, method="newton")
+        params, pre = _train_distributed(dp, fraction, method=method)
         if not _same_on_all_ranks(params):
             problems.append(f"fraction {fraction}: parameters differ between ranks")
         if not _rel(params, reference) < 1e-5:
             problems.append(f"fraction {fraction}: relative error {_rel(params, reference):.2e} against the 1-rank run")
-        if pre.stats["newton"].get("warm", 0) == 0 and pre.assignment.owned_factors(dp.rank):
+        if method == "newton" and pre.stats["newton"].get("warm", 0) == 0 and pre.assignment.owned_factors(dp.rank):
             problems.append(f"fraction {fraction}: an owner never warm-started")
     assert_all_ranks(not problems, "; ".join(problems))
 
