@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -32,6 +32,13 @@ PHASES = ("statistics", "factor_reduction", "factors", "decompositions", "sharin
 def _event() -> Any:
     """A CUDA event that can time (a function, so that the tests can hand out their own)."""
     return torch.cuda.Event(enable_timing=True)
+
+
+def _profiled(name: str) -> AbstractContextManager[Any]:
+    """The phase as a ``kfac.<name>`` range for torch.profiler when one is recording (else nothing)."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"kfac.{name}")
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -78,9 +85,8 @@ class PhaseTimer:
             torch.cuda.synchronize(device)
         start = perf_counter()
         self._open.append(0.0)
-        profiled = torch.autograd._profiler_enabled()
         try:
-            with torch.profiler.record_function(f"kfac.{name}") if profiled else contextlib.nullcontext():
+            with _profiled(name):
                 yield
         finally:
             if device is not None:
@@ -132,9 +138,8 @@ class PhaseTimer:
         if parent is not None:
             self._spans[parent].children.append(index)
         self._open_spans.append(index)
-        profiled = torch.autograd._profiler_enabled()
         try:
-            with torch.profiler.record_function(f"kfac.{name}") if profiled else contextlib.nullcontext():
+            with _profiled(name):
                 yield
         finally:
             end = _event()
