@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from kfac.patches import ConvGeometry, bordered_moment, mean_patches, patch_moment
+from kfac.precision import bmm, mm, operand, wide_sum
 
 SkipSpec = str | type
 # How a convolution's positions enter its factors (docs/kfac.md): KFC's expand (every position an example
@@ -121,15 +122,15 @@ class LinearLayer(KFACLayer):
         return self.module.out_features
 
     def a_moment(self, x: Tensor) -> tuple[Tensor, float]:
-        rows = x.reshape(-1, x.shape[-1]).to(self.dtype)
-        moment = rows.T @ rows
+        rows = operand(x.reshape(-1, x.shape[-1]), self.dtype)
+        moment = mm(rows.T, rows)
         if self.has_bias:
-            moment = bordered_moment(moment, rows.sum(0), float(rows.shape[0]))
+            moment = bordered_moment(moment, wide_sum(rows, 0), float(rows.shape[0]))
         return moment, float(rows.shape[0])
 
     def g_moment(self, grad_output: Tensor) -> tuple[Tensor, float]:
-        rows = grad_output.reshape(-1, grad_output.shape[-1]).to(self.dtype)
-        return rows.T @ rows, float(rows.shape[0])
+        rows = operand(grad_output.reshape(-1, grad_output.shape[-1]), self.dtype)
+        return mm(rows.T, rows), float(rows.shape[0])
 
     def examples(self, grad_output: Tensor) -> int:
         return grad_output.numel() // grad_output.shape[-1]
@@ -168,9 +169,9 @@ class Conv2dLayer(KFACLayer):
     def a_moment(self, x: Tensor) -> tuple[Tensor, float]:
         if x.dim() == 3:  # unbatched input (C, H, W)
             x = x.unsqueeze(0)
-        x = x.to(self.dtype)
         if not self.reduce:
-            return patch_moment(x, self.geometry, self.has_bias), float(x.shape[0])
+            return patch_moment(operand(x, self.dtype), self.geometry, self.has_bias), float(x.shape[0])
+        x = x.to(self.dtype)
         means = mean_patches(x, self.geometry)
         positions = math.prod(self.geometry.output_size(*self.geometry.pad(x[:1]).shape[-2:]))
         moment = (means.T @ means).mul_(positions)
@@ -184,20 +185,20 @@ class Conv2dLayer(KFACLayer):
         n, out = grad_output.shape[:2]
         positions = grad_output[0, 0].numel()
         if self.reduce:
-            sums = grad_output.reshape(n, out, positions).sum(2).to(self.dtype)
+            sums = grad_output.reshape(n, out, positions).sum(2, dtype=self.dtype)
             return sums.T @ sums, float(n * positions)
         if positions >= out and not grad_output.is_contiguous(memory_format=torch.channels_last):
             # Per-example Grams straight from the NCHW layout, no transpose copy: the (N, out, out)
             # intermediate is no larger than the gradient itself when positions >= out.
-            per_example = grad_output.reshape(n, out, positions).to(self.dtype)
-            moment = torch.bmm(per_example, per_example.transpose(1, 2)).sum(0)
+            per_example = operand(grad_output.reshape(n, out, positions), self.dtype)
+            moment = bmm(per_example, per_example.transpose(1, 2)).sum(0)
         else:
             # Deep layers (few positions, many channels: ResNet-50's layer4 has 49 and 2,048): one
             # (N·positions, out) matrix, like a weight gradient, instead of an (N, out, out) stack that
             # would be N·out/positions times the gradient's size (a GiB at batch 64). Free of copies
             # for a channels-last gradient.
-            rows = grad_output.movedim(1, -1).reshape(-1, out).to(self.dtype)
-            moment = rows.T @ rows
+            rows = operand(grad_output.movedim(1, -1).reshape(-1, out), self.dtype)
+            moment = mm(rows.T, rows)
         return moment, float(n * positions)
 
     def examples(self, grad_output: Tensor) -> int:

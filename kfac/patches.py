@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kfac.precision import add_mm_, bmm, mm, result_dtype, wide_sum
+
 # The autocorrelation's border strips cost a dozen small calls: it beats the row products only on larger
 # inputs (on one CPU core, 3x3 kernels with 16 to 128 channels: from 2^17 to 2^19 input elements).
 _AUTOCORRELATION_MIN_INPUT = 1 << 18
@@ -199,19 +201,19 @@ def _unfold_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool = True) ->
     if geometry.kernel == (1, 1) and not any(geometry.padding):  # the patches are the (strided) pixels
         sh, sw = geometry.stride
         pixels = x[:, :, ::sh, ::sw].movedim(1, -1).reshape(-1, x.shape[1])  # a view of a channels-last input
-        return pixels.T @ pixels, pixels.sum(0), float(pixels.shape[0])
+        return mm(pixels.T, pixels), wide_sum(pixels, 0), float(pixels.shape[0])
     padded = geometry.pad(x)
     n, c, height, width = padded.shape
     d = c * geometry.kernel[0] * geometry.kernel[1]
     positions = math.prod(geometry.output_size(height, width))
     step = max(1, _UNFOLD_BYTES // max(1, d * positions * padded.element_size()))
-    moment = padded.new_zeros(d, d)
-    sums = padded.new_zeros(d)
+    moment = padded.new_zeros(d, d, dtype=result_dtype(padded))
+    sums = padded.new_zeros(d, dtype=result_dtype(padded))
     for lo in range(0, n, step):
         columns = F.unfold(padded[lo : lo + step], geometry.kernel, dilation=geometry.dilation, stride=geometry.stride)
         features = columns.permute(1, 0, 2).reshape(d, -1)  # (C*kh*kw, examples*positions)
-        moment.addmm_(features, features.T)
-        sums += features.sum(1)
+        add_mm_(moment, features, features.T)
+        sums += wide_sum(features, 1)
     return moment, sums, float(n * positions)
 
 
@@ -268,7 +270,7 @@ def _row_gram_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tupl
     (kh, kw), (sh, _), (dh, _) = geometry.kernel, geometry.stride, geometry.dilation
     c = width // kw
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
-    windows = _windows(kh, dh, sh, ho, hp, pieces.dtype, pieces.device)
+    windows = _windows(kh, dh, sh, ho, hp, result_dtype(pieces), pieces.device)
     chunk = max(1, (_PRODUCT_ELEMENTS if pieces.device.type == "cpu" else _DEVICE_PRODUCT_ELEMENTS) // width**2)
     by_shift = []
     for shift in range(kh):
@@ -277,7 +279,7 @@ def _row_gram_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tupl
         total: Tensor | None = None
         for lo in range(0, last, chunk):
             hi = min(last, lo + chunk)
-            products = torch.bmm(pieces[lo:hi], pieces[lo + step : hi + step].transpose(1, 2))  # (rows, W, W)
+            products = bmm(pieces[lo:hi], pieces[lo + step : hi + step].transpose(1, 2))  # (rows, W, W)
             part = windows[:used, lo:hi] @ products.view(hi - lo, -1)
             total = part if total is None else total.add_(part)
         assert total is not None
@@ -291,7 +293,7 @@ def _row_gram_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> tupl
     moment = moment.index_select(0, order).index_select(1, order)
     sums_a = None
     if with_bias:
-        per_row = windows @ pieces.sum(2)  # (kh, C*kw)
+        per_row = windows @ wide_sum(pieces, 2)  # (kh, C*kw)
         sums_a = per_row.view(kh, c, kw).transpose(0, 1).reshape(-1)
     return moment, sums_a, float(ho * long)
 
@@ -342,6 +344,7 @@ def _autocorrelation_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) 
     image rows and columns at the border; their products are subtracted (rows over the full width,
     columns only over the window's rows, so that corners are not subtracted twice).
     """
+    x = x.to(result_dtype(x))  # its products are convolutions' weight gradients, which would round to half
     left, right, top, bottom = geometry.padding
     if geometry.padding_mode != "constant":  # non-zero padding is part of the image
         x = geometry.pad(x)

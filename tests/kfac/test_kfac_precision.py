@@ -199,3 +199,104 @@ def test_cuda_decompositions_split_between_host_and_gpu_equal_the_cpu_ones() -> 
             assert rel_err(q @ torch.diag(d) @ q.T, factor) < tolerance, (i, side, len(d))
     for p, q in zip(cpu_model.parameters(), gpu_model.parameters(), strict=True):
         assert rel_err(q.grad.cpu().double(), p.grad.double()) < 10 * FLOAT32_TOL  # two float32 eigensolvers
+
+
+# ---- statistics of half-precision inputs (a model under autocast) -------------------------------------------------
+
+HALF_CASES = [  # (name, module, input shape): every product form of the statistics
+    ("linear", nn.Linear(24, 10), (6, 5, 24)),
+    ("conv 1x1 (the pixels' Gram)", nn.Conv2d(8, 12, 1), (3, 8, 9, 9)),
+    ("conv 3x3 stride 2 (row products)", nn.Conv2d(6, 10, 3, stride=2, padding=1), (4, 6, 11, 11)),
+    ("conv 5x5 (row products)", nn.Conv2d(4, 6, 5), (4, 4, 12, 12)),
+]
+
+
+@pytest.fixture
+def half_products(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """The CUDA path on the CPU: half operands are kept (kfac.precision.keeps_half) and multiplied by a stand-in
+    for cuBLAS's float32-result GEMM that refuses anything but half operands and returns their exact product's
+    float32 rounding; returns the dtypes it multiplied."""
+    import kfac.precision as precision
+
+    seen: list[torch.dtype] = []
+
+    def exact(product):
+        def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            assert a.dtype in precision.HALF and b.dtype == a.dtype, (a.dtype, b.dtype)
+            seen.append(a.dtype)
+            return product(a.double(), b.double()).float()
+        return run
+
+    monkeypatch.setattr(precision, "keeps_half", lambda t, dtype: t.dtype in precision.HALF and dtype == torch.float32)
+    monkeypatch.setattr(precision, "_half_mm", exact(torch.mm))
+    monkeypatch.setattr(precision, "_half_bmm", exact(torch.bmm))
+    return seen
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("name", "module", "shape"), HALF_CASES, ids=[c[0] for c in HALF_CASES])
+def test_half_inputs_are_multiplied_as_they_are_and_give_their_float32_moments(
+    half_products: list[torch.dtype], half: torch.dtype, name: str, module: nn.Module, shape: tuple[int, ...]
+) -> None:
+    """A and G of half-precision inputs, their products taken on the half values (no float32 copy), equal the
+    moments of the same values converted to float32 first (every half value is exact in float32): only the
+    order of the float32 additions differs."""
+    from kfac.layers import find_layers
+
+    (layer,) = find_layers(module)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(half)
+    grad = torch.randn(module(x.float()).shape, generator=g).to(half)
+    for kind, moment_of, value in (("A", layer.a_moment, x), ("G", layer.g_moment, grad)):
+        before = len(half_products)
+        got, count = moment_of(value)
+        assert len(half_products) > before, f"{name} {kind}: the half operands were converted"
+        assert got.dtype == torch.float32
+        want, want_count = moment_of(value.float())
+        assert count == want_count
+        assert rel_err(got.double(), want.double()) < FLOAT32_TOL, f"{name} {kind}"
+
+
+@pytest.mark.parametrize("method", ["autocorrelation", "rows", "unfold"])
+def test_each_patch_method_gives_a_half_input_its_float32_moment(half_products: list[torch.dtype],
+                                                                 method: str) -> None:
+    """Every way to a conv layer's A, on a bf16 input, against the float32 input's unfolded patches; the
+    autocorrelation widens the input first (its products are convolutions' weight gradients, whose half results
+    would be rounded), the others multiply it as it is."""
+    from kfac.patches import MOMENT_METHODS, ConvGeometry
+
+    geometry = ConvGeometry.of(nn.Conv2d(3, 4, 3, padding=1))
+    x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(1)).bfloat16()
+    moment, sums, count = MOMENT_METHODS[method](x, geometry, True)
+    reference, reference_sums, reference_count = MOMENT_METHODS["unfold"](x.float(), geometry, True)
+    assert (len(half_products) > 0) == (method != "autocorrelation")
+    assert moment.dtype == torch.float32 and sums is not None and sums.dtype == torch.float32
+    assert count == reference_count
+    assert rel_err(moment.double(), reference.double()) < FLOAT32_TOL
+    assert rel_err(sums.double(), reference_sums.double()) < FLOAT32_TOL
+
+
+def test_off_cuda_half_inputs_are_converted_to_the_factors_dtype() -> None:
+    from kfac.precision import keeps_half, operand
+
+    x = torch.ones(3, 3, dtype=torch.bfloat16)
+    assert not keeps_half(x, torch.float32) and operand(x, torch.float32).dtype == torch.float32
+    assert operand(torch.ones(2, dtype=torch.float64), torch.float32).dtype == torch.float32
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize(("name", "module", "shape"), HALF_CASES, ids=[c[0] for c in HALF_CASES])
+def test_cuda_half_statistics_equal_the_float64_moments_of_the_same_values(
+    name: str, module: nn.Module, shape: tuple[int, ...]
+) -> None:
+    """cuBLAS's bf16 GEMM with float32 results (torch's out_dtype), on the GPU: the factor statistics of bf16
+    inputs equal the float64 moments of the same values to float32 accumulation."""
+    from kfac.layers import find_layers
+
+    module = module.cuda()
+    (layer,) = find_layers(module)
+    x = torch.randn(shape, device="cuda").bfloat16()
+    got, _ = layer.a_moment(x)
+    want, _ = find_layers(module.double())[0].a_moment(x.double())
+    assert got.dtype == torch.float32
+    assert rel_err(got.double(), want) < FLOAT32_TOL
