@@ -12,9 +12,10 @@ memory in fresh processes (fp32). kfac-pytorch comes from a local copy (``--kfac
 install and no dist-info needed, benchmarks/kfac_pytorch_adapter.py).
 
 Each step has its own time limit, a share of ``--budget`` in proportion to its estimate (from issue 44's H200
-figures); a step writes its results as it goes (DIR/kfac_gpu_<step>.json after every frequency), and DIR/kfac_gpu.json
-gathers them after every step, so a limit that cuts a step short keeps what it measured. ``--dry-run`` prints the
-plan with its estimate and exits non-zero when the estimate does not fit the budget.
+figures), taken from what the steps before it left (time one did not need goes to the next); a step writes its
+results as it goes (DIR/kfac_gpu_<step>.json after every frequency), and DIR/kfac_gpu.json gathers them after
+every step, so a limit that cuts a step short keeps what it measured. ``--dry-run`` prints the plan with its
+estimate and exits non-zero when the estimate does not fit the budget.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def plan(kfac_pytorch: Path | None) -> list[Step]:
 
 
 def limits(steps: list[Step], budget: float) -> list[float]:
-    """Each step's time limit: the budget shared in proportion to the estimates."""
+    """Each step's time limit: the budget shared in proportion to the estimates (as planned; when the steps run,
+    each takes its share of what the steps before it left, so that time one did not need goes to the next)."""
     total = sum(step.estimate_s for step in steps)
     return [budget * step.estimate_s / total for step in steps]
 
@@ -149,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     gather(args.out, steps, status, meta)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     failed = False
-    for step, limit in zip(steps, limits(steps, args.budget), strict=True):
+    began = time.monotonic()
+    for index, step in enumerate(steps):
         start = time.monotonic()
+        limit = limits(steps[index:], args.budget - (start - began))[0]
         try:
             code = subprocess.call(command(step, args.out), env=env, timeout=limit)
             status[step.name] = "done" if code == 0 else f"failed (exit {code})"

@@ -51,6 +51,26 @@ def test_every_step_limit_is_a_share_of_the_budget_at_least_its_estimate(gpu: An
     assert all(limit >= step.estimate_s for step, limit in zip(steps, shares, strict=True))
 
 
+def test_time_a_step_did_not_need_goes_to_the_next(gpu: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step ends early: the second's limit is all the budget that is left, not its planned share."""
+    steps = gpu.plan(None)
+    budget = sum(s.estimate_s for s in steps) * 1.1
+    planned = gpu.limits(steps, budget)
+    clock = [1000.0]
+    given = []
+
+    def call(command: list[str], env: dict, timeout: float) -> int:
+        given.append(timeout)
+        clock[0] += 30.0  # every step takes 30 s
+        return 0
+
+    monkeypatch.setattr(gpu.subprocess, "call", call)
+    monkeypatch.setattr(gpu.time, "monotonic", lambda: clock[0])
+    assert gpu.main(["--out", str(tmp_path / "out"), "--budget", str(budget), "--kfac-pytorch", "none"]) == 0
+    assert given[0] == pytest.approx(planned[0])
+    assert given[1] == pytest.approx(budget - 30.0) and given[1] > planned[1]
+
+
 def test_each_step_s_arguments_parse_in_kfac_overhead(gpu: Any, tmp_path: Path) -> None:
     """kfac_overhead.py accepts every argument of the plan: without a GPU it stops at the CUDA check, after parsing."""
     overhead = load_benchmark("kfac_overhead")
