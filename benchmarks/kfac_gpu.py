@@ -237,6 +237,19 @@ def _conv_methods() -> str:
             f"{error:.0e} of float64")
 
 
+def _floor() -> str:
+    """What the A statistics alone cost at (1, 10), against the target: a floor under K-FAC's step there."""
+    from figures import results, times
+
+    tf32 = results("kfac_conv_methods_cuda")["totals_ms"]["tf32"]["fastest per layer"]
+    r = _at("kfac_gpu", "fp32", 1, 10)
+    assert r is not None
+    return (f"the conv layers' A statistics alone, each by its fastest method in TF32, take {tf32:.1f} ms, "
+            f"{times(tf32 / r['sgd_ms'])} SGD's {r['sgd_ms']:.1f} ms step: computed every step, they put K-FAC at "
+            f"{times(1 + tf32 / r['sgd_ms'])} SGD's step at least, before G's statistics, the factors, the "
+            f"decompositions and the preconditioning")
+
+
 def _eigen() -> str:
     from figures import results, times
 
@@ -250,7 +263,7 @@ def _eigen() -> str:
 
 TARGET = {(1, 10): 2.0, (10, 100): 1.15}
 FIGURES = {"kfac_gpu.table": _table, "kfac_gpu.headline": _headline, "kfac_gpu.phases": _phases,
-           "kfac_gpu.conv_methods": _conv_methods, "kfac_gpu.eigen": _eigen}
+           "kfac_gpu.conv_methods": _conv_methods, "kfac_gpu.eigen": _eigen, "kfac_gpu.floor": _floor}
 
 
 if __name__ == "__main__":
