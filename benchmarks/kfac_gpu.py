@@ -79,7 +79,7 @@ def plan(kfac_pytorch: Path | None) -> list[Step]:
     if both:
         common += ["--kfac-pytorch", str(kfac_pytorch)]
     return [Step("fp32", (*common, "--precisions", "fp32"), timing_seconds(both) + memory_seconds(both)),
-            Step("amp", (*common, "--precisions", "amp", "--no-memory"), timing_seconds(both))]
+            Step("amp", (*common, "--precisions", "amp", "--amp-dtype", "bf16", "--no-memory"), timing_seconds(both))]
 
 
 def limits(steps: list[Step], budget: float) -> list[float]:
@@ -194,7 +194,7 @@ def _table() -> str:
                 continue
             before = _at("kfac_gpu_before", precision, factors, inverse)
             memory = (f"{r['peak_gib']:.2f} / {r['kfac_pytorch_measured_peak_gib']:.2f}" if r.get("peak_gib") else "—")
-            rows.append((f"{'fp32 (TF32)' if precision == 'fp32' else '--amp bf16'}, ({factors}, {inverse})",
+            rows.append((f"{'fp32 (TF32)' if precision == 'fp32' else _amp_label('kfac_gpu')}, ({factors}, {inverse})",
                          f"{r['sgd_ms']:.1f}", f"{r['kfac_ms']:.1f}", times(r["ratio"]),
                          times(r["kfac_pytorch_measured_ratio"]), times(before["ratio"]) if before else "—",
                          f"≤ {TARGET[(factors, inverse)]}×", memory))
@@ -203,6 +203,20 @@ def _table() -> str:
             "with the contenders alternating step by step:\n"
             + table(["precision, (factor, inverse)", "SGD ms", "K-FAC ms", "K-FAC / SGD", "kfac-pytorch / SGD",
                      "kfac/ of 72c19af / SGD (its own run)", "target", "peak GiB, ours / kfac-pytorch's"], rows))
+
+
+def _amp_label(name: str) -> str:
+    """The autocast a gathered run's 'amp' step used: its recorded dtype, else float16 with the GradScaler
+    (kfac_overhead.py's only choice before it recorded one)."""
+    step = next((s for s in _steps(name) if s["name"] == "amp"), None)
+    dtype = (step["results"] or {}).get("amp_dtype", "fp16") if step else "fp16"
+    return "autocast bf16" if dtype == "bf16" else "autocast fp16 + GradScaler"
+
+
+def _steps(name: str) -> list[dict]:
+    from figures import results
+
+    return results(name)["steps"]
 
 
 def _headline() -> str:

@@ -88,6 +88,7 @@ REFERENCE_KFAC_PYTORCH = {
 }
 REFERENCE_KFAC_PYTORCH_GIB = {"cuda": {(1, 10): 6.9, (10, 100): 8.4}}
 DEFAULT_CONFIGS = {"cpu": "1,10 10,10 10,100", "cuda": "1,10 10,10 10,100"}
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ------------------------------------------------------------------ one contender's step
@@ -104,7 +105,9 @@ class Stepper:
         config = parse_config(["--momentum", "0.9", "--weight-decay", "5e-4"])
         self.batch = batch
         self.amp = args.precision == "amp"
-        scaler = torch.amp.GradScaler("cuda") if self.amp else None
+        self.amp_dtype = AMP_DTYPES[getattr(args, "amp_dtype", "bf16")]
+        # as hpcdl.train's --amp: float16 with the GradScaler, bfloat16 without one
+        scaler = torch.amp.GradScaler("cuda") if self.amp and self.amp_dtype == torch.float16 else None
         self.pre = None
         told = None
         if kfac_module is not None and freqs is not None and kfac_module.__name__ == kfac_pytorch_adapter.RENAMED:
@@ -129,7 +132,7 @@ class Stepper:
 
     def step(self) -> None:
         x, y = self.batch
-        with torch.autocast(x.device.type, dtype=torch.float16, enabled=self.amp):
+        with torch.autocast(x.device.type, dtype=self.amp_dtype, enabled=self.amp):
             loss = F.cross_entropy(self.model(x), y)
         scaler = self.trainer.state.scaler
         (loss if scaler is None else scaler.scale(loss)).backward()
@@ -444,7 +447,7 @@ def measure_memory(args: argparse.Namespace, variant: str, baseline: Path | None
                    kfac_pytorch: Path | None = None) -> float:
     command = [sys.executable, __file__, "--device", args.device, "--precision", args.precision]
     command += ["--threads", str(args.threads), "--batch-size", str(args.batch_size), "--memory-of", variant]
-    command += ["--kfac-method", args.kfac_method]
+    command += ["--kfac-method", args.kfac_method, "--amp-dtype", args.amp_dtype]
     if baseline is not None:
         command += ["--baseline", str(baseline)]
     if kfac_pytorch is not None:
@@ -525,6 +528,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = RankZeroParser(prog="benchmarks/kfac_overhead.py", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precisions", default=None, help="cuda: 'fp32 amp' (default); cpu: 'fp32'")
+    parser.add_argument("--amp-dtype", choices=tuple(AMP_DTYPES), default="bf16",
+                        help="autocast's dtype for 'amp' (fp16 with the GradScaler; bf16, hpcdl.train --amp auto's "
+                             "choice on GPUs that have it, without)")
     parser.add_argument("--threads", type=integer(1, 256), default=2, help="CPU threads (cpu only)")
     parser.add_argument("--batch-size", type=integer(1), default=64)
     parser.add_argument("--rounds", type=integer(1), default=5)
@@ -597,6 +603,7 @@ def main(argv: list[str] | None = None) -> None:
         "baseline": str(args.baseline) if args.baseline else None,
         "kfac_pytorch": str(args.kfac_pytorch) if args.kfac_pytorch else None,
         "kfac_method": args.kfac_method,
+        "amp_dtype": args.amp_dtype,
         "results": [],
         "sgd_peak_gib": {},
     }

@@ -88,3 +88,24 @@ def test_conv_statistics_times_every_conv_layer_of_both_packages(study: Any, cap
     assert (row["model"], row["batch"]) == ("mnist_cnn", 2) and row["speedup"] > 0
     with pytest.raises(UsageError, match="--conv-statistics needs --baseline"):
         study.main(["--conv-statistics", "mnist_cnn:2"])
+
+
+@pytest.mark.parametrize(("amp_dtype", "scaled"), [("bf16", False), ("fp16", True)])
+def test_autocast_is_the_dtype_asked_for_with_the_scaler_only_for_fp16(study: Any, amp_dtype: str,
+                                                                       scaled: bool) -> None:
+    """As hpcdl.train's --amp: bf16 (its choice on GPUs that have it) without a loss scaler, fp16 with one; the
+    autocast in the step is the dtype asked for (on the CPU bf16 autocast runs, so the step shows it)."""
+    import warnings
+
+    args = argparse.Namespace(device="cpu", precision="amp", batch_size=2, amp_dtype=amp_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a CUDA GradScaler built without CUDA says it is disabled
+        stepper = study.Stepper(args, study.make_batch(args))
+    assert (stepper.trainer.state.scaler is not None) == scaled
+    assert stepper.amp_dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[amp_dtype]
+    if amp_dtype == "bf16":
+        seen = []
+        handle = stepper.model.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        stepper.step()
+        handle.remove()
+        assert seen == [torch.bfloat16]
