@@ -37,6 +37,7 @@ class WireForm(Protocol):
 
     def from_wire(self, tensors: Sequence[Tensor], n: int) -> Decomposition: ...
 
+
 SHARING_RULES = ("allgather", "sum", "scatter")
 # What scatter's second collective costs beyond its bytes (a launch, Horovod's negotiation), in elements a link
 # carries meanwhile: scatter is picked only where it saves more than this (256 KiB of fp32) over the others.
