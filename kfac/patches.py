@@ -103,7 +103,8 @@ def conv_patches(x: Tensor, geometry: ConvGeometry) -> Tensor:
 def patch_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool) -> Tensor:
     """Sum over all patches of all examples of a aᵀ, a = [patch, 1] when ``with_bias``.
 
-    ``x`` is the layer input (N, C, H, W); the result is (D, D) with D = C*kh*kw (+1), in x's dtype (float32 for a half x: kfac.precision).
+    ``x`` is the layer input (N, C, H, W); the result is (D, D) with D = C*kh*kw (+1), in x's dtype (float32
+    for a half x: kfac.precision).
     """
     moment, sums, count = MOMENT_METHODS[choose_method(x, geometry, with_bias)](x, geometry, with_bias)
     if not with_bias:
