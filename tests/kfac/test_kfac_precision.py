@@ -285,18 +285,21 @@ def test_off_cuda_half_inputs_are_converted_to_the_factors_dtype() -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-@pytest.mark.parametrize(("name", "module", "shape"), HALF_CASES, ids=[c[0] for c in HALF_CASES])
-def test_cuda_half_statistics_equal_the_float64_moments_of_the_same_values(
-    name: str, module: nn.Module, shape: tuple[int, ...]
-) -> None:
-    """cuBLAS's bf16 GEMM with float32 results (torch's out_dtype), on the GPU: the factor statistics of bf16
-    inputs equal the float64 moments of the same values to float32 accumulation."""
+def test_cuda_half_statistics_equal_the_float64_moments_of_the_same_values() -> None:
+    """cuBLAS's bf16 GEMM with float32 results (torch's out_dtype), on the GPU: every product form's A of bf16
+    inputs equals the float64 moment of the same values to float32 accumulation. One test for all the forms:
+    benchmarks/gpu_suite.sh's run C names its CUDA tests one per function."""
+    import copy
+
     from kfac.layers import find_layers
 
-    module = module.cuda()
-    (layer,) = find_layers(module)
-    x = torch.randn(shape, device="cuda").bfloat16()
-    got, _ = layer.a_moment(x)
-    want, _ = find_layers(module.double())[0].a_moment(x.double())
-    assert got.dtype == torch.float32
-    assert rel_err(got.double(), want) < FLOAT32_TOL
+    problems = []
+    for name, shared, shape in HALF_CASES:
+        module = copy.deepcopy(shared).cuda()  # the CPU tests' modules stay as they are
+        (layer,) = find_layers(module)
+        x = torch.randn(shape, device="cuda").bfloat16()
+        got, _ = layer.a_moment(x)
+        want, _ = find_layers(module.double())[0].a_moment(x.double())
+        if got.dtype != torch.float32 or not rel_err(got.double(), want) < FLOAT32_TOL:
+            problems.append(f"{name}: {got.dtype}, relative error {rel_err(got.double(), want):.1e}")
+    assert not problems, "; ".join(problems)
