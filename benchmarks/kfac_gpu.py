@@ -169,11 +169,16 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
 
-def _rows(name: str, precision: str) -> list[dict]:
-    """One gathered run's measurements at ``precision`` (those a step cut short had finished included)."""
+def _step(name: str, precision: str) -> dict:
+    """One gathered run's step at ``precision`` ('fp32' or 'amp'): its plan, status and results (None if none)."""
     from figures import results
 
-    step = next(s for s in results(name)["steps"] if s["name"] == precision)
+    return next(s for s in results(name)["steps"] if s["name"] == precision)
+
+
+def _rows(name: str, precision: str) -> list[dict]:
+    """One gathered run's measurements at ``precision`` (those a step cut short had finished included)."""
+    step = _step(name, precision)
     return step["results"]["results"] if step["results"] else []
 
 
@@ -208,15 +213,8 @@ def _table() -> str:
 def _amp_label(name: str) -> str:
     """The autocast a gathered run's 'amp' step used: its recorded dtype, else float16 with the GradScaler
     (kfac_overhead.py's only choice before it recorded one)."""
-    step = next((s for s in _steps(name) if s["name"] == "amp"), None)
-    dtype = (step["results"] or {}).get("amp_dtype", "fp16") if step else "fp16"
+    dtype = (_step(name, "amp")["results"] or {}).get("amp_dtype", "fp16")
     return "autocast bf16" if dtype == "bf16" else "autocast fp16 + GradScaler"
-
-
-def _steps(name: str) -> list[dict]:
-    from figures import results
-
-    return results(name)["steps"]
 
 
 def _headline() -> str:
