@@ -36,6 +36,7 @@ from hpcdl.persistence import outputs  # noqa: E402
 from hpcdl.runtime.numbers import real  # noqa: E402
 
 CONFIGS = ((1, 10), (10, 100))
+MEMORY_CONFIGS = ((1, 10),)  # issue 44's memory target at its costlier frequency; (10, 100) adds two processes
 ROUNDS = 2
 # ms per step on one H200, ResNet-50 batch 64, fp32 with TF32 (this benchmark's run of 2026-11-28, newton with IEEE
 # statistics: an over-estimate for later packages): SGD, hpcdl's K-FAC and kfac-pytorch at each frequency.
@@ -53,10 +54,10 @@ class Step:
     estimate_s: float
 
 
-def timing_seconds(with_kfac_pytorch: bool) -> float:
-    """The estimated seconds of one precision's timing rounds (all frequencies), its device-timed rounds included."""
+def timing_seconds(with_kfac_pytorch: bool, configs: tuple[tuple[int, int], ...] = CONFIGS) -> float:
+    """The estimated seconds of one precision's timing rounds at ``configs``, its device-timed rounds included."""
     total = PROCESS_S + WARMUP_STEPS * STEP_MS["sgd"] / 1e3
-    for factors, inverse in CONFIGS:
+    for factors, inverse in configs:
         period = inverse  # lcm(factors, inverse) for these pairs
         ours, theirs = STEP_MS[(factors, inverse)]
         contenders = STEP_MS["sgd"] + ours + (theirs if with_kfac_pytorch else 0.0)
@@ -65,8 +66,9 @@ def timing_seconds(with_kfac_pytorch: bool) -> float:
 
 
 def memory_seconds(with_kfac_pytorch: bool) -> float:
-    """SGD's and every frequency's peak memory, each in a fresh process of at most 12 steps."""
-    processes = 1 + len(CONFIGS) * (2 if with_kfac_pytorch else 1)
+    """SGD's and (1, 10)'s peak memory (the larger: its statistics every step), each in a fresh process of at most
+    12 steps."""
+    processes = 1 + len(MEMORY_CONFIGS) * (2 if with_kfac_pytorch else 1)
     return processes * (PROCESS_S + 12 * STEP_MS[(1, 10)][1] / 1e3)
 
 
@@ -74,12 +76,18 @@ def plan(kfac_pytorch: Path | None) -> list[Step]:
     both = kfac_pytorch is not None
     # newton: the method for GPUs (matrix products only); eigen's H200 figures are issue 44's (243 ms at (1, 10))
     # --kfac-tf32: the statistics and newton's first steps on the matrix units, as hpcdl.train runs K-FAC on CUDA
-    common = ["--device", "cuda", "--configs", " ".join(f"{f},{i}" for f, i in CONFIGS), "--rounds", str(ROUNDS),
-              "--kfac-method", "newton", "--kfac-tf32"]
+    ours = ["--device", "cuda", "--rounds", str(ROUNDS), "--kfac-method", "newton", "--kfac-tf32"]
+    common = [*ours, "--configs", " ".join(f"{f},{i}" for f, i in CONFIGS)]
     if both:
         common += ["--kfac-pytorch", str(kfac_pytorch)]
-    return [Step("fp32", (*common, "--precisions", "fp32"), timing_seconds(both) + memory_seconds(both)),
-            Step("amp", (*common, "--precisions", "amp", "--amp-dtype", "bf16", "--no-memory"), timing_seconds(both))]
+    # bf16 statistics of the float32 model (statistics_dtype): what (1, 10) in fp32 needs, its A statistics in TF32
+    # alone being 0.9x SGD's step (kfac_overhead.md); ours beside SGD only, at (1, 10)
+    memory = ("--memory-configs", " ".join(f"{f},{i}" for f, i in MEMORY_CONFIGS))
+    return [Step("fp32", (*common, "--precisions", "fp32", *memory), timing_seconds(both) + memory_seconds(both)),
+            Step("amp", (*common, "--precisions", "amp", "--amp-dtype", "bf16", "--no-memory"), timing_seconds(both)),
+            Step("fp32_bf16_statistics", (*ours, "--configs", "1,10", "--precisions", "fp32",
+                                          "--kfac-statistics-precision", "bf16", "--no-memory"),
+                 timing_seconds(False, ((1, 10),)))]
 
 
 def limits(steps: list[Step], budget: float) -> list[float]:
@@ -170,16 +178,23 @@ def main(argv: list[str] | None = None) -> int:
 # ---- the figures the documents quote (benchmarks/figures.py) -------------------------------------------
 
 def _step(name: str, precision: str) -> dict:
-    """One gathered run's step at ``precision`` ('fp32' or 'amp'): its plan, status and results (None if none)."""
+    """One gathered run's step named ``precision`` (a plan() step: 'fp32', 'amp', ...): its plan, status and
+    results (None if none); an empty step where the run's plan had no such step."""
     from figures import results
 
-    return next(s for s in results(name)["steps"] if s["name"] == precision)
+    return next((s for s in results(name)["steps"] if s["name"] == precision), dict(results=None))
 
 
 def _rows(name: str, precision: str) -> list[dict]:
     """One gathered run's measurements at ``precision`` (those a step cut short had finished included)."""
     step = _step(name, precision)
     return step["results"]["results"] if step["results"] else []
+
+
+def _label(name: str, precision: str) -> str:
+    """A table row's precision, as the step ran it."""
+    labels = {"fp32": "fp32 (TF32)", "fp32_bf16_statistics": "fp32 (TF32), K-FAC statistics in bf16"}
+    return labels.get(precision) or _amp_label(name)
 
 
 def _at(name: str, precision: str, factors: int, inverse: int) -> dict | None:
@@ -192,16 +207,17 @@ def _table() -> str:
 
     device = results("kfac_gpu")["steps"][0]["results"]["device_name"]
     rows = []
-    for precision in ("fp32", "amp"):
+    for precision in ("fp32", "amp", "fp32_bf16_statistics"):
         for factors, inverse in CONFIGS:
             r = _at("kfac_gpu", precision, factors, inverse)
             if r is None:
                 continue
             before = _at("kfac_gpu_before", precision, factors, inverse)
             memory = (f"{r['peak_gib']:.2f} / {r['kfac_pytorch_measured_peak_gib']:.2f}" if r.get("peak_gib") else "—")
-            rows.append((f"{'fp32 (TF32)' if precision == 'fp32' else _amp_label('kfac_gpu')}, ({factors}, {inverse})",
+            theirs = r.get("kfac_pytorch_measured_ratio")
+            rows.append((f"{_label('kfac_gpu', precision)}, ({factors}, {inverse})",
                          f"{r['sgd_ms']:.1f}", f"{r['kfac_ms']:.1f}", times(r["ratio"]),
-                         times(r["kfac_pytorch_measured_ratio"]), times(before["ratio"]) if before else "—",
+                         times(theirs) if theirs else "—", times(before["ratio"]) if before else "—",
                          f"≤ {TARGET[(factors, inverse)]}×", memory))
     rounds = results("kfac_gpu")["steps"][0]["results"]["rounds"]
     return (f"\nOn one {device}, ResNet-50, batch 64, 224x224, newton, each ratio the median of {rounds} rounds "

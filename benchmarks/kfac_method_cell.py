@@ -23,15 +23,19 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import kfac_large_batch as study
 import studies
+import torch
 from figures import percent, results, table, times
+from torch import nn
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer
 
+BF16 = "+bf16-statistics"  # a K-FAC run's name suffix: its statistics from inputs rounded to bfloat16
 TUNING = "kfac_large_batch_tune.json"  # the committed tuning study: hpcdl K-FAC's rate and warm-up at batch 4096
 
 
@@ -39,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--kfac-methods", nargs="+", choices=("eigen", "inverse", "newton"),
                         default=["eigen", "newton", "inverse"])
+    parser.add_argument("--statistics", nargs="+", choices=("same", "bf16"), default=["same"],
+                        help="each K-FAC method with its factor statistics as the model computes (same) and/or from "
+                             "inputs rounded to bfloat16 (bf16: statistics_dtype, through --kfac-impl "
+                             "kfac_method_cell:bf16_statistics; named kfac-<method>+bf16-statistics)")
     parser.add_argument("--first-order", nargs="*", default=[], choices=("muon", "lamb", "lars", "adamw", "sgd"),
                         help="first-order methods run beside K-FAC in each seed's round, at their tuned settings")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -71,14 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     missing = sorted({"kfac", *own.first_order} - tuned.keys())
     if missing:
         raise UsageError(f"{TUNING} tuned no setting at batch 4096 for {', '.join(missing)}")
-    # A round per seed: each K-FAC method (named kfac-<method>), then the first-order methods.
-    plan = [(seed, name) for seed in own.seeds
-            for name in [f"kfac-{m}" for m in own.kfac_methods] + list(own.first_order)]
+    # A round per seed: each K-FAC method (named kfac-<method>[+bf16-statistics]), then the first-order methods.
+    kfac_names = [f"kfac-{m}{BF16 if s == 'bf16' else ''}" for m in own.kfac_methods for s in own.statistics]
+    plan = [(seed, name) for seed in own.seeds for name in kfac_names + list(own.first_order)]
 
     def cell_args(name: str) -> argparse.Namespace:
         if not name.startswith("kfac-"):
             return args
-        return argparse.Namespace(**{**vars(args), "kfac_flags": f"--kfac-method {name.removeprefix('kfac-')}"})
+        method = name.removeprefix("kfac-").removesuffix(BF16)
+        plugin = " --kfac-impl kfac_method_cell:bf16_statistics" if name.endswith(BF16) else ""
+        return argparse.Namespace(**{**vars(args), "kfac_flags": f"--kfac-method {method}{plugin}"})
 
     def cell(seed: int, name: str) -> study.Cell:
         setting = tuned["kfac" if name.startswith("kfac-") else name]
@@ -108,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     study.write_results(outcomes, out, meta)
     print("\n".join(study.markdown(outcomes)))
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
+
+
+def bf16_statistics(config: Any, model: nn.Module, current_lr: Any, scaler: Any) -> Any:
+    """``--kfac-impl kfac_method_cell:bf16_statistics``: hpcdl's K-FAC with ``statistics_dtype=torch.bfloat16``,
+    a preconditioner setting no hpcdl.train flag offers."""
+    from hpcdl.training.optimizers import build_preconditioner
+
+    return build_preconditioner(replace(config, kfac_impl="hpcdl"), model, current_lr, scaler,
+                                statistics_dtype=torch.bfloat16)
 
 
 # ---- the figures docs quote (benchmarks/figures.py) ----------------------------------------------------------
@@ -211,13 +230,21 @@ def _two_by_one_short(name: str = TWO_BY_ONE) -> str:
 
 
 EVERY_STEP = "kfac_methods_2x1_every_step"  # the same cell, evaluated after every step (--evals-per-epoch 14)
+MORE_SEEDS = "kfac_methods_2x1_every_step_seeds345"  # seeds 3-5 of it, eigen and inverse beside Muon
 
 
-def _every_step_seeds() -> str:
-    """Per seed, each method's steps to 98.5 % and its time over Muon's (the runs of one round)."""
+def _rounds(*names: str) -> dict[int, dict[str, study.Outcome]]:
+    """Seed -> method -> its run, over the results files ``names`` (each seed's round in one file)."""
     by_seed: dict[int, dict[str, study.Outcome]] = {}
-    for o in study.outcomes_of(results(EVERY_STEP)):
-        by_seed.setdefault(o.cell.seed, {})[o.cell.method] = o
+    for name in names:
+        for o in study.outcomes_of(results(name)):
+            by_seed.setdefault(o.cell.seed, {})[o.cell.method] = o
+    return by_seed
+
+
+def _every_step_seeds(*names: str) -> str:
+    """Per seed, each method's steps to 98.5 % and its time over Muon's (the runs of one round)."""
+    by_seed = _rounds(*names)
     rows = []
     for seed, runs in sorted(by_seed.items()):
         muon = runs["muon"].to_target(0.985)
@@ -232,12 +259,47 @@ def _every_step_seeds() -> str:
                   "time to 98.5 % / Muon's"], rows)
 
 
+def _six_seeds() -> str:
+    """Time to 98.5 % over Muon's on the every-step 2 x 1 cell, seeds 0-5 pooled (medians of each seed's ratio)."""
+    by_seed = _rounds(EVERY_STEP, MORE_SEEDS)
+    parts = []
+    for method in ("kfac-eigen", "kfac-inverse"):
+        ratios = []
+        for _, runs in sorted(by_seed.items()):
+            mine, muon = runs[method].to_target(0.985), runs["muon"].to_target(0.985)
+            ratios.append(float("inf") if mine is None else 0.0 if muon is None else mine[1] / muon[1])
+        parts.append(f"{method.removeprefix('kfac-')} {times(studies.median_or_inf(ratios))} "
+                     f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    return (f"time to 98.5 % over Muon's on 2 nodes x 1 rank, seeds 0-{max(by_seed)}: " + "; ".join(parts)
+            + " (medians; each seed's ratio in seed order)")
+
+
+BF16_STATISTICS = "kfac_methods_2x1_bf16_statistics"  # inverse with and without statistics_dtype=bfloat16
+
+
+def _bf16_statistics() -> str:
+    """The bf16-statistics runs against the same method's float32-statistics runs of the same seed's round."""
+    by_seed = _rounds(BF16_STATISTICS)
+    same, rounded = "kfac-inverse", f"kfac-inverse{BF16}"
+    rows = []
+    for seed, runs in sorted(by_seed.items()):
+        cells = []
+        for name in (rounded, same):
+            reached = runs[name].to_target(0.985)
+            cells += [_steps(reached and reached[0]), percent(runs[name].final_accuracy or 0.0)]
+        rows.append([seed, *cells])
+    return table(["seed", "steps to 98.5 %, bf16 statistics", "final accuracy, bf16 statistics",
+                  "steps to 98.5 %, float32 statistics", "final accuracy, float32 statistics"], rows)
+
+
 FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
            "methods.decomposition.short": _decomposition_short, "methods.2x1.table": _two_by_one_table,
            "methods.2x1.short": _two_by_one_short,
            "methods.2x1.every_step.table": lambda: _two_by_one_table(EVERY_STEP),
            "methods.2x1.every_step.short": lambda: _two_by_one_short(EVERY_STEP),
-           "methods.2x1.every_step.seeds": _every_step_seeds}
+           "methods.2x1.every_step.seeds": lambda: _every_step_seeds(EVERY_STEP),
+           "methods.2x1.more_seeds.seeds": lambda: _every_step_seeds(MORE_SEEDS),
+           "methods.2x1.six_seeds": _six_seeds, "methods.2x1.bf16_statistics": _bf16_statistics}
 
 
 if __name__ == "__main__":

@@ -120,6 +120,10 @@ class Stepper:
             accepts = inspect.signature(kfac_module.KFACPreconditioner).parameters
             if getattr(args, "kfac_tf32", False) and "tf32" in accepts:
                 method["tf32"] = True
+            if getattr(args, "kfac_statistics_precision", "same") == "bf16" and "statistics_dtype" in accepts:
+                method["statistics_dtype"] = torch.bfloat16
+            if getattr(args, "kfac_factor_examples", None) is not None and "factor_examples" in accepts:
+                method["factor_examples"] = args.kfac_factor_examples
             self.pre = kfac_module.KFACPreconditioner(
                 self.model, factor_update_freq=freqs[0], inv_update_freq=freqs[1], lr=0.1, grad_scaler=scaler, **method
             )
@@ -448,6 +452,9 @@ def measure_memory(args: argparse.Namespace, variant: str, baseline: Path | None
     command = [sys.executable, __file__, "--device", args.device, "--precision", args.precision]
     command += ["--threads", str(args.threads), "--batch-size", str(args.batch_size), "--memory-of", variant]
     command += ["--kfac-method", args.kfac_method, "--amp-dtype", args.amp_dtype]
+    command += ["--kfac-statistics-precision", args.kfac_statistics_precision]
+    if args.kfac_factor_examples is not None:
+        command += ["--kfac-factor-examples", str(args.kfac_factor_examples)]
     if baseline is not None:
         command += ["--baseline", str(baseline)]
     if kfac_pytorch is not None:
@@ -539,9 +546,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kfac-tf32", action="store_true",
                         help="hpcdl K-FAC's statistics (and newton's first steps) in TF32 on CUDA, as hpcdl.train "
                              "runs it")
+    parser.add_argument("--kfac-statistics-precision", choices=("same", "bf16"), default="same",
+                        help="hpcdl K-FAC's statistics_dtype: bf16 rounds a float32 model's layer inputs first "
+                             "(the GPU's half-precision matrix units; docs/kfac.md)")
+    parser.add_argument("--kfac-factor-examples", type=integer(1), default=None,
+                        help="hpcdl K-FAC's factor_examples: the examples of a batch its statistics use (default all)")
     parser.add_argument("--configs", default=None, help="(factor,inverse) pairs, e.g. '1,10 10,100'")
     parser.add_argument("--quick", action="store_true", help="one round of (1,10) only")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    parser.add_argument("--memory-configs", default=None,
+                        help="the (factor,inverse) pairs whose peak memory is measured (default: every --configs pair)")
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout whose kfac/ is a third contender")
     parser.add_argument("--kfac-pytorch", type=Path, default=None,
                         help="kfac-pytorch's checkout or install site: a contender beside ours (no install needed)")
@@ -582,6 +596,8 @@ def main(argv: list[str] | None = None) -> None:
                                     refresh_results=args.refresh_results, force=args.force, flag="--out")
     configs = "1,10" if args.quick else (args.configs or DEFAULT_CONFIGS[args.device])
     args.configs = [tuple(int(v) for v in pair.split(",")) for pair in configs.split()]
+    memory_configs = args.configs if args.memory_configs is None else [
+        tuple(int(v) for v in pair.split(",")) for pair in args.memory_configs.split()]
     if args.quick:
         args.rounds = 1
     precisions = (args.precisions or ("fp32 amp" if args.device == "cuda" else "fp32")).split()
@@ -604,6 +620,8 @@ def main(argv: list[str] | None = None) -> None:
         "kfac_pytorch": str(args.kfac_pytorch) if args.kfac_pytorch else None,
         "kfac_method": args.kfac_method,
         "amp_dtype": args.amp_dtype,
+        "kfac_statistics_precision": args.kfac_statistics_precision,
+        "kfac_factor_examples": args.kfac_factor_examples,
         "results": [],
         "sgd_peak_gib": {},
     }
@@ -614,6 +632,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_memory:
             report["sgd_peak_gib"][precision] = measure_memory(args, "sgd")
             for r in results:
+                if (r["factor_update_freq"], r["inv_update_freq"]) not in memory_configs:
+                    continue
                 variant = f"{r['factor_update_freq']},{r['inv_update_freq']}"
                 r["peak_gib"] = measure_memory(args, variant)
                 if args.baseline:

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac.factors import BatchStatistics
 from kfac.layers import KFACLayer
-from kfac.precision import fp32_products
+from kfac.precision import fp32_products, statistics_input
 
 
 class LayerCapture:
@@ -43,9 +43,11 @@ class LayerCapture:
         pass_examples: Sequence[int] | None = None,
         timed: Callable[[str], AbstractContextManager[None]] | None = None,
         precision: str = "ieee",
+        statistics_dtype: torch.dtype | None = None,
     ) -> None:
         self.layer = layer
         self._precision = precision  # of the statistics' float32 products on CUDA: 'ieee' or 'tf32'
+        self._rounding = statistics_dtype  # float32 inputs rounded to it first (kfac.precision.statistics_input)
         self._timed = timed if timed is not None else _untimed
         self._pass_examples = pass_examples
         self._is_capturing = is_capturing
@@ -90,7 +92,7 @@ class LayerCapture:
             return
         with self._timed("forward"):
             self._limit = self._limit_of_pass(self.passes)
-            x = self._first(inputs[0].detach())
+            x = statistics_input(self._first(inputs[0].detach()), self._rounding)
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False), fp32_products(self._precision):
                 moment, count = self.layer.a_moment(x)
             self.a_sum = moment if self.a_sum is None else self.a_sum.add_(moment)
@@ -110,7 +112,7 @@ class LayerCapture:
         with self._timed("backward"):
             device = grad_output.device.type
             with torch.no_grad(), torch.autocast(device, enabled=False), fp32_products(self._precision):
-                moment, count = self.layer.g_moment(self._first(grad_output))
+                moment, count = self.layer.g_moment(statistics_input(self._first(grad_output), self._rounding))
                 if self._per_example_factor:  # the per-example gradient of a mean-reduced loss: N x grad_output
                     moment.mul_((self._per_example_factor * self.layer.examples(grad_output)) ** 2)
             self.g_sum = moment if self.g_sum is None else self.g_sum.add_(moment)

@@ -21,6 +21,9 @@ Schedule = float | Callable[[int], float]
 # The payload precisions offered for what K-FAC shares by allgather: bfloat16 has float32's exponent range
 # (eigenvalues cannot overflow as in float16).
 COMM_DTYPES = (None, torch.bfloat16)
+# What float32 inputs may be rounded to before the factor statistics: bfloat16's exponent range is float32's, so
+# a mean loss's small output gradients (and large activations) stay representable, as float16's would not.
+STATISTICS_DTYPES = (None, torch.bfloat16)
 
 
 def schedule_value(schedule: Schedule, step: int) -> float:
@@ -65,6 +68,7 @@ class KFACOptions:
     bucket_cap_mb: float
     conv_approximation: str
     tf32: bool = False
+    statistics_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name, freq in (
@@ -93,6 +97,8 @@ class KFACOptions:
         for name, dtype in (("comm_dtype", self.comm_dtype), ("factor_comm_dtype", self.factor_comm_dtype)):
             if dtype not in COMM_DTYPES:
                 raise ValueError(f"{name} must be one of {COMM_DTYPES}, got {dtype}")
+        if self.statistics_dtype not in STATISTICS_DTYPES:
+            raise ValueError(f"statistics_dtype must be one of {STATISTICS_DTYPES}, got {self.statistics_dtype}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
         fraction = self.grad_worker_fraction

@@ -12,7 +12,11 @@ tests hold (1e-5). The policy, documented in docs/kfac.md:
   arrive in float16 or bfloat16 (a model under autocast) are multiplied as they are on CUDA, with float32
   accumulation into float32 results (:func:`operand`, :func:`mm`): every half value is exact in float32 and
   in TF32, so this is the product of their float32 copies without making the copies, at the matrix units'
-  half-precision rate; their sums too are taken in float32 (:func:`wide_sum`);
+  half-precision rate; their sums too are taken in float32 (:func:`wide_sum`). With the preconditioner's
+  ``statistics_dtype=torch.bfloat16`` a float32 model's inputs are rounded to bfloat16 first
+  (:func:`statistics_input`) and take that path: each factor is then the exact moment of the rounded inputs
+  (about 4e-3 relative per input, checked against the float32 statistics on real factors in
+  tests/kfac/test_kfac_precision.py), at twice TF32's rate; on a CPU the same factors, multiplied in float32;
 - decompositions: float32 ``eigh`` (or ``eigen_dtype``), retried in float64 when it fails;
 - preconditioning: the decompositions' dtype, cuBLAS in IEEE fp32.
 
@@ -36,6 +40,13 @@ HALF = (torch.float16, torch.bfloat16)
 # the tests can stand in an emulation where there is no GPU.
 _half_mm = partial(torch.mm, out_dtype=torch.float32)
 _half_bmm = partial(torch.bmm, out_dtype=torch.float32)
+
+
+def statistics_input(t: Tensor, rounding: torch.dtype | None) -> Tensor:
+    """A layer input or output gradient as the statistics take it: a float32 one rounded to ``rounding`` (the
+    preconditioner's ``statistics_dtype``) when one is given, any other as it is (float64 keeps its accuracy,
+    a half one is already half)."""
+    return t.to(rounding) if rounding is not None and t.dtype == torch.float32 else t
 
 
 def keeps_half(t: Tensor, dtype: torch.dtype) -> bool:

@@ -110,6 +110,12 @@ class KFACPreconditioner:
             matrix units; each factor within about 1e-3 relative, inside the estimate's own noise), and with
             method 'newton' its first steps too; the solve and the preconditioning stay IEEE float32. Off by
             default (every product IEEE); hpcdl.train turns it on for CUDA runs. No effect on a CPU.
+        statistics_dtype: None takes a float32 model's layer inputs and output gradients as they are;
+            torch.bfloat16 rounds them to bfloat16 before the statistics' products, which then run on a GPU's
+            half-precision matrix units with float32 accumulation (twice TF32's rate, no float32 copies): each
+            factor is the exact moment of the rounded inputs (docs/kfac.md has the measured accuracy). On a
+            CPU the factors are the same, multiplied in float32, and no faster. Inputs that arrive in half
+            precision (autocast) take that path whatever this says.
 
     ``damping``, ``factor_decay``, ``kl_clip`` and ``lr`` may be callables of the step number.
     """
@@ -141,6 +147,7 @@ class KFACPreconditioner:
         bucket_cap_mb: float = 25.0,
         conv_approximation: str = "expand",
         tf32: bool = False,
+        statistics_dtype: torch.dtype | None = None,
     ) -> None:
         self.options = options = KFACOptions(
             factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq, damping=damping,
@@ -150,6 +157,7 @@ class KFACPreconditioner:
             late_decompositions=late_decompositions, factor_examples=factor_examples,
             cpu_eigen_limit=cpu_eigen_limit, comm_dtype=comm_dtype, factor_comm_dtype=factor_comm_dtype,
             bucket_cap_mb=bucket_cap_mb, conv_approximation=conv_approximation, tf32=tf32,
+            statistics_dtype=statistics_dtype,
         )
         self._method = options.solver
         self.method = self._method.name
@@ -197,7 +205,7 @@ class KFACPreconditioner:
             shares = examples_per_pass(options.factor_examples, self.comm.rank, self.comm.size, passes)
         self._captures = [
             LayerCapture(layer, self._capturing, per_example, self._collector(index), shares, self._timer.hook,
-                         "tf32" if options.tf32 else "ieee")
+                         "tf32" if options.tf32 else "ieee", options.statistics_dtype)
             for index, layer in enumerate(self.layers)
         ]
 

@@ -103,11 +103,12 @@ def load_factory(spec: str) -> Callable[..., Any]:
 
 
 def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Callable[..., float],
-                         scaler: torch.amp.GradScaler | None, communicator: Any = None) -> Any:
+                         scaler: torch.amp.GradScaler | None, communicator: Any = None, **settings: Any) -> Any:
     """hpcdl's K-FAC (``kfac/``), another implementation through ``--kfac-impl``, or None.
 
     ``communicator`` (a ``kfac.comm.Communicator``; default: the job's) lets a plugin watch K-FAC's
-    collectives, e.g. benchmarks/kfac_traffic.py's byte counts.
+    collectives, e.g. benchmarks/kfac_traffic.py's byte counts. ``settings`` are KFACPreconditioner arguments
+    that win over the config's: a plugin's way to a setting no flag offers (e.g. ``statistics_dtype``).
 
     The plugin point exists so that benchmarks can run another K-FAC (kfac-pytorch) inside this same
     training loop: ``module:function`` is called as ``function(config, model, current_lr, scaler)`` and
@@ -119,8 +120,7 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
         return load_factory(config.kfac_impl)(config, model, current_lr, scaler)
     from kfac import KFACPreconditioner
 
-    return KFACPreconditioner(
-        model,
+    arguments: dict[str, Any] = dict(
         factor_update_freq=config.kfac_factor_update_freq,
         inv_update_freq=config.kfac_inv_update_freq,
         damping=config.kfac_damping,
@@ -138,4 +138,5 @@ def build_preconditioner(config: TrainConfig, model: nn.Module, current_lr: Call
         conv_approximation=config.kfac_conv_approx,
         method=config.kfac_method,
         tf32=any(p.is_cuda for p in model.parameters()),  # like the model's own float32 products (job.train_in_tf32)
-    )
+    ) | settings
+    return KFACPreconditioner(model, **arguments)

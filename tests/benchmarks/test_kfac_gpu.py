@@ -52,7 +52,8 @@ def test_every_step_limit_is_a_share_of_the_budget_at_least_its_estimate(gpu: An
 
 
 def test_time_a_step_did_not_need_goes_to_the_next(gpu: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first step ends early: the second's limit is all the budget that is left, not its planned share."""
+    """Every step ends early: each next one's limit is its share of the budget that is left, larger than its planned
+    share, and the last one's is all that is left."""
     steps = gpu.plan(None)
     budget = sum(s.estimate_s for s in steps) * 1.1
     planned = gpu.limits(steps, budget)
@@ -67,8 +68,11 @@ def test_time_a_step_did_not_need_goes_to_the_next(gpu: Any, tmp_path: Path, mon
     monkeypatch.setattr(gpu.subprocess, "call", call)
     monkeypatch.setattr(gpu.time, "monotonic", lambda: clock[0])
     assert gpu.main(["--out", str(tmp_path / "out"), "--budget", str(budget), "--kfac-pytorch", "none"]) == 0
-    assert given[0] == pytest.approx(planned[0])
-    assert given[1] == pytest.approx(budget - 30.0) and given[1] > planned[1]
+    assert len(given) == len(steps) > 1 and given[0] == pytest.approx(planned[0])
+    for index in range(1, len(steps)):
+        left = budget - 30.0 * index
+        assert given[index] == pytest.approx(gpu.limits(steps[index:], left)[0]) and given[index] > planned[index]
+    assert given[-1] == pytest.approx(budget - 30.0 * (len(steps) - 1))
 
 
 def test_each_step_s_arguments_parse_in_kfac_overhead(gpu: Any, tmp_path: Path) -> None:

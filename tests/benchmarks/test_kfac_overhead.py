@@ -109,3 +109,16 @@ def test_autocast_is_the_dtype_asked_for_with_the_scaler_only_for_fp16(study: An
         stepper.step()
         handle.remove()
         assert seen == [torch.bfloat16]
+
+
+def test_the_statistics_precision_and_factor_examples_reach_hpcdl_s_preconditioner(study: Any) -> None:
+    """--kfac-statistics-precision bf16 and --kfac-factor-examples N are the preconditioner's statistics_dtype and
+    factor_examples (kfac_gpu.sh's third step measures the first); left out, its defaults."""
+    args = argparse.Namespace(device="cpu", precision="fp32", batch_size=2, kfac_statistics_precision="bf16",
+                              kfac_factor_examples=1)
+    batch = study.make_batch(args)
+    options = study.Stepper(args, batch, study.import_kfac(None), (1, 1)).pre.options
+    assert options.statistics_dtype == torch.bfloat16 and options.factor_examples == 1
+    plain = argparse.Namespace(device="cpu", precision="fp32", batch_size=2)
+    options = study.Stepper(plain, batch, study.import_kfac(None), (1, 1)).pre.options
+    assert options.statistics_dtype is None and options.factor_examples is None

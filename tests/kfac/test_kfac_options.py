@@ -34,6 +34,7 @@ class Untouchable(nn.Module):
         (dict(conv_approximation="mean"), "conv_approximation must be one of"),
         (dict(method=object()), "method must be one of"),
         (dict(tf32="yes"), "tf32 must be True or False"),
+        (dict(statistics_dtype=torch.float16), "statistics_dtype must be one of"),
     ],
 )
 def test_a_bad_setting_is_one_line_before_the_model_is_looked_at(kwargs, message) -> None:
@@ -103,7 +104,8 @@ def test_every_setting_reaches_its_own_option(comm_dtype, factor_comm_dtype) -> 
                  grad_worker_fraction=0.75, method=newton, eigen_dtype=torch.float64, loss_reduction="sum",
                  skip_layers=("Conv2d",), colocate_factors=False, backward_passes_per_step=4,
                  late_decompositions=True, factor_examples=7, cpu_eigen_limit=9, comm_dtype=comm_dtype,
-                 factor_comm_dtype=factor_comm_dtype, bucket_cap_mb=1.5, conv_approximation="reduce", tf32=True)
+                 factor_comm_dtype=factor_comm_dtype, bucket_cap_mb=1.5, conv_approximation="reduce", tf32=True,
+                 statistics_dtype=torch.bfloat16)
     assert sorted(given) == sorted(field.name for field in fields(KFACOptions))
     defaults = inspect.signature(KFACPreconditioner).parameters
     assert all(given[name] != defaults[name].default for name in given if "comm_dtype" not in name)
