@@ -77,7 +77,7 @@ LARGE_KFAC = dict(factors=_PRESET.kfac_factor_update_freq, inverse=_PRESET.kfac_
 # Today's preset as a results file records it (meta["kfac_preset"]); a file written under earlier values records
 # those (and, where its runs carry another name, a "label"), so that its runs stay named by the preset of their time.
 RECORDED_PRESET = dict(LARGE_KFAC, factor_examples=_PRESET.kfac_factor_examples, momentum=_PRESET.momentum,
-                       fraction=_PRESET.kfac_grad_worker_fraction)
+                       fraction=_PRESET.kfac_grad_worker_fraction, method=_PRESET.kfac_method)
 MNIST_TRAIN_EXAMPLES = 60_000
 # kfac-pytorch at large batches: its best measured frequencies (98.33 / 98.57 % at 4096 with the ramp; at
 # 5/5 without the ramp it ended at 97.26 %, and at batch 128 without the ramp at 88.24 %).
@@ -644,7 +644,7 @@ def preset_flags(values: dict[str, Any]) -> list[str]:
     absent key is a value the preset of that time did not set)."""
     names = dict(factors="--kfac-factor-update-freq", inverse="--kfac-inv-update-freq", damping="--kfac-damping",
                  kl_clip="--kfac-kl-clip", factor_examples="--kfac-factor-examples", momentum="--momentum",
-                 fraction="--kfac-grad-worker-fraction")
+                 fraction="--kfac-grad-worker-fraction", method="--kfac-method")
     flags = ["--kfac"]
     for key, flag in names.items():
         if values.get(key) is not None:
@@ -656,7 +656,7 @@ def preset_flags(values: dict[str, Any]) -> list[str]:
 LABELS = {"kfac_factor_examples": "stats of {} examples", "momentum": "momentum {}", "kfac_damping": "d {}",
           "kfac_kl_clip": "clip {}", "kfac_inv_update_freq": "inv every {}",
           "kfac_factor_update_freq": "factors every {}", "kfac_factor_decay": "decay {}", "weight_decay": "wd {}",
-          "kfac_grad_worker_fraction": "fraction {}"}
+          "kfac_grad_worker_fraction": "fraction {}", "kfac_method": "{}"}
 
 
 def kfac_label(command: Sequence[str], batch: int, preset_flags: Sequence[str] | None = None,

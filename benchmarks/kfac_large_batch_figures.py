@@ -311,7 +311,7 @@ def _one_host_halved() -> str:
     return f"{'; '.join(parts)} (seeds {'/'.join(str(o.cell.seed) for o in runs)})"
 
 
-# The cells run with both of the preset's values: today's file beside the earlier one.
+# The cells run with two of the preset's values: those of 2026-11-27 (eigen) beside the earlier ones.
 PRESET_PAIRS = (("kfac_large_batch_2x1_amortized", "kfac_large_batch_2x1"),
                 ("kfac_large_batch_2x1_amortized_torch", "kfac_large_batch_2x1_torch"),
                 ("kfac_large_batch_2nodes_amortized", "kfac_large_batch_2nodes"),
@@ -321,7 +321,7 @@ PRESET_PAIRS = (("kfac_large_batch_2x1_amortized", "kfac_large_batch_2x1"),
 
 def _presets_steps() -> str:
     """K-FAC's steps to 98.5 % summed over every run of the cells run with both of the preset's values, and the
-    range of its final accuracies, today's values against the earlier ones."""
+    range of its final accuracies, the values of 2026-11-27 against the earlier ones."""
     parts = []
     for side in (0, 1):
         runs = [o for pair in PRESET_PAIRS for o in outcomes(pair[side]) if o.cell.method == "kfac"]
@@ -330,8 +330,8 @@ def _presets_steps() -> str:
         finals = [o.final_accuracy or 0.0 for o in runs]
         parts.append((sum(hit[0] for hit in hits if hit), f"{percent(min(finals))}-{percent(max(finals))}"))
     (now, now_range), (then, then_range) = parts
-    return (f"K-FAC took {now} steps to 98.5 % in all with today's values against {then} with the earlier ones, "
-            f"and ended at {now_range} against {then_range}")
+    return (f"K-FAC took {now} steps to 98.5 % in all with the values of 2026-11-27 against {then} with the earlier "
+            f"ones, and ended at {now_range} against {then_range}")
 
 
 def _one_host_ratio() -> str:

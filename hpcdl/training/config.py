@@ -42,11 +42,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 # gradient-worker fraction that moves the fewest bytes (auto), damping 0.003, a KL clip ten times the
 # default's, and momentum 0.5 (a preconditioned step needs less of it than SGD's 0.9). Each halving alone kept
 # the one-host steps to 98.5 %, and together they take what does not divide over ranks (the largest
-# decomposition, the wait for it) out of half the steps (benchmarks/results/kfac_large_batch_modern.md).
+# decomposition, the wait for it) out of half the steps (benchmarks/results/kfac_large_batch_modern.md). The
+# inverse method (Cholesky inverses, factored Tikhonov damping) reached 98.5 % before eigen in every seed of
+# the 2 x 1 cell (six) and in fewer steps in every seed on one host (three), at the same damping
+# (benchmarks/results/kfac_methods.md).
 KFAC_PRESETS: dict[str, dict[str, Any]] = {
     "none": {},
     "large-batch": dict(kfac=True, kfac_inv_update_freq=2, kfac_factor_examples=256, kfac_grad_worker_fraction="auto",
-                        kfac_damping=0.003, kfac_kl_clip=0.01, momentum=0.5),
+                        kfac_damping=0.003, kfac_kl_clip=0.01, momentum=0.5, kfac_method="inverse"),
 }
 # Flags renamed to read like kfac-pytorch's (inv/factor update frequency, a kfac_ prefix, an on/off switch of
 # their own): the old name still parses, with a one-line note, and a checkpoint saved under it still resumes.
