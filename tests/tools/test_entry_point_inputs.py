@@ -67,7 +67,7 @@ CASES = [
     ("kfac_convergence", ["--target", "1.5"], "--target"),
     *[("kfac_eigen_scaling", [flag, "0"], flag) for flag in ("--threads", "--steps", "--batch-size")],
     *[("kfac_eigen_scaling", ["--fraction", v], "--fraction") for v in ("nan", "0", "2")],
-    *[("kfac_overhead", [flag, "0"], flag) for flag in ("--threads", "--batch-size", "--rounds")],
+    *[("kfac_overhead", [flag, "0"], flag) for flag in ("--threads", "--batch-size", "--rounds", "--kfac-factor-examples")],
     *[("loader_throughput", [flag, "-1"], flag) for flag in ("--images", "--classes", "--workers", "--batch-size",
                                                             "--batches", "--rounds")],
     *[("train_throughput", [flag, "0"], flag) for flag in ("--steps", "--rounds")],
