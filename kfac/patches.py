@@ -196,25 +196,26 @@ def bordered_moment(moment: Tensor, sums: Tensor, count: float) -> Tensor:
     return out
 
 
-def _unfold_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool = True) -> tuple[Tensor, Tensor, float]:
-    """The Gram of the unfolded patches, built for as many examples at a time as fit in _UNFOLD_BYTES (the patch
-    sums come at no cost, so they are returned whatever ``with_bias``)."""
+def _unfold_moment(x: Tensor, geometry: ConvGeometry, with_bias: bool = True) -> tuple[Tensor, Tensor | None, float]:
+    """The Gram of the unfolded patches, built for as many examples at a time as fit in _UNFOLD_BYTES, and with
+    ``with_bias`` the patch sums (a pass over the input of its own: a GPU's 1x1 layers, ResNet-50's most, have none)."""
     if geometry.kernel == (1, 1) and not any(geometry.padding):  # the patches are the (strided) pixels
         sh, sw = geometry.stride
         pixels = x[:, :, ::sh, ::sw].movedim(1, -1).reshape(-1, x.shape[1])  # a view of a channels-last input
-        return mm(pixels.T, pixels), wide_sum(pixels, 0), float(pixels.shape[0])
+        return mm(pixels.T, pixels), wide_sum(pixels, 0) if with_bias else None, float(pixels.shape[0])
     padded = geometry.pad(x)
     n, c, height, width = padded.shape
     d = c * geometry.kernel[0] * geometry.kernel[1]
     positions = math.prod(geometry.output_size(height, width))
     step = max(1, _UNFOLD_BYTES // max(1, d * positions * padded.element_size()))
     moment = padded.new_zeros(d, d, dtype=result_dtype(padded))
-    sums = padded.new_zeros(d, dtype=result_dtype(padded))
+    sums = padded.new_zeros(d, dtype=result_dtype(padded)) if with_bias else None
     for lo in range(0, n, step):
         columns = F.unfold(padded[lo : lo + step], geometry.kernel, dilation=geometry.dilation, stride=geometry.stride)
         features = columns.permute(1, 0, 2).reshape(d, -1)  # (C*kh*kw, examples*positions)
         add_mm_(moment, features, features.T)
-        sums += wide_sum(features, 1)
+        if sums is not None:
+            sums += wide_sum(features, 1)
     return moment, sums, float(n * positions)
 
 

@@ -82,6 +82,28 @@ def test_each_method_matches_unfold_where_it_applies(case: dict, mode: str, monk
     torch.testing.assert_close(bordered_moment(*MOMENT_METHODS["unfold"](x, geometry, True)), want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("case", [dict(kernel_size=1), dict(kernel_size=1, stride=2), dict(kernel_size=3, padding=1),
+                                  dict(kernel_size=3, stride=2, padding=1)], ids=lambda c: str(c))
+def test_without_a_bias_no_method_sums_the_patches(case: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer without a bias (ResNet-50's convolutions) needs no patch sums: every method returns none (a sum is a
+    pass over the input of its own on a GPU) and the moment of the bare patches. The sums are counted by
+    kfac.patches.wide_sum, which every method sums through."""
+    conv = nn.Conv2d(3, 4, bias=False, **case).double()
+    geometry = ConvGeometry.of(conv)
+    x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
+    want = _unfold_reference(x, conv, False)
+    summed = []
+    real_sum = patches.wide_sum
+    monkeypatch.setattr(patches, "wide_sum", lambda t, dim: summed.append(t.shape) or real_sum(t, dim))
+    for name in applicable_methods(x, geometry):
+        moment, sums, _ = MOMENT_METHODS[name](x, geometry, False)
+        assert sums is None, name
+        torch.testing.assert_close(moment, want, rtol=1e-10, atol=1e-10, msg=name)
+    assert summed == []
+    MOMENT_METHODS["unfold"](x, geometry, True)
+    assert summed, "the stand-in sees the sums a bias needs"
+
+
 def test_patch_moment_matches_unfold_with_padding_numbers_as_used_by_pytorch() -> None:
     """With plain integer padding the reference is F.unfold's own padding."""
     conv = nn.Conv2d(2, 2, 3, stride=1, padding=1, dilation=2).double()
