@@ -287,13 +287,6 @@ def _six_seeds_short() -> str:
             f"{len(ratios['inverse'])} seeds")
 
 
-def _bf16_statistics_short() -> str:
-    runs = _rounds(BF16_STATISTICS).values()
-    steps = [(r[f"kfac-inverse{BF16}"].to_target(0.985), r["kfac-inverse"].to_target(0.985)) for r in runs]
-    same = sum(a is not None and b is not None and a[0] == b[0] for a, b in steps)
-    return f"the same steps to 98.5 % as float32 statistics in {same} of {len(steps)} seeds"
-
-
 BF16_STATISTICS = "kfac_methods_2x1_bf16_statistics"  # inverse with and without statistics_dtype=bfloat16
 
 
@@ -310,6 +303,13 @@ def _bf16_statistics() -> str:
         rows.append([seed, *cells])
     return table(["seed", "steps to 98.5 %, bf16 statistics", "final accuracy, bf16 statistics",
                   "steps to 98.5 %, float32 statistics", "final accuracy, float32 statistics"], rows)
+
+
+def _bf16_statistics_short() -> str:
+    runs = _rounds(BF16_STATISTICS).values()
+    steps = [(r[f"kfac-inverse{BF16}"].to_target(0.985), r["kfac-inverse"].to_target(0.985)) for r in runs]
+    same = sum(a is not None and b is not None and a[0] == b[0] for a, b in steps)
+    return f"the same steps to 98.5 % as float32 statistics in {same} of {len(steps)} seeds"
 
 
 FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
