@@ -42,3 +42,25 @@ def test_the_2x1_round_runs_each_method_then_muon_at_their_tuned_settings_evalua
         assert abs(2 * config.base_lr - tuned["kfac" if config.kfac else method]) < 1e-9
         assert config.eval_every == 1  # 14 evaluations an epoch of 14 steps: the time to target to the step
     assert names == [(seed, m) for seed in (3, 4) for m in ("kfac-eigen", "kfac-newton", "kfac-inverse", "muon")]
+
+
+@pytest.mark.processes  # runs the benchmark's --dry-run
+def test_bf16_statistics_runs_name_the_plugin_that_sets_statistics_dtype(tmp_path: Path) -> None:
+    """--statistics same bf16 runs each method twice, the second through --kfac-impl kfac_method_cell:bf16_statistics,
+    and that plugin builds hpcdl's K-FAC with the run's settings and statistics_dtype=bfloat16."""
+    import torch
+
+    from hpcdl.training.models import build_model
+    from tests.support.scripts import load_benchmark
+
+    write_mnist(tmp_path)
+    commands = dry_run("--data-dir", str(tmp_path), "--kfac-methods", "inverse", "--statistics", "same", "bf16",
+                       "--seeds", "0")
+    configs = [parse_config(words[words.index("hpcdl.train") + 1:] if "hpcdl.train" in words
+                            else words[words.index("--") + 1:]) for words in commands]
+    assert [(c.kfac_method, c.kfac_impl) for c in configs] == [
+        ("inverse", "hpcdl"), ("inverse", "kfac_method_cell:bf16_statistics")]
+    cell = load_benchmark("kfac_method_cell")
+    pre = cell.bf16_statistics(configs[1], build_model("mnist_cnn", 10, 1), lambda: 0.1, None)
+    assert pre.options.statistics_dtype == torch.bfloat16 and pre.method == "inverse"
+    assert pre.options.damping == configs[1].kfac_damping
