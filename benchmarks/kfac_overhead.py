@@ -88,6 +88,21 @@ REFERENCE_KFAC_PYTORCH = {
 }
 REFERENCE_KFAC_PYTORCH_GIB = {"cuda": {(1, 10): 6.9, (10, 100): 8.4}}
 DEFAULT_CONFIGS = {"cpu": "1,10 10,10 10,100", "cuda": "1,10 10,10 10,100"}
+
+
+def frequency_pairs(text: str) -> list[tuple[int, int]]:
+    """``'1,10 10,100'`` as [(1, 10), (10, 100)]: (factor, inverse) update frequencies, for --configs and
+    --memory-configs; a malformed pair is argparse's one-line error, not a ValueError hours in."""
+    pairs = []
+    for pair in text.split():
+        values = pair.split(",")
+        if len(values) != 2 or not all(v.isdigit() and int(v) >= 1 for v in values):
+            raise argparse.ArgumentTypeError(f"{pair!r} is not a (factor,inverse) pair of whole numbers of at "
+                                             "least 1, e.g. '1,10'")
+        pairs.append((int(values[0]), int(values[1])))
+    if not pairs:
+        raise argparse.ArgumentTypeError("no (factor,inverse) pair, e.g. '1,10 10,100'")
+    return pairs
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -551,10 +566,11 @@ def main(argv: list[str] | None = None) -> None:
                              "(the GPU's half-precision matrix units; docs/kfac.md)")
     parser.add_argument("--kfac-factor-examples", type=integer(1), default=None,
                         help="hpcdl K-FAC's factor_examples: the examples of a batch its statistics use (default all)")
-    parser.add_argument("--configs", default=None, help="(factor,inverse) pairs, e.g. '1,10 10,100'")
+    parser.add_argument("--configs", type=frequency_pairs, default=None,
+                        help="(factor,inverse) pairs, e.g. '1,10 10,100'")
     parser.add_argument("--quick", action="store_true", help="one round of (1,10) only")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
-    parser.add_argument("--memory-configs", default=None,
+    parser.add_argument("--memory-configs", type=frequency_pairs, default=None,
                         help="the (factor,inverse) pairs whose peak memory is measured (default: every --configs pair)")
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout whose kfac/ is a third contender")
     parser.add_argument("--kfac-pytorch", type=Path, default=None,
@@ -591,13 +607,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.conv_methods:
         conv_methods(args)
         return
+    args.configs = [(1, 10)] if args.quick else (args.configs or frequency_pairs(DEFAULT_CONFIGS[args.device]))
+    memory_configs = args.configs if args.memory_configs is None else args.memory_configs
+    unmeasured = [f"{f},{i}" for f, i in memory_configs if (f, i) not in args.configs]
+    if unmeasured:
+        parser.error(f"--memory-configs {' '.join(unmeasured)}: not among the timed pairs "
+                     f"({' '.join(f'{f},{i}' for f, i in args.configs)}); memory is measured beside a timed pair")
     suffix = "" if args.device == "cpu" else "_cuda"
     args.out = outputs.results_stem(args.out, f"kfac_overhead{suffix}", (".json", ".csv", ".png"),
                                     refresh_results=args.refresh_results, force=args.force, flag="--out")
-    configs = "1,10" if args.quick else (args.configs or DEFAULT_CONFIGS[args.device])
-    args.configs = [tuple(int(v) for v in pair.split(",")) for pair in configs.split()]
-    memory_configs = args.configs if args.memory_configs is None else [
-        tuple(int(v) for v in pair.split(",")) for pair in args.memory_configs.split()]
     if args.quick:
         args.rounds = 1
     precisions = (args.precisions or ("fp32 amp" if args.device == "cuda" else "fp32")).split()

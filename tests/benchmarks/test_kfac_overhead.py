@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from hpcdl.runtime.errors import UsageError
 from tests.support.scripts import load_benchmark
 
 
@@ -122,3 +123,24 @@ def test_the_statistics_precision_and_factor_examples_reach_hpcdl_s_precondition
     plain = argparse.Namespace(device="cpu", precision="fp32", batch_size=2)
     options = study.Stepper(plain, batch, study.import_kfac(None), (1, 1)).pre.options
     assert options.statistics_dtype is None and options.factor_examples is None
+
+
+def test_frequency_pairs_are_read_as_factor_and_inverse_frequencies(study: Any) -> None:
+    assert study.frequency_pairs("1,10  10,100") == [(1, 10), (10, 100)]
+    for bad in ("1,10 10", "1;10", "0,10", "1,-2", "a,b", "1,2,3", " "):
+        with pytest.raises(argparse.ArgumentTypeError):
+            study.frequency_pairs(bad)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--configs", "1,10 10"], "--configs: '10' is not a (factor,inverse) pair"),
+    (["--memory-configs", "1;10"], "--memory-configs: '1;10' is not a (factor,inverse) pair"),
+    (["--configs", "1,10", "--memory-configs", "10,100"], "--memory-configs 10,100: not among the timed pairs (1,10)"),
+])
+def test_malformed_or_untimed_pairs_are_usage_errors_before_any_work(study: Any, tmp_path, flags,
+                                                                       says: str) -> None:
+    """run_main prints a UsageError as one line; nothing is written, not even the results folder."""
+    with pytest.raises(UsageError) as error:
+        study.main([*flags, "--out", str(tmp_path / "overhead")])
+    assert says in str(error.value) and "\n" not in str(error.value)
+    assert not list(tmp_path.iterdir())
