@@ -9,7 +9,8 @@
 kfac_large_batch.py's ``--target-cell`` run of hpcdl's K-FAC (its tuned rate and warm-up, one rank, one thread,
 one run at a time), once per ``--kfac-methods`` entry (``--kfac-method`` added to the preset's flags), seed by
 seed and method by method within a seed, so that a change in the shared machine's load falls on every method
-alike; ``--first-order`` adds first-order methods at their tuned settings to each seed's round. Results:
+alike; ``--first-order`` adds first-order methods at their tuned settings to each seed's round, and
+``--variants`` each K-FAC method again with other preset values (flags after the preset's). Results:
 ``<out>.json`` (kfac_large_batch's format, the methods named ``kfac-<method>``) and the markdown table on stdout:
 steps and training seconds to 98.5 % and 99 %, final accuracy, seconds a step.
 """
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="each K-FAC method with its factor statistics as the model computes (same) and/or from "
                              "inputs rounded to bfloat16 (bf16: statistics_dtype, through --kfac-impl "
                              "kfac_method_cell:bf16_statistics; named kfac-<method>+bf16-statistics)")
+    parser.add_argument("--variants", nargs="+", default=[], metavar="NAME=FLAGS",
+                        help="each K-FAC method again with these hpcdl.train flags after the preset's (named "
+                             "kfac-<method>+NAME), e.g. 'examples-512=--kfac-factor-examples 512': a preset value "
+                             "tried beside today's in the same rounds")
     parser.add_argument("--first-order", nargs="*", default=[], choices=("muon", "lamb", "lars", "adamw", "sgd"),
                         help="first-order methods run beside K-FAC in each seed's round, at their tuned settings")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -62,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the runs' commands and exit")
     outputs.add_arguments(parser)
     own = parser.parse_args(argv)
+    variants = variant_flags(own.variants)
     results = outputs.checkout_results()
     if results is None:
         raise UsageError(f"no benchmarks/results here to read {TUNING} from: run from a source checkout")
@@ -80,15 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise UsageError(f"{TUNING} tuned no setting at batch 4096 for {', '.join(missing)}")
     # A round per seed: each K-FAC method (named kfac-<method>[+bf16-statistics]), then the first-order methods.
-    kfac_names = [f"kfac-{m}{BF16 if s == 'bf16' else ''}" for m in own.kfac_methods for s in own.statistics]
+    kfac_names = [f"kfac-{m}{suffix}" for m in own.kfac_methods
+                  for suffix in [BF16 if s == "bf16" else "" for s in own.statistics] + [f"+{v}" for v in variants]]
     plan = [(seed, name) for seed in own.seeds for name in kfac_names + list(own.first_order)]
 
     def cell_args(name: str) -> argparse.Namespace:
         if not name.startswith("kfac-"):
             return args
-        method = name.removeprefix("kfac-").removesuffix(BF16)
-        plugin = " --kfac-impl kfac_method_cell:bf16_statistics" if name.endswith(BF16) else ""
-        return argparse.Namespace(**{**vars(args), "kfac_flags": f"--kfac-method {method}{plugin}"})
+        method, _, variant = name.removeprefix("kfac-").partition("+")
+        extra = " --kfac-impl kfac_method_cell:bf16_statistics" if name.endswith(BF16) else \
+            (f" {variants[variant]}" if variant else "")
+        return argparse.Namespace(**{**vars(args), "kfac_flags": f"--kfac-method {method}{extra}"})
 
     def cell(seed: int, name: str) -> study.Cell:
         setting = tuned["kfac" if name.startswith("kfac-") else name]
@@ -118,6 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     study.write_results(outcomes, out, meta)
     print("\n".join(study.markdown(outcomes)))
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
+
+
+def variant_flags(given: list[str]) -> dict[str, str]:
+    """``--variants NAME=FLAGS ...`` as {NAME: FLAGS}; a name is one word, not bf16-statistics (--statistics')."""
+    variants: dict[str, str] = {}
+    for entry in given:
+        name, _, flags = entry.partition("=")
+        if not name or not flags.strip() or any(c.isspace() or c in "+=" for c in name) or \
+                f"+{name}" == BF16 or name in variants:
+            raise UsageError(f"--variants {entry!r}: give NAME=FLAGS, a new one-word NAME (not bf16-statistics) "
+                             "and hpcdl.train flags, e.g. 'examples-512=--kfac-factor-examples 512'")
+        variants[name] = flags.strip()
+    return variants
 
 
 def bf16_statistics(config: Any, model: nn.Module, current_lr: Any, scaler: Any) -> Any:
@@ -290,6 +311,27 @@ def _six_seeds_short() -> str:
 BF16_STATISTICS = "kfac_methods_2x1_bf16_statistics"  # inverse with and without statistics_dtype=bfloat16
 
 
+VARIANTS = "kfac_methods_2x1_variants"  # inverse at the preset, at 512 statistics examples and at clip 0.005
+SWEEP = "kfac_preset_sweep_1host"  # single changes to the preset, one host, each run stopped at 98.5 %
+
+
+def _sweep() -> str:
+    """Per variant: its steps to 98.5 % seed by seed, and the mean over those seeds of its steps minus the
+    preset's (same seed: same initial model and batches)."""
+    by_seed = _rounds(SWEEP)
+    rows = []
+    for method in dict.fromkeys(m for _, runs in sorted(by_seed.items()) for m in runs):
+        steps = {seed: runs[method].to_target(0.985) for seed, runs in sorted(by_seed.items()) if method in runs}
+        each = ", ".join(f"{seed}: {_steps(reached and reached[0])}" for seed, reached in steps.items())
+        paired = [reached[0] - preset[0] for seed, reached in steps.items()
+                  if reached and (preset := by_seed[seed]["kfac-inverse"].to_target(0.985))]
+        missed = len(steps) - len(paired)
+        change = "0" if method == "kfac-inverse" else f"{statistics.mean(paired):+.1f}" if paired else "-"
+        rows.append([method.removeprefix("kfac-inverse").removeprefix("+") or "the preset", each,
+                     change + (f" ({missed} not reached)" if missed else "")])
+    return table(["variant", "steps to 98.5 % (seed: steps)", "steps - the preset's (mean, same seeds)"], rows)
+
+
 def _bf16_statistics() -> str:
     """The bf16-statistics runs against the same method's float32-statistics runs of the same seed's round."""
     by_seed = _rounds(BF16_STATISTICS)
@@ -321,7 +363,10 @@ FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
            "methods.2x1.more_seeds.seeds": lambda: _every_step_seeds(MORE_SEEDS),
            "methods.2x1.six_seeds": _six_seeds, "methods.2x1.six_seeds.short": _six_seeds_short,
            "methods.2x1.bf16_statistics": _bf16_statistics,
-           "methods.2x1.bf16_statistics.short": _bf16_statistics_short}
+           "methods.2x1.bf16_statistics.short": _bf16_statistics_short,
+           "methods.2x1.variants.table": lambda: _two_by_one_table(VARIANTS),
+           "methods.2x1.variants.seeds": lambda: _every_step_seeds(VARIANTS),
+           "methods.2x1.variants.short": lambda: _two_by_one_short(VARIANTS), "methods.sweep.table": _sweep}
 
 
 if __name__ == "__main__":

@@ -64,3 +64,29 @@ def test_bf16_statistics_runs_name_the_plugin_that_sets_statistics_dtype(tmp_pat
     pre = cell.bf16_statistics(configs[1], build_model("mnist_cnn", 10, 1), lambda: 0.1, None)
     assert pre.options.statistics_dtype == torch.bfloat16 and pre.method == "inverse"
     assert pre.options.damping == configs[1].kfac_damping
+
+
+@pytest.mark.processes  # runs the benchmark's --dry-run
+def test_a_variant_runs_each_method_again_with_its_flags_after_the_preset_s(tmp_path: Path) -> None:
+    """--variants NAME=FLAGS: a preset value tried beside today's in the same round; the flags win over the
+    preset's (hpcdl.train: flags given win), and the other runs keep the preset's values."""
+    write_mnist(tmp_path)
+    commands = dry_run("--data-dir", str(tmp_path), "--kfac-methods", "inverse", "--seeds", "0", "--variants",
+                       "examples-512=--kfac-factor-examples 512", "clip=--kfac-kl-clip 0.005")
+    configs = [parse_config(words[words.index("hpcdl.train") + 1:]) for words in commands]
+    assert [(c.kfac_method, c.kfac_factor_examples, c.kfac_kl_clip) for c in configs] == [
+        ("inverse", 256, 0.01), ("inverse", 512, 0.01), ("inverse", 256, 0.005)]
+    assert [words[words.index("--output-dir") + 1] for words in commands] == [
+        "/tmp/kfac-inverse", "/tmp/kfac-inverse+examples-512", "/tmp/kfac-inverse+clip"]
+
+
+@pytest.mark.parametrize("entry", ["=--kfac-kl-clip 0.005", "clip=", "a b=--momentum 0", "a+b=--momentum 0",
+                                   "bf16-statistics=--momentum 0", "clip"])
+def test_a_malformed_variant_is_a_one_line_error(entry: str) -> None:
+    from hpcdl.runtime.errors import UsageError
+    from tests.support.scripts import load_benchmark
+
+    with pytest.raises(UsageError, match="--variants"):
+        load_benchmark("kfac_method_cell").variant_flags([entry])
+    with pytest.raises(UsageError, match="--variants"):  # a name given twice
+        load_benchmark("kfac_method_cell").variant_flags(["a=--momentum 0", "a=--momentum 0.9"])
