@@ -37,6 +37,7 @@ from hpcdl.runtime.errors import UsageError, run_main
 from hpcdl.runtime.numbers import integer
 
 BF16 = "+bf16-statistics"  # a K-FAC run's name suffix: its statistics from inputs rounded to bfloat16
+BF16_FLAGS = "--kfac-impl kfac_method_cell:bf16_statistics"  # and what such a run adds to the preset's flags
 TUNING = "kfac_large_batch_tune.json"  # the committed tuning study: hpcdl K-FAC's rate and warm-up at batch 4096
 
 
@@ -85,18 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     missing = sorted({"kfac", *own.first_order} - tuned.keys())
     if missing:
         raise UsageError(f"{TUNING} tuned no setting at batch 4096 for {', '.join(missing)}")
-    # A round per seed: each K-FAC method (named kfac-<method>[+bf16-statistics]), then the first-order methods.
-    kfac_names = [f"kfac-{m}{suffix}" for m in own.kfac_methods
-                  for suffix in [BF16 if s == "bf16" else "" for s in own.statistics] + [f"+{v}" for v in variants]]
+    # A round per seed: each K-FAC method once per suffix (its flags after the preset's; --statistics bf16 is one
+    # more variant), named kfac-<method><suffix>, then the first-order methods.
+    extras = {BF16 if s == "bf16" else "": BF16_FLAGS if s == "bf16" else "" for s in own.statistics}
+    extras.update({f"+{name}": flags for name, flags in variants.items()})
+    kfac_names = [f"kfac-{m}{suffix}" for m in own.kfac_methods for suffix in extras]
     plan = [(seed, name) for seed in own.seeds for name in kfac_names + list(own.first_order)]
 
     def cell_args(name: str) -> argparse.Namespace:
         if not name.startswith("kfac-"):
             return args
-        method, _, variant = name.removeprefix("kfac-").partition("+")
-        extra = " --kfac-impl kfac_method_cell:bf16_statistics" if name.endswith(BF16) else \
-            (f" {variants[variant]}" if variant else "")
-        return argparse.Namespace(**{**vars(args), "kfac_flags": f"--kfac-method {method}{extra}"})
+        method, plus, variant = name.removeprefix("kfac-").partition("+")
+        return argparse.Namespace(**{**vars(args), "kfac_flags": f"--kfac-method {method} {extras[plus + variant]}"})
 
     def cell(seed: int, name: str) -> study.Cell:
         setting = tuned["kfac" if name.startswith("kfac-") else name]

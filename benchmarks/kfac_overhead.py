@@ -88,6 +88,7 @@ REFERENCE_KFAC_PYTORCH = {
 }
 REFERENCE_KFAC_PYTORCH_GIB = {"cuda": {(1, 10): 6.9, (10, 100): 8.4}}
 DEFAULT_CONFIGS = {"cpu": "1,10 10,10 10,100", "cuda": "1,10 10,10 10,100"}
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def frequency_pairs(text: str) -> list[tuple[int, int]]:
@@ -103,7 +104,6 @@ def frequency_pairs(text: str) -> list[tuple[int, int]]:
     if not pairs:
         raise argparse.ArgumentTypeError("no (factor,inverse) pair, e.g. '1,10 10,100'")
     return pairs
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ------------------------------------------------------------------ one contender's step
