@@ -7,13 +7,15 @@ a sample come from the sample's own seed through a counter-based generator (spli
 whole batch's parameters are drawn in a few numpy operations on the host, and a sample gets the
 same crop whether it is drawn alone (in a worker) or with its batch (on the device thread). The
 CIFAR crop and flip run on a whole batch at once with one gather, from a torch generator.
+
+torchvision is imported inside the JPEG views: importing it costs a second (it loads torch's compiler
+stack), which a run on in-memory data should not pay at start-up.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from torchvision.transforms.v2 import functional as F
 
 from hpcdl.data.spec import Normalization
 
@@ -66,6 +68,8 @@ def train_params(heights: np.ndarray, widths: np.ndarray, seeds: np.ndarray) -> 
 
 def train_view(image: torch.Tensor, crop: tuple[int, int, int, int], flip: bool, size: int) -> torch.Tensor:
     """RandomResizedCrop(size) with the given crop, then the flip: uint8 (C, H, W) -> uint8 (C, size, size)."""
+    from torchvision.transforms.v2 import functional as F
+
     top, left, h, w = crop
     out = F.resized_crop(image, top, left, h, w, [size, size], antialias=True)
     return F.horizontal_flip(out) if flip else out
@@ -73,6 +77,8 @@ def train_view(image: torch.Tensor, crop: tuple[int, int, int, int], flip: bool,
 
 def eval_view(image: torch.Tensor, size: int) -> torch.Tensor:
     """Resize the shorter side to size/0.875, then a centre crop of size: the usual evaluation view."""
+    from torchvision.transforms.v2 import functional as F
+
     resized = F.resize(image, [int(round(size / EVAL_CROP_FRACTION))], antialias=True)
     return F.center_crop(resized, [size, size])
 

@@ -4,6 +4,9 @@ decoded (libjpeg-turbo on the CPU through torchvision.io, or nvJPEG in batches o
 A corrupt file is an OSError naming it (the message is the whole story: hpcdl.runtime.errors prints it as
 one line). On the device, a batch that nvJPEG rejects is decoded image by image, and an image it
 cannot handle (a PNG, a CMYK JPEG) falls back to the CPU decoder before anything is called corrupt.
+
+torchvision.io is imported where an image is decoded: importing torchvision costs a second (it loads
+torch's compiler stack), which a run on in-memory data should not pay at start-up.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 JPEG_END = b"\xff\xd9"
@@ -81,10 +83,12 @@ def is_whole_jpeg(data: torch.Tensor) -> bool:
     return is_jpeg(data) and bytes(data[-2:].tolist()) == JPEG_END
 
 
-def decode_cpu(data: torch.Tensor, name: str, mode: ImageReadMode = ImageReadMode.RGB) -> torch.Tensor:
-    """Any format torchvision.io reads (JPEG through libjpeg-turbo, PNG, ...) -> uint8 (C, H, W)."""
+def decode_cpu(data: torch.Tensor, name: str, channels: int = 3) -> torch.Tensor:
+    """Any format torchvision.io reads (JPEG through libjpeg-turbo, PNG, ...) -> uint8 (C, H, W), C = 1 or 3."""
+    from torchvision.io import ImageReadMode, decode_image
+
     try:
-        return decode_image(data, mode=mode)
+        return decode_image(data, mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB)
     except (RuntimeError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise OSError(f"cannot decode image {name}: {reason}") from exc
@@ -94,6 +98,8 @@ def decode_on_device(datas: list[torch.Tensor], names: list[str], device: torch.
     """A batch of JPEG byte tensors -> uint8 (3, H, W) tensors on ``device`` (one batched nvJPEG call on CUDA)."""
     if not datas:
         return []
+    from torchvision.io import ImageReadMode, decode_jpeg
+
     try:
         return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=device))
     except RuntimeError:

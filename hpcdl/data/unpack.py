@@ -4,7 +4,6 @@ uint8 tensors."""
 from __future__ import annotations
 
 import torch
-from torchvision.io import ImageReadMode
 
 from hpcdl.data.images import ByteSource, decode_cpu
 from hpcdl.data.in_memory import ImageTensors, validate_images
@@ -13,11 +12,10 @@ from hpcdl.runtime.errors import UsageError
 
 def decode_all(dataset: str, source: ByteSource, shape: tuple[int, int, int], num_classes: int) -> ImageTensors:
     """Every image of ``source``, each checked to be ``shape`` (C, H, W)."""
-    mode = ImageReadMode.GRAY if shape[0] == 1 else ImageReadMode.RGB
     images = []
     for index in range(len(source)):
         try:
-            image = decode_cpu(source.read(index), source.name(index), mode)
+            image = decode_cpu(source.read(index), source.name(index), channels=shape[0])
         except OSError as exc:
             raise UsageError(str(exc)) from exc
         if tuple(image.shape) != shape:

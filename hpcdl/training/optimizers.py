@@ -2,13 +2,7 @@
 
 Every rule honours the loop's non-finite verdict: the loop sets ``optimizer.found_inf`` (a 0-dim
 device tensor, 1.0 = skip) before ``step()``. torch's fused SGD/Adam/AdamW read it on the device.
-timm's LARS, LAMB and Muon and pytorch-optimizer's SOAP have no fused kernel that takes it, so
-:class:`SkipsNonFinite` reads the flag back to the host and leaves parameters and state untouched
-when it is set: one device sync per step on a GPU, nothing on a CPU.
-
-Muon is timm's, not ``torch.optim.Muon``: torch's takes 2-D parameters only (it refuses biases and
-convolution kernels), and Horovod wraps one optimizer, while timm's flattens a kernel to
-(out, in*kh*kw) and gives what is not a matrix its built-in AdamW at the same scheduled rate.
+The other rules live in :mod:`hpcdl.training.guarded_rules`, imported only when one is chosen.
 """
 
 from __future__ import annotations
@@ -17,52 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from timm.optim import Lamb, Lars, Muon
 from torch import nn
 
 from hpcdl.runtime.errors import UsageError
 from hpcdl.training.config import TrainConfig
 from hpcdl.training.task import import_function
 
-try:
-    from pytorch_optimizer.optimizer.soap import SOAP
-except ImportError as missing:  # a bare GPU image has no pytorch-optimizer: only --optimizer soap needs it
-    _why = f"{type(missing).__name__}: {missing}"
-
-    class SOAP(torch.optim.Optimizer):  # type: ignore[no-redef]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            raise UsageError(f"--optimizer soap needs the pytorch-optimizer package ({_why})")
-
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb", "muon", "soap")
 FUSED = ("sgd", "adam", "adamw")  # read found_inf on the device
-
-
-class SkipsNonFinite:
-    """Mixin: ``step()`` does nothing when the loop's ``found_inf`` flag is set (a host read)."""
-
-    found_inf: torch.Tensor | None
-
-    def step(self, closure: Callable[[], float] | None = None) -> Any:
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and bool(found_inf):
-            return None
-        return super().step(closure)  # type: ignore[misc]
-
-
-class GuardedLars(SkipsNonFinite, Lars):
-    """timm's LARS (You et al. 2017): SGD with momentum and a per-layer trust ratio ||w|| / ||g||."""
-
-
-class GuardedLamb(SkipsNonFinite, Lamb):
-    """timm's LAMB (You et al. 2020): Adam moments with a per-layer trust ratio."""
-
-
-class GuardedMuon(SkipsNonFinite, Muon):
-    """timm's Muon (Jordan et al. 2024): momentum orthogonalised by Newton-Schulz for matrices, AdamW for the rest."""
-
-
-class GuardedSoap(SkipsNonFinite, SOAP):
-    """pytorch-optimizer's SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's factors."""
 
 
 def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -78,6 +34,8 @@ def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch
     """
     params = list(model.parameters())
     name = config.optimizer
+    if name in ("lars", "lamb", "muon", "soap"):
+        from hpcdl.training.guarded_rules import GuardedLamb, GuardedLars, GuardedMuon, GuardedSoap
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay, fused=True)
     if name == "adamw":

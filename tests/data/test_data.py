@@ -31,6 +31,41 @@ def test_digits_is_the_real_embedded_set_with_a_held_out_split() -> None:
     assert all((x[0].numpy().tobytes(), int(y)) in reference for x, y in held_out)
 
 
+def test_digits_cache_holds_scikit_learns_split_and_spares_its_import(tmp_path: Path, monkeypatch) -> None:
+    """The first load asks scikit-learn and writes the cache; a later one reads it without importing
+    scikit-learn and gets the same arrays; a damaged cache file is rebuilt, an unwritable cache only skipped."""
+    import sys
+
+    from hpcdl.data import digits
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    reference = digits.split_from_sklearn(0.2, 0)
+    first = digits.load_digits()
+    path = digits.cache_file(0.2, 0)
+    assert path is not None and path.is_file() and path.is_relative_to(tmp_path)
+
+    def same(data: TensorSplits) -> bool:
+        return (torch.equal(data.train.images[:, 0], torch.from_numpy(reference["x_train"]))
+                and torch.equal(data.test.images[:, 0], torch.from_numpy(reference["x_test"]))
+                and data.train.labels.tolist() == reference["y_train"].tolist()
+                and data.test.labels.tolist() == reference["y_test"].tolist())
+
+    assert same(first)
+    with monkeypatch.context() as blocked:  # any import of scikit-learn now fails
+        for name in [m for m in sys.modules if m == "sklearn" or m.startswith("sklearn.")]:
+            blocked.delitem(sys.modules, name)
+        blocked.setitem(sys.modules, "sklearn", None)
+        assert same(digits.load_digits())
+        with pytest.raises(ImportError):
+            digits.split_from_sklearn(0.2, 0)
+    path.write_bytes(path.read_bytes()[:100])  # a torn file
+    assert same(digits.load_digits()) and digits.read_cache(path) is not None  # rebuilt
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))  # no folder can be made below a file
+    (tmp_path / "a-file").write_text("")
+    assert same(digits.load_digits()) and digits.cache_file(0.2, 0).parent.parent.parent.is_file()
+    assert digits.cache_file(0.2, 1) != path != digits.cache_file(0.25, 0)
+
+
 def test_cifar10_reads_the_pickle_batches(tmp_path: Path) -> None:
     folder = write_cifar10(tmp_path, per_batch=8)
     for data_dir in (folder, tmp_path):  # the folder itself (course style) or its parent

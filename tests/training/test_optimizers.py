@@ -19,15 +19,9 @@ from hpcdl.data.order import rank_order
 from hpcdl.runtime import cpu_features
 from hpcdl.runtime.errors import UsageError
 from hpcdl.training.config import TrainConfig, parse_config
+from hpcdl.training.guarded_rules import GuardedLamb, GuardedLars, GuardedMuon, GuardedSoap
 from hpcdl.training.loop import micro_batches
-from hpcdl.training.optimizers import (
-    GuardedLamb,
-    GuardedLars,
-    GuardedMuon,
-    GuardedSoap,
-    build_preconditioner,
-    build_update_rule,
-)
+from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.schedule import LRSchedule, warmup_start
 from tests.support.backends import backend_param
 from tests.support.mpi_harness import run_mpi
