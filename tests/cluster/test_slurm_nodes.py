@@ -102,7 +102,7 @@ def test_node_loss_under_srun_ends_the_job_names_the_node_and_resumes(
     """Node loss under srun (link down, or every process of the node killed, slurmd included):
     non-zero within --stall-timeout + 60 s, one line naming the node and its ranks, the checkpoint
     intact, and --resume on the remaining node (2 ranks) goes on."""
-    stall = 20
+    stall = 10  # the watchdog's verdict on a cut node; every step here takes well under a second
     out = tmp_path / "run"
     log = tmp_path / "job.log"
     train = [str(PYTHON), "-m", "hpcdl.train", "--output-dir", str(out), "--no-progress"]
