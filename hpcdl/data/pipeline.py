@@ -229,6 +229,9 @@ class FilePipeline(LoaderPipeline):
         self.input_shape = (3, spec.image_size, spec.image_size)
         self.normalize = Normalizer(norm, device, spec.channels_last)
         self.decode_stream = torch.cuda.Stream(device) if decode_on_gpu and device.type == "cuda" else None
+        # torchvision (the decoders and views) imported once, here: forked loader workers inherit it rather
+        # than each importing it at its first sample.
+        import torchvision.transforms.v2  # noqa: F401
         self.open_loaders(train, test)
 
     def loader(self, source: ByteSource, keys: KeySampler, batch_size: int) -> DataLoader:
