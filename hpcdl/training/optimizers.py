@@ -34,12 +34,17 @@ def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch
     """
     params = list(model.parameters())
     name = config.optimizer
-    if name in ("lars", "lamb", "muon", "soap"):
-        from hpcdl.training.guarded_rules import GuardedLamb, GuardedLars, GuardedMuon, GuardedSoap
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
+                               weight_decay=config.weight_decay, fused=True)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay, fused=True)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, fused=True)
+    if name not in OPTIMIZERS:
+        raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {name})")
+    from hpcdl.training.guarded_rules import GuardedLamb, GuardedLars, GuardedMuon, GuardedSoap  # timm: on demand
+
     if name == "lars":
         return GuardedLars(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
                            weight_decay=config.weight_decay)
@@ -47,12 +52,7 @@ def build_update_rule(config: TrainConfig, model: nn.Module, lr: float) -> torch
         return GuardedLamb(params, lr=lr, weight_decay=config.weight_decay)
     if name == "muon":
         return GuardedMuon(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    if name == "soap":
-        return GuardedSoap(params, lr=lr, weight_decay=config.weight_decay)
-    if name != "sgd":
-        raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {name})")
-    return torch.optim.SGD(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
-                           weight_decay=config.weight_decay, fused=True)
+    return GuardedSoap(params, lr=lr, weight_decay=config.weight_decay)
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
