@@ -21,9 +21,6 @@ Two behaviours are needed under MPI:
 
 from __future__ import annotations
 
-import atexit
-import functools
-import gc
 import os
 import sys
 import traceback
@@ -125,20 +122,8 @@ def describe(exc: BaseException) -> str:
     return f"{kind}: {lines[0]}" if lines else kind
 
 
-@functools.cache  # once per process
-def skip_final_collection() -> None:
-    """At exit, leave the objects that exist then out of the interpreter's last garbage collections.
-
-    Walking torch's (and its compiler's) object graphs at shutdown takes about 0.6 s of every process,
-    every rank of every run, and frees nothing anyone waits for: a run's files are written and closed
-    before it returns, and Python never promised to finalize what is still alive at exit.
-    """
-    atexit.register(gc.freeze)
-
-
 def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
     """Call ``main`` and exit with the right behaviour for each kind of failure."""
-    skip_final_collection()
     try:
         code = main() or 0
     except JobError as exc:

@@ -132,21 +132,3 @@ def test_current_rank_reads_the_launcher_before_mpi(monkeypatch) -> None:
     assert launcher.current_rank() == 6
     monkeypatch.delenv("SLURM_PROCID")
     assert launcher.current_rank() == 0
-
-
-@pytest.mark.processes
-def test_an_entry_point_leaves_what_exists_at_exit_out_of_the_final_collection(tmp_path) -> None:
-    """run_main freezes the heap at exit (the interpreter's last collections then skip torch's object graphs),
-    after ``main`` has returned and its output is complete."""
-    import subprocess
-    import sys
-
-    code = ("import atexit, gc, sys, torch\n"
-            "from hpcdl.runtime.errors import run_main\n"
-            "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0, flush=True))\n"
-            "print('frozen before:', gc.get_freeze_count() > 0, flush=True)\n"
-            f"run_main(lambda: open({str(tmp_path / 'out.txt')!r}, 'w').write('done') and 0, program='probe')\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:2] == ["frozen before: False", "frozen at exit: True"], result.stdout
-    assert (tmp_path / "out.txt").read_text() == "done"
