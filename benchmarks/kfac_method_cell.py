@@ -2,7 +2,7 @@
 
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/kfac_method_cell.py --seeds 0 1 2 --refresh-results
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/kfac_method_cell.py --dry-run   # the commands only
-    .venv/bin/python -m hpcdl.tools.vcluster up --nodes 2 --name lbone                 # 2 virtual nodes, then:
+    .venv/bin/python -m hpcdl.tools.vcluster up --nodes 2 --name lbone --rate 1gbit    # 2 virtual nodes, then:
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/kfac_method_cell.py --ranks 2 --vcluster lbone \
         --first-order muon --seeds 0 1 2 --refresh-results                              # the 2 x 1 cell
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         studies.check_flags(study.train_flags(cell(seed, name), cell_args(name)))
     meta = dict(load_before=os.getloadavg()[0], argv=sys.argv[1:] if argv is None else argv,
                 kfac_preset=study.RECORDED_PRESET, epochs=args.epochs, jobs=1, threads=1, ranks=own.ranks,
-                vcluster=own.vcluster, planned=len(plan),
+                vcluster=own.vcluster, link_rate=studies.link_rate(own.vcluster), planned=len(plan),
                 settings={name: {"lr": tuned[name].lr, "warmup": tuned[name].warmup}
                           for name in ("kfac", *own.first_order)})
     start = time.perf_counter()
@@ -314,6 +314,7 @@ BF16_STATISTICS = "kfac_methods_2x1_bf16_statistics"  # inverse with and without
 
 VARIANTS = "kfac_methods_2x1_variants"  # inverse at the preset, at 512 statistics examples and at clip 0.005
 SWEEP = "kfac_preset_sweep_1host"  # single changes to the preset, one host, each run stopped at 98.5 %
+YIELDING = "kfac_methods_2x1_yield"  # the preset beside Muon with Open MPI yielding while it waits (seeds 0-5)
 
 
 def _sweep() -> str:
@@ -367,7 +368,10 @@ FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
            "methods.2x1.bf16_statistics.short": _bf16_statistics_short,
            "methods.2x1.variants.table": lambda: _two_by_one_table(VARIANTS),
            "methods.2x1.variants.seeds": lambda: _every_step_seeds(VARIANTS),
-           "methods.2x1.variants.short": lambda: _two_by_one_short(VARIANTS), "methods.sweep.table": _sweep}
+           "methods.2x1.variants.short": lambda: _two_by_one_short(VARIANTS), "methods.sweep.table": _sweep,
+           "methods.2x1.yield.table": lambda: _two_by_one_table(YIELDING),
+           "methods.2x1.yield.seeds": lambda: _every_step_seeds(YIELDING),
+           "methods.2x1.yield.short": lambda: _two_by_one_short(YIELDING)}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ two: K-FAC with the large-batch preset (256 factor examples a step dealt over th
 2nd step, fraction auto), K-FAC with the preset's earlier values (512 examples, decompositions every step,
 fraction 1: what results/kfac_large_batch_2x1.json's meta records), and Muon at its tuned rate. Each run's
 summary.json phases (per rank) go to <out>.json and a stacked bar per rank to <out>.png (hpcdl.plot --phases);
-the traces stay in the runs' folders under --keep (default: removed).
+the traces stay in the runs' folders under --keep (default: removed). ``--spinning`` adds K-FAC and Muon again
+right after each, with Open MPI spinning while it waits (``OMPI_MCA_mpi_yield_when_idle=0``; hpcdl.train asks it to
+yield, hpcdl.runtime.world): what that choice is worth where no core is spare.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from figures import RESULTS, results, save_json, table
 from kfac_large_batch import preset_flags
-from studies import check_mnist, run_train
+from studies import check_mnist, link_rate, run_train
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
@@ -42,11 +44,21 @@ def earlier_preset() -> list[str]:
     return preset_flags(json.loads((RESULTS / "kfac_large_batch_2x1.json").read_text())["meta"]["kfac_preset"])
 
 
-def runs(ranks: int) -> dict[str, list[str]]:
+SPINNING = {"OMPI_MCA_mpi_yield_when_idle": "0"}  # Open MPI's own default where it counts no more ranks than slots
+
+
+def runs(ranks: int, spinning: bool = False) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Label -> (flags, environment) of each run, in the order they run."""
     kfac = ["--optimizer", "sgd", "--kfac-preset", "large-batch", "--warmup-start-factor", "1.0",
             "--base-lr", repr(RATES["kfac"] / ranks)]
-    return {"K-FAC": kfac, "K-FAC, earlier preset": [*kfac, *earlier_preset()],
-            "Muon": ["--optimizer", "muon", "--momentum", "0.9", "--base-lr", repr(RATES["muon"] / ranks)]}
+    muon = ["--optimizer", "muon", "--momentum", "0.9", "--base-lr", repr(RATES["muon"] / ranks)]
+    plan = {"K-FAC": (kfac, {})}
+    if spinning:
+        plan["K-FAC, MPI spinning"] = (kfac, SPINNING)
+    plan.update({"K-FAC, earlier preset": ([*kfac, *earlier_preset()], {}), "Muon": (muon, {})})
+    if spinning:
+        plan["Muon, MPI spinning"] = (muon, SPINNING)
+    return plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("horovod", "torch"), default=None,
                         help="what averages the gradients in every run (default: hpcdl.train's)")
     parser.add_argument("--steps", type=integer(4), default=14)
+    parser.add_argument("--spinning", action="store_true",
+                        help="also K-FAC and Muon with Open MPI spinning while it waits "
+                             "(OMPI_MCA_mpi_yield_when_idle=0)")
     parser.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "hpcdl" / "mnist")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--keep", type=Path, help="keep the runs (and their traces) in this folder")
@@ -75,16 +90,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               *(["--backend", args.backend] if args.backend else [])]
     report, dirs = {}, []
     try:
-        for k, (label, flags) in enumerate(runs(args.ranks).items()):
+        for k, (label, (flags, env)) in enumerate(runs(args.ranks, args.spinning).items()):
             out = scratch / f"run{k}"
             print(f"[kfac_phases] {label}: {args.ranks} rank(s), {args.steps} steps", flush=True)
             run = run_train([*common, *flags], out, ranks=args.ranks, vcluster=args.vcluster, timeout=args.timeout,
-                            required=f"the {label} run")
+                            env=env, required=f"the {label} run")
             summary = run.summary
             report[label] = dict(step_phases=summary["step_phases"],
                                  seconds_per_step=summary["train_seconds"] / summary["global_steps"])
             dirs.append(out)
         save_json(stem, dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
+                             link_rate=link_rate(args.vcluster), spinning=args.spinning,
                              backend=args.backend or default_backend(), steps=args.steps, runs=report))
         plot_phases(dirs, outputs.output_file(stem, ".png"), list(report))
     finally:
@@ -126,7 +142,23 @@ def _gap(name: str) -> str:
     return table(["K-FAC − Muon (ms, mean over steps)", *(f"rank {r}" for r in ranks)], rows)
 
 
-FIGURES = {"phases.2x1": lambda: _table("kfac_phases_2x1"), "phases.2x2": lambda: _table("kfac_phases_2x2"),
+def _yield(name: str) -> str:
+    """Each method's median step on the slowest rank, Open MPI yielding against spinning (a --spinning trace)."""
+    runs = results(name)["runs"]
+
+    def step(label: str) -> float:
+        return 1000 * runs[label]["step_phases"]["phases"]["step"]["median_slowest"]
+
+    def pair(label: str) -> tuple[float, float]:
+        return step(label), step(f"{label}, MPI spinning")
+
+    (muon, muon_spin), (kfac, kfac_spin) = pair("Muon"), pair("K-FAC")
+    return (f"Muon's step {muon:.0f} ms with Open MPI yielding against {muon_spin:.0f} ms spinning "
+            f"({muon_spin / muon:.2f}×), K-FAC's {kfac:.0f} against {kfac_spin:.0f} ms ({kfac_spin / kfac:.2f}×)")
+
+
+FIGURES = {"phases.2x1": lambda: _table("kfac_phases_2x1"), "phases.2x1.yield": lambda: _yield("kfac_phases_2x1"),
+           "phases.2x2": lambda: _table("kfac_phases_2x2"),
            "phases.2x1.torch": lambda: _table("kfac_phases_2x1_torch"),
            "phases.2x2.torch": lambda: _table("kfac_phases_2x2_torch"),
            "phases.2x2.gap": lambda: _gap("kfac_phases_2x2"),

@@ -85,6 +85,17 @@ def check_launch(ranks: int = 1, vcluster: str | None = None, threads: int = 1) 
         raise UsageError(f"launch/mpirun.sh refuses {' '.join(command[2:-1])}: {why.removeprefix('error: ')}")
 
 
+def link_rate(vcluster: str | None) -> str | None:
+    """The rate a virtual cluster's links are shaped to ('1gbit'), for a study's meta; None on one host or unshaped
+    (a cluster brought up without ``--rate``: its links then run at the veth's memory speed)."""
+    if vcluster is None:
+        return None
+    from hpcdl.tools import vcluster as clusters
+
+    cluster = clusters.load(vcluster)
+    return cluster.rate if cluster is not None else None
+
+
 @dataclass
 class StartedRun:
     """An ``hpcdl.train`` process under way: what :func:`finish_train` needs to collect it."""
