@@ -13,7 +13,9 @@ fraction 1: what results/kfac_large_batch_2x1.json's meta records), and Muon at 
 summary.json phases (per rank) go to <out>.json and a stacked bar per rank to <out>.png (hpcdl.plot --phases);
 the traces stay in the runs' folders under --keep (default: removed). ``--spinning`` adds K-FAC and Muon again
 right after each, with Open MPI spinning while it waits (``OMPI_MCA_mpi_yield_when_idle=0``; hpcdl.train asks it to
-yield, hpcdl.runtime.world): what that choice is worth where no core is spare.
+yield, hpcdl.runtime.world): what that choice is worth where no core is spare. ``--malloc-default`` adds them again
+with glibc's malloc at its defaults (``HPCDL_MALLOC_TUNING=0``; hpcdl.train keeps freed memory,
+hpcdl.runtime.allocator): what the page faults of re-mapped activation buffers cost.
 """
 
 from __future__ import annotations
@@ -45,19 +47,22 @@ def earlier_preset() -> list[str]:
 
 
 SPINNING = {"OMPI_MCA_mpi_yield_when_idle": "0"}  # Open MPI's own default where it counts no more ranks than slots
+MALLOC_DEFAULT = {"HPCDL_MALLOC_TUNING": "0"}  # glibc's malloc as it comes: large blocks mapped and unmapped each time
 
 
-def runs(ranks: int, spinning: bool = False) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """Label -> (flags, environment) of each run, in the order they run."""
+Plan = dict[str, tuple[list[str], dict[str, str]]]
+
+
+def runs(ranks: int, spinning: bool = False, malloc_default: bool = False) -> Plan:
+    """Label -> (flags, environment) of each run, in the order they run: a method's twins right after it."""
     kfac = ["--optimizer", "sgd", "--kfac-preset", "large-batch", "--warmup-start-factor", "1.0",
             "--base-lr", repr(RATES["kfac"] / ranks)]
     muon = ["--optimizer", "muon", "--momentum", "0.9", "--base-lr", repr(RATES["muon"] / ranks)]
-    plan = {"K-FAC": (kfac, {})}
-    if spinning:
-        plan["K-FAC, MPI spinning"] = (kfac, SPINNING)
+    twins = [("MPI spinning", SPINNING)] * spinning + [("glibc malloc defaults", MALLOC_DEFAULT)] * malloc_default
+    plan: Plan = {"K-FAC": (kfac, {})}
+    plan.update({f"K-FAC, {twin}": (kfac, env) for twin, env in twins})
     plan.update({"K-FAC, earlier preset": ([*kfac, *earlier_preset()], {}), "Muon": (muon, {})})
-    if spinning:
-        plan["Muon, MPI spinning"] = (muon, SPINNING)
+    plan.update({f"Muon, {twin}": (muon, env) for twin, env in twins})
     return plan
 
 
@@ -71,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spinning", action="store_true",
                         help="also K-FAC and Muon with Open MPI spinning while it waits "
                              "(OMPI_MCA_mpi_yield_when_idle=0)")
+    parser.add_argument("--malloc-default", action="store_true",
+                        help="also K-FAC and Muon with glibc's malloc at its defaults (HPCDL_MALLOC_TUNING=0)")
     parser.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "hpcdl" / "mnist")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--keep", type=Path, help="keep the runs (and their traces) in this folder")
@@ -90,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               *(["--backend", args.backend] if args.backend else [])]
     report, dirs = {}, []
     try:
-        for k, (label, (flags, env)) in enumerate(runs(args.ranks, args.spinning).items()):
+        for k, (label, (flags, env)) in enumerate(runs(args.ranks, args.spinning, args.malloc_default).items()):
             out = scratch / f"run{k}"
             print(f"[kfac_phases] {label}: {args.ranks} rank(s), {args.steps} steps", flush=True)
             run = run_train([*common, *flags], out, ranks=args.ranks, vcluster=args.vcluster, timeout=args.timeout,
@@ -101,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dirs.append(out)
         save_json(stem, dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
                              link_rate=link_rate(args.vcluster), spinning=args.spinning,
+                             malloc_default=args.malloc_default,
                              backend=args.backend or default_backend(), steps=args.steps, runs=report))
         plot_phases(dirs, outputs.output_file(stem, ".png"), list(report))
     finally:
@@ -142,22 +150,33 @@ def _gap(name: str) -> str:
     return table(["K-FAC − Muon (ms, mean over steps)", *(f"rank {r}" for r in ranks)], rows)
 
 
-def _yield(name: str) -> str:
-    """Each method's median step on the slowest rank, Open MPI yielding against spinning (a --spinning trace)."""
+def _twin_steps(name: str, twin: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(Muon's, K-FAC's) median step on the slowest rank in ms, each as (the run, its ``twin``)."""
     runs = results(name)["runs"]
 
     def step(label: str) -> float:
         return 1000 * runs[label]["step_phases"]["phases"]["step"]["median_slowest"]
 
-    def pair(label: str) -> tuple[float, float]:
-        return step(label), step(f"{label}, MPI spinning")
+    muon, kfac = ((step(method), step(f"{method}, {twin}")) for method in ("Muon", "K-FAC"))
+    return muon, kfac
 
-    (muon, muon_spin), (kfac, kfac_spin) = pair("Muon"), pair("K-FAC")
+
+def _yield(name: str) -> str:
+    """Each method's median step on the slowest rank, Open MPI yielding against spinning (a --spinning trace)."""
+    (muon, muon_spin), (kfac, kfac_spin) = _twin_steps(name, "MPI spinning")
     return (f"Muon's step {muon:.0f} ms with Open MPI yielding against {muon_spin:.0f} ms spinning "
             f"({muon_spin / muon:.2f}×), K-FAC's {kfac:.0f} against {kfac_spin:.0f} ms ({kfac_spin / kfac:.2f}×)")
 
 
+def _malloc(name: str) -> str:
+    """Each method's median step on the slowest rank, freed memory kept against glibc's defaults (--malloc-default)."""
+    (muon, muon_glibc), (kfac, kfac_glibc) = _twin_steps(name, "glibc malloc defaults")
+    return (f"Muon's step {muon:.0f} ms with freed memory kept against {muon_glibc:.0f} ms with glibc's defaults "
+            f"({muon_glibc / muon:.2f}×), K-FAC's {kfac:.0f} against {kfac_glibc:.0f} ms ({kfac_glibc / kfac:.2f}×)")
+
+
 FIGURES = {"phases.2x1": lambda: _table("kfac_phases_2x1"), "phases.2x1.yield": lambda: _yield("kfac_phases_2x1"),
+           "phases.2x1.malloc": lambda: _malloc("kfac_phases_2x1"),
            "phases.2x2": lambda: _table("kfac_phases_2x2"),
            "phases.2x1.torch": lambda: _table("kfac_phases_2x1_torch"),
            "phases.2x2.torch": lambda: _table("kfac_phases_2x2_torch"),

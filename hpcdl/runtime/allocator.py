@@ -1,13 +1,17 @@
 """Keep freed memory in the process: a CPU training step then stops paying page faults.
 
-A CPU training step allocates and frees the same large activation buffers (4 MiB each for a
-CIFAR ResNet at batch 64) every step. glibc's malloc serves blocks above its mmap threshold
-with fresh ``mmap`` calls and hands freed memory at the top of the heap back to the kernel, so
-every step faults the same pages in again. On the development VM that cost 18 % of hpcdl's
-resnet32 step, and more in hpcdl's loop than in a bare one (README, "Measured on this
-machine"); we did not trace why the two differ. Raising the mmap and trim
-thresholds keeps the pages. The price is resident memory that stays at the step's peak, which a
-training job reaches every step anyway.
+A CPU training step allocates and frees the same large activation buffers every step (4 MiB each
+for a CIFAR ResNet at batch 64, 75 MiB for ``mnist_cnn``'s first activations at batch 2048). glibc's
+malloc serves large blocks with fresh ``mmap`` calls and hands freed memory at the top of the heap
+back to the kernel, so every step faults the same pages in again, inside the forward and backward
+passes where no phase timer can tell them from the model's work. Raising the trim threshold and
+serving every block from the heap (no ``mmap`` for any size: the mmap threshold alone cannot rise
+above 32 MiB) keeps the pages. Measured on the 2-core development machine, one thread, median step
+(docs/training.md): resnet32 at batch 64, 18 % of the step; ``mnist_cnn`` at batch 2048 with the
+large-batch K-FAC preset, 620 ms with glibc's defaults, 490 ms with the thresholds raised, 390 ms with
+no ``mmap`` as well. The price is resident memory that stays at the step's peak, which a training job
+reaches every step anyway. glibc still maps memory where the heap cannot grow (another thread's
+arena, an address-space collision), so nothing that worked before fails.
 
 ``HPCDL_MALLOC_TUNING=0`` leaves glibc's defaults. Not glibc (macOS, musl): nothing to do.
 """
@@ -19,12 +23,14 @@ import os
 
 M_TRIM_THRESHOLD = -1  # from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for this setting on 64-bit systems
 TRIM_THRESHOLD = 1 << 30
+MMAP_MAX = 0  # no block, of any size, gets a mapping of its own
 
 
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds for this process; True when they were set."""
+    """Keep freed blocks of every size in this process's heap (glibc); True when the settings took."""
     if os.environ.get("HPCDL_MALLOC_TUNING", "1") == "0":
         return False
     try:
@@ -32,4 +38,5 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_MMAP_MAX, MMAP_MAX))
+    return all([bool(mallopt(option, value)) for option, value in settings])
