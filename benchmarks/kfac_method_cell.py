@@ -315,6 +315,7 @@ BF16_STATISTICS = "kfac_methods_2x1_bf16_statistics"  # inverse with and without
 VARIANTS = "kfac_methods_2x1_variants"  # inverse at the preset, at 512 statistics examples and at clip 0.005
 SWEEP = "kfac_preset_sweep_1host"  # single changes to the preset, one host, each run stopped at 98.5 %
 YIELDING = "kfac_methods_2x1_yield"  # the preset beside Muon with Open MPI yielding while it waits (seeds 0-5)
+MEMORY_KEPT = "kfac_methods_2x1_malloc"  # the same round with freed blocks of every size kept (hpcdl.runtime.allocator)
 
 
 def _sweep() -> str:
@@ -371,7 +372,10 @@ FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
            "methods.2x1.variants.short": lambda: _two_by_one_short(VARIANTS), "methods.sweep.table": _sweep,
            "methods.2x1.yield.table": lambda: _two_by_one_table(YIELDING),
            "methods.2x1.yield.seeds": lambda: _every_step_seeds(YIELDING),
-           "methods.2x1.yield.short": lambda: _two_by_one_short(YIELDING)}
+           "methods.2x1.yield.short": lambda: _two_by_one_short(YIELDING),
+           "methods.2x1.malloc.table": lambda: _two_by_one_table(MEMORY_KEPT),
+           "methods.2x1.malloc.seeds": lambda: _every_step_seeds(MEMORY_KEPT),
+           "methods.2x1.malloc.short": lambda: _two_by_one_short(MEMORY_KEPT)}
 
 
 if __name__ == "__main__":
