@@ -6,12 +6,10 @@ malloc serves large blocks with fresh ``mmap`` calls and hands freed memory at t
 back to the kernel, so every step faults the same pages in again, inside the forward and backward
 passes where no phase timer can tell them from the model's work. Raising the trim threshold and
 serving every block from the heap (no ``mmap`` for any size: the mmap threshold alone cannot rise
-above 32 MiB) keeps the pages. Measured on the 2-core development machine, one thread, median step
-(docs/training.md): resnet32 at batch 64, 18 % of the step; ``mnist_cnn`` at batch 2048 with the
-large-batch K-FAC preset, 620 ms with glibc's defaults, 490 ms with the thresholds raised, 390 ms with
-no ``mmap`` as well. The price is resident memory that stays at the step's peak, which a training job
-reaches every step anyway. glibc still maps memory where the heap cannot grow (another thread's
-arena, an address-space collision), so nothing that worked before fails.
+above 32 MiB) keeps the pages; what that is worth, and costs, is in docs/training.md ("keeping freed
+memory"). The price is resident memory that stays at the step's peak, which a training job reaches
+every step anyway. glibc still maps memory where the heap cannot grow (another thread's arena, an
+address-space collision), so nothing that worked before fails.
 
 ``HPCDL_MALLOC_TUNING=0`` leaves glibc's defaults. Not glibc (macOS, musl): nothing to do.
 """
@@ -39,4 +37,4 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_MMAP_MAX, MMAP_MAX))
-    return all([bool(mallopt(option, value)) for option, value in settings])
+    return all([bool(mallopt(option, value)) for option, value in settings])  # a list: every setting is applied
