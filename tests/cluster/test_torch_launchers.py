@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,23 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
                                 "HPCDL_"))}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra or {}))
     return env
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait for every process against one deadline; the ones still running then (1-based) are killed with their
+    children and named."""
+    deadline = time.monotonic() + timeout
+    late = []
+    for number, proc in enumerate(procs, 1):
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            late.append(number)
+    for proc in procs:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
+    return late
 
 
 def run_dir(work: Path) -> Path:
@@ -131,6 +149,7 @@ def test_torchrun_c10d_trains_across_two_virtual_nodes_as_mpirun_does(make_vclus
     port = free_port()
     flags = ["-m", "hpcdl.train", "--backend", "torch", "--no-progress", "--max-steps", "4", "--epochs", "1",
              "--seed", "3", "--workers", "0"]
+    logs = [tmp_path / f"node{rank + 1}.log" for rank in range(2)]
     procs = []
     for rank, node in enumerate(cluster.nodes):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -138,18 +157,15 @@ def test_torchrun_c10d_trains_across_two_virtual_nodes_as_mpirun_does(make_vclus
                 # a virtual node's name resolves nowhere: say which node holds the store, and each node's address
                 "--rdzv-conf", f"is_host={int(rank == 0)}", "--local-addr", node.address,
                 *flags, "--output-dir", str(tmp_path / "nodes")]
-        procs.append(cluster.popen(node, argv, env=clean_env(), cwd=REPO, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=300)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-                proc.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+        with logs[rank].open("w") as log:  # a file, not a pipe: a node's words survive a timeout
+            procs.append(cluster.popen(node, argv, env=clean_env({"LOGLEVEL": "INFO"}), cwd=REPO, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True))
+    late = wait_all(procs, timeout=240)
+    outputs = [log.read_text(errors="replace") for log in logs]
+    told = "\n".join(f"--- node{i + 1} (exit {p.returncode}):\n{o[-2500:]}" for i, (p, o) in
+                     enumerate(zip(procs, outputs, strict=True)))
+    assert not late, f"node(s) {late} still running after 240 s (killed):\n{told}"
+    assert [p.returncode for p in procs] == [0, 0], told
     text = "".join(outputs)
     assert "2 rank(s) x batch 32" in text and "torch (gloo)" in text, text[-3000:]
     one_host = run_train(2, tmp_path / "host", *flags[2:], timeout=300)
