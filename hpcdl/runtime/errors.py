@@ -25,10 +25,11 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from hpcdl.runtime import coordination
 from hpcdl.runtime.launcher import current_rank, launched
+from hpcdl.runtime.shutdown import end_process
 
 T = TypeVar("T")
 
@@ -122,17 +123,27 @@ def describe(exc: BaseException) -> str:
     return f"{kind}: {lines[0]}" if lines else kind
 
 
-def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
-    """Call ``main`` and exit with the right behaviour for each kind of failure."""
+def run_main(main: Callable[[], int | None], program: str = "hpcdl", whole_program: bool = False) -> NoReturn:
+    """Call ``main`` and exit with the right behaviour for each kind of failure. ``whole_program``: this call is
+    the process's last (an entry point), so a process that ran torch.distributed's collectives leaves without
+    interpreter finalization (:mod:`hpcdl.runtime.shutdown`); otherwise SystemExit, which a caller may catch."""
+
+    def leave(code: int) -> NoReturn:
+        if whole_program:
+            end_process(code)
+        sys.exit(code)
+
     try:
         code = main() or 0
     except JobError as exc:
         if current_rank() == 0:
             print(f"{program}: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(exc.exit_code)
+        leave(exc.exit_code)
     except KeyboardInterrupt:
-        sys.exit(130)
-    except SystemExit:
+        leave(130)
+    except SystemExit as exc:
+        if whole_program and (exc.code is None or isinstance(exc.code, int)):
+            leave(exc.code or 0)
         raise
     except BaseException as exc:  # noqa: BLE001 - any crash on one rank must end the whole job
         rank = current_rank()
@@ -142,9 +153,9 @@ def run_main(main: Callable[[], int | None], program: str = "hpcdl") -> None:
         comm = coordination.several()
         if not launched() and comm is None:
             print(f"{program}: {what}", file=sys.stderr, flush=True)  # one process: no ranks, no job to abort
-            sys.exit(EXIT_CRASH)
+            leave(EXIT_CRASH)
         print(f"{program}: rank {rank} {what}; aborting the whole job", file=sys.stderr, flush=True)
         if comm is not None:
             comm.Abort(EXIT_CRASH)
-        sys.exit(EXIT_CRASH)
-    sys.exit(code)
+        leave(EXIT_CRASH)
+    leave(code)

@@ -55,4 +55,4 @@ def run(task: TaskSource, /, **flags: Any) -> TrainResult:
 
 def main(task: TaskSource, /, **flags: Any) -> None:
     """:func:`run` as a program: exits 0 when the run finished, else with the command line's status and line."""
-    run_main(lambda: run(task, **flags).exit_code, program="hpcdl.train")
+    run_main(lambda: run(task, **flags).exit_code, program="hpcdl.train", whole_program=True)

@@ -270,4 +270,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def main_cli() -> None:
     """The command line: ``python -m hpcdl.train``."""
-    run_main(main, program="hpcdl.train")
+    run_main(main, program="hpcdl.train", whole_program=True)
