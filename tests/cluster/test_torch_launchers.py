@@ -5,7 +5,6 @@ before MPI starts; torchrun's c10d rendezvous trains across two virtual nodes.""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from hpcdl.runtime.rendezvous import free_port
 from tests.support.backends import needs_horovod
-from tests.support.mpi_harness import REPO, error_lines, kill_tree, run_train
+from tests.support.mpi_harness import REPO, error_lines, kill_tree, no_launcher_env, run_train
 from tests.support.slurm_cluster import (
     SlurmCluster,
     slurm,  # noqa: F401 - the shared fixture
@@ -42,14 +41,6 @@ def workdir(tmp_path: Path) -> Path:
     work.mkdir()
     (work / ".venv").symlink_to(REPO / ".venv")
     return work
-
-
-def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "TORCHELASTIC",
-                                "HPCDL_"))}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra or {}))
-    return env
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
@@ -85,7 +76,7 @@ def test_the_recipes_are_torchrun_plain_srun_and_a_sites_recipe() -> None:
 
 def test_the_torchrun_recipe_runs_as_printed(tmp_path: Path) -> None:
     work = workdir(tmp_path)
-    proc = subprocess.Popen(["bash", "-c", recipes()[0]], cwd=work, env=clean_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["bash", "-c", recipes()[0]], cwd=work, env=no_launcher_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=240)
@@ -103,7 +94,7 @@ def test_the_torchrun_recipe_runs_as_printed(tmp_path: Path) -> None:
 def test_the_srun_recipes_run_as_printed(slurm: SlurmCluster, tmp_path: Path, which: int) -> None:  # noqa: F811
     """The one-node Slurm here has no MPI plugin by default (MpiDefault=none): the plain srun of a torch job."""
     work = workdir(tmp_path)
-    result = slurm.run(["bash", "-c", recipes()[which]], check=False, timeout=240, env=clean_env(), cwd=work)
+    result = slurm.run(["bash", "-c", recipes()[which]], check=False, timeout=240, env=no_launcher_env(), cwd=work)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "2 rank(s) x batch 32" in result.stdout and "torch (gloo)" in result.stdout
     summary = json.loads((run_dir(work) / "summary.json").read_text())
@@ -119,7 +110,7 @@ def test_a_lost_rank_under_plain_srun_ends_the_step(slurm: SlurmCluster, tmp_pat
     the watchdog (UDP heartbeats, no MPI), whose exit ends the step."""
     result = slurm.run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "-m", "hpcdl.train", "--output-dir",
                         str(tmp_path / "run"), "--no-progress", "--epochs", "1", "--backend", "torch",
-                        "--stall-timeout", "4"], check=False, timeout=240, env=clean_env({"HPCDL_FAULT": fault}),
+                        "--stall-timeout", "4"], check=False, timeout=240, env=no_launcher_env({"HPCDL_FAULT": fault}),
                        cwd=REPO)
     output = result.stdout + result.stderr
     assert result.returncode != 0 and said in output, output[-3000:]
@@ -131,7 +122,7 @@ def test_a_lost_rank_under_plain_srun_ends_the_step(slurm: SlurmCluster, tmp_pat
 def test_horovod_under_plain_srun_is_refused_before_mpi_starts(slurm: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
     """Open MPI's MPI_Init fails under srun without a PMI plugin after pages of advice; hpcdl names the fix first."""
     result = slurm.run(["srun", "-n", "2", sys.executable, "-m", "hpcdl.train", "--output-dir", str(tmp_path / "run"),
-                        "--no-progress", "--epochs", "1"], check=False, timeout=150, env=clean_env(), cwd=REPO)
+                        "--no-progress", "--epochs", "1"], check=False, timeout=150, env=no_launcher_env(), cwd=REPO)
     assert result.returncode != 0
     assert [line for line in error_lines(result.stderr) if line.startswith("hpcdl")] == [
         "hpcdl.train: error: srun started 2 tasks without an MPI plugin (no PMIx variables), and Horovod "
@@ -158,7 +149,7 @@ def test_torchrun_c10d_trains_across_two_virtual_nodes_as_mpirun_does(make_vclus
                 "--rdzv-conf", f"is_host={int(rank == 0)}", "--local-addr", node.address,
                 *flags, "--output-dir", str(tmp_path / "nodes")]
         with logs[rank].open("w") as log:  # a file, not a pipe: a node's words survive a timeout
-            procs.append(cluster.popen(node, argv, env=clean_env({"LOGLEVEL": "INFO"}), cwd=REPO, stdout=log,
+            procs.append(cluster.popen(node, argv, env=no_launcher_env({"LOGLEVEL": "INFO"}), cwd=REPO, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True))
     late = wait_all(procs, timeout=240)
     outputs = [log.read_text(errors="replace") for log in logs]

@@ -3,7 +3,6 @@ runs and the interpreter does not finalize, so no Gloo thread can be unwound by 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpcdl.runtime.rendezvous import free_port
-from tests.support.mpi_harness import PYTHON, REPO, run_bounded
+from tests.support.mpi_harness import PYTHON, REPO, no_launcher_env, run_bounded
 
 pytestmark = pytest.mark.processes  # starts processes: not in the fast tier
 
@@ -74,9 +73,7 @@ def test_a_finished_torchrun_job_ends_with_every_rank_at_status_0_however_late_g
     """torchrun, 2 ranks, Gloo's worker threads held back (tests/support/slow_gloo). Before end_process a rank
     aborted at exit ("terminate called without an active exception", torchrun: FAILED) in 9 of 10 runs of this
     test and 6 of 6 of the same job run by hand; with it, in none of 11."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))}
-    env.update(PYTHONPATH=f"{REPO / 'tests' / 'support' / 'slow_gloo'}:{REPO}", OMP_NUM_THREADS="1")
+    env = no_launcher_env({"PYTHONPATH": f"{REPO / 'tests' / 'support' / 'slow_gloo'}:{REPO}"})
     result = run_bounded([PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                           "-m", "hpcdl.train", "--backend", "torch", "--no-progress", "--max-steps", "4", "--epochs",

@@ -43,6 +43,16 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def no_launcher_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without any launcher's or MPI's identity (nor hpcdl's settings): what a job a launcher
+    other than mpirun starts (torchrun, plain srun) must be handed, one thread per rank, this checkout importable."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "TORCHELASTIC",
+                                "HPCDL_"))}
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})})
+    return env
+
+
 def run_mpi(
     nprocs: int,
     args: Sequence[str],
