@@ -36,7 +36,7 @@ MARKER = re.compile(r"<!--fig:([\w.\-]+)-->(.*?)<!--/fig-->", re.DOTALL)
 # The modules whose FIGURES the documents quote.
 STUDIES = ("train_throughput_figures", "deterministic_cost", "phase_overhead", "kfac_overhead", "kfac_eigen_scaling",
            "kfac_convergence", "kfac_large_batch_figures", "kfac_phases", "kfac_traffic", "loader_throughput",
-           "transformer_lm", "network", "gpu_figures", "kfac_transformer", "kfac_method_cell", "kfac_gpu")
+           "transformer_lm", "network", "gpu_figures", "kfac_transformer", "kfac_method_cell", "kfac_gpu", "cpu_layout")
 READ: set[str] = set()  # the results files the figures computed so far have read (tests/docs checks each is needed)
 
 

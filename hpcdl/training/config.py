@@ -182,8 +182,9 @@ class TrainConfig:
     amp: str = flag("off", "mixed precision: bf16 (no loss scaling), fp16 (GradScaler, CUDA only), auto (bf16 where "
                            "supported, else fp16); a bare --amp means auto", choices=("off", "auto", "bf16", "fp16"),
                     bare="auto", group=SPEED)
-    channels_last: str = flag("auto", "NHWC memory format for convolutional models; auto is on for CUDA; a bare "
-                                      "--channels-last means on", choices=("auto", "on", "off"), bare="on", group=SPEED)
+    channels_last: str = flag("auto", "NHWC memory format for convolutional models (CPU and CUDA); auto keeps NCHW "
+                                      "for a model whose forward cannot take NHWC; a bare --channels-last means on",
+                              choices=("auto", "on", "off"), bare="on", group=SPEED)
     deterministic: str = flag("auto", "bit-identical runs: on fixes the allreduce's summation order (no tensor fusion)"
                                       " and, on CUDA, takes deterministic kernels (cuDNN); auto is on for CPU runs; a "
                                       "bare --deterministic means on", choices=("auto", "on", "off"), bare="on",

@@ -43,7 +43,7 @@ from hpcdl.training.optimizers import build_preconditioner, build_update_rule
 from hpcdl.training.phases import StepPhases, TraceWindow, parse_profile_steps
 from hpcdl.training.schedule import LRSchedule, lr_scale, warmup_start
 from hpcdl.training.task import TaskSource
-from hpcdl.training.workload import build_workload
+from hpcdl.training.workload import Workload, build_workload
 
 
 @dataclass
@@ -105,6 +105,38 @@ def choose_amp(config: TrainConfig, device: torch.device) -> torch.dtype | None:
 
 def is_convolutional(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def model_channels_last(setting: str, model: nn.Module) -> bool:
+    """Whether ``--channels-last`` asks for NHWC: ``on``, or ``auto`` for a model with convolutions, on CUDA and on a
+    CPU alike: hpcdl's models step faster in NHWC on CPU cores too (benchmarks/results/cpu_layout.md)."""
+    return setting != "off" and is_convolutional(model)
+
+
+def put_in_nhwc(setting: str, work: Workload, device: torch.device, nhwc_batches: bool) -> bool:
+    """Turn the model to NHWC where ``--channels-last`` asks and its forward takes it; whether it now is.
+
+    A forward that ``.view``s an activation NHWC leaves non-contiguous fails (a classic LeNet's ``x.view(n, -1)``):
+    the model then stays NCHW, in one line, or with ``on`` the run stops in one line, before any step."""
+    if not model_channels_last(setting, work.model):
+        return False
+    work.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    failure = agree(lambda: nhwc_failure(work, device, nhwc_batches, required=setting == "on"))
+    if failure is None:
+        return True
+    work.model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
+    print0(f"hpcdl: --channels-last auto: {work.label} cannot run in NHWC ({failure}); training in NCHW (use .reshape "
+           "or torch.flatten in its forward to gain NHWC's speed)")
+    return False
+
+
+def nhwc_failure(work: Workload, device: torch.device, nhwc_batches: bool, required: bool) -> str | None:
+    """Why the (NHWC) model cannot run a first batch, or None; a UsageError where NHWC was ``required``."""
+    failure = work.first_batch_failure(device, torch.channels_last if nhwc_batches else torch.contiguous_format)
+    if failure is not None and required:
+        raise UsageError(f"--channels-last on: {work.label} cannot run in NHWC ({failure}); use .reshape or "
+                         "torch.flatten in its forward, or --channels-last off")
+    return failure
 
 
 def zero_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
@@ -253,12 +285,14 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
     resumed = runstate.read_latest(checkpointer) if config.resume else None
     if config.resume and resumed is None:
         print0("no checkpoint to resume from: starting from scratch")
-    channels_last_wanted = config.channels_last == "on" or (config.channels_last == "auto" and cuda)
+    # The batches' layout, chosen before the model exists: NHWC where asked, and on CUDA. On a CPU, auto leaves them
+    # NCHW: an NHWC model's first convolution takes them as they are at no measurable cost (resnet32 on CIFAR's shape).
+    nhwc_batches = config.channels_last == "on" or (config.channels_last == "auto" and cuda)
     batch = BatchUnits.of(config, me.size)
     spec = DataSpec(
         dataset=config.dataset, data_dir=config.data_dir, batch_size=batch.per_rank_step,
         test_batch_size=config.test_batch_size, workers=config.workers, seed=config.seed, decode=config.decode,
-        channels_last=channels_last_wanted, synthetic_shape=tuple(config.synthetic_shape),  # type: ignore[arg-type]
+        channels_last=nhwc_batches, synthetic_shape=tuple(config.synthetic_shape),  # type: ignore[arg-type]
         synthetic_classes=config.synthetic_classes, synthetic_size=config.synthetic_size)
     work = build_workload(config, task_source, spec, me)  # after the seed: its initial weights
     data, model = work.data, work.model
@@ -267,9 +301,8 @@ def _build_job_in(run_dir: RunDir, config: TrainConfig, me: world.World, comm: A
         agree(lambda: check_skip_names(model, kfac_skip))
     backend = backends.for_config(config, me.size)
     backend.broadcast_parameters(model)  # identical by seed already; the broadcast makes sure, before layouts change
-    channels_last = channels_last_wanted and is_convolutional(model)
-    if channels_last:  # before the optimizer exists, so that its state is made in the same layout
-        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    # before the optimizer exists, so that its state is made in the layout chosen
+    channels_last = put_in_nhwc(config.channels_last, work, me.device, nhwc_batches)
     compiled = (compile_and_warm_up(model, data, spec, me.device, amp_dtype, config.batches_per_allreduce)
                 if config.compile else model)
 

@@ -24,6 +24,7 @@ from hpcdl.training.task import (
     Task,
     TaskSource,
     check_first_batch,
+    first_batch,
     load_task,
     one_line,
     task_data,
@@ -44,6 +45,20 @@ class Workload:
     label: str
     kfac_skip: Sequence[str] = ()
     task: Task | None = None
+
+    def first_batch_failure(self, device: torch.device, layout: torch.memory_format) -> str | None:
+        """Why the model cannot run a first batch in ``layout`` (a 4-D batch's), in one line, or None when it can:
+        the model's layout is changed after the first-batch checks, and a forward may depend on it."""
+        inputs = (first_batch(self.task)[0].to(device) if self.task is not None
+                  else torch.zeros(2, *self.data.input_shape, device=device))
+        try:
+            with torch.no_grad():
+                self.model.eval()(inputs.contiguous(memory_format=layout) if inputs.dim() == 4 else inputs)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {one_line(exc)}"
+        finally:
+            self.model.train()
+        return None
 
     def optimizer(self, rule: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The ``--optimizer`` rule over the task's parameter groups and options; the rule itself for built-ins."""

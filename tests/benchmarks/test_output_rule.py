@@ -32,6 +32,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "benchmarks/loader_throughput.py": ([], "loader_throughput_cpu"),
     "benchmarks/network.py": ([], "network"),
     "benchmarks/deterministic_cost.py": ([], "deterministic_cost"),
+    "benchmarks/cpu_layout.py": ([], "cpu_layout"),
     "benchmarks/kfac_overhead.py": ([], "kfac_overhead"),
     "benchmarks/kfac_convergence.py": ([], "kfac_convergence_digits"),
     "benchmarks/kfac_eigen_scaling.py": ([], "kfac_eigen_scaling"),
