@@ -316,6 +316,7 @@ VARIANTS = "kfac_methods_2x1_variants"  # inverse at the preset, at 512 statisti
 SWEEP = "kfac_preset_sweep_1host"  # single changes to the preset, one host, each run stopped at 98.5 %
 YIELDING = "kfac_methods_2x1_yield"  # the preset beside Muon with Open MPI yielding while it waits (seeds 0-5)
 MEMORY_KEPT = "kfac_methods_2x1_malloc"  # the same round with freed blocks of every size kept (hpcdl.runtime.allocator)
+NHWC = "kfac_methods_2x1_nhwc"  # the same round with both models in NHWC (--channels-last auto on a CPU)
 
 
 def _sweep() -> str:
@@ -375,7 +376,10 @@ FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
            "methods.2x1.yield.short": lambda: _two_by_one_short(YIELDING),
            "methods.2x1.malloc.table": lambda: _two_by_one_table(MEMORY_KEPT),
            "methods.2x1.malloc.seeds": lambda: _every_step_seeds(MEMORY_KEPT),
-           "methods.2x1.malloc.short": lambda: _two_by_one_short(MEMORY_KEPT)}
+           "methods.2x1.malloc.short": lambda: _two_by_one_short(MEMORY_KEPT),
+           "methods.2x1.nhwc.table": lambda: _two_by_one_table(NHWC),
+           "methods.2x1.nhwc.seeds": lambda: _every_step_seeds(NHWC),
+           "methods.2x1.nhwc.short": lambda: _two_by_one_short(NHWC)}
 
 
 if __name__ == "__main__":
