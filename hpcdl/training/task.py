@@ -183,6 +183,16 @@ def check_task(task: Any, what: str) -> Task:
     return replace(task, goal=task.goal or "min")
 
 
+def eval_forward(model: nn.Module, inputs: Tensor) -> Any:
+    """The model's output for a check's batch: eval mode and no gradients (no BatchNorm statistics change, no dropout
+    drawn), the model back in training mode afterwards whatever happens."""
+    try:
+        with torch.no_grad():
+            return model.eval()(inputs)
+    finally:
+        model.train()
+
+
 def describe(value: Any) -> str:
     """A batch's part as its shape and dtype, for the line that says it did not fit."""
     if isinstance(value, Tensor):
@@ -233,13 +243,10 @@ def check_first_batch(task: Task, model: nn.Module, device: torch.device) -> Non
         shapes = f"inputs {describe(inputs)}, targets {describe(targets)}"
         where = "a first batch" if split == "train_data" else "an evaluation batch"
         try:
-            with torch.no_grad():
-                outputs = model.eval()(inputs)
+            outputs = eval_forward(model, inputs)
         except Exception as exc:
             raise UsageError(f"the task's model cannot take {where} of {shapes} "
                              f"({type(exc).__name__}: {one_line(exc)})") from None
-        finally:
-            model.train()
         if not isinstance(outputs, Tensor):
             raise UsageError(f"the task's model returns a {type(outputs).__name__} for {shapes}; hpcdl needs one "
                              "tensor (a model returning (logits, loss): wrap it, see examples/wrapped_outputs.py)")

@@ -24,6 +24,7 @@ from hpcdl.training.task import (
     Task,
     TaskSource,
     check_first_batch,
+    eval_forward,
     first_batch,
     load_task,
     one_line,
@@ -52,12 +53,9 @@ class Workload:
         inputs = (first_batch(self.task)[0].to(device) if self.task is not None
                   else torch.zeros(2, *self.data.input_shape, device=device))
         try:
-            with torch.no_grad():
-                self.model.eval()(inputs.contiguous(memory_format=layout) if inputs.dim() == 4 else inputs)
+            eval_forward(self.model, inputs.contiguous(memory_format=layout) if inputs.dim() == 4 else inputs)
         except Exception as exc:
             return f"{type(exc).__name__}: {one_line(exc)}"
-        finally:
-            self.model.train()
         return None
 
     def optimizer(self, rule: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -91,15 +89,12 @@ def try_one_batch(model: nn.Module, data: InputPipeline, config: TrainConfig, de
     one line naming the model, the input size and a fix, before any rank starts training."""
     shape = (2, *data.input_shape)
     try:
-        with torch.no_grad():
-            out: Any = model.eval()(torch.zeros(shape, device=device))
+        out: Any = eval_forward(model, torch.zeros(shape, device=device))
     except RuntimeError as exc:
         raise UsageError(
             f"--model {config.model} cannot take {config.dataset}'s {'x'.join(map(str, data.input_shape))} images "
             f"({one_line(exc)}); choose a model made for this input size (e.g. resnet20-110 or "
             f"{'digits_cnn' if data.input_shape[-1] <= 16 else 'resnet18'})") from exc
-    finally:
-        model.train()
     if out.ndim != 2 or out.shape[1] != data.num_classes:
         raise UsageError(f"--model {config.model} gives outputs of shape {tuple(out.shape)} for a batch of 2, "
                          f"not (2, {data.num_classes}) for {config.dataset}'s {data.num_classes} classes")
