@@ -15,20 +15,26 @@ the traces stay in the runs' folders under --keep (default: removed). ``--spinni
 right after each, with Open MPI spinning while it waits (``OMPI_MCA_mpi_yield_when_idle=0``; hpcdl.train asks it to
 yield, hpcdl.runtime.world): what that choice is worth where no core is spare. ``--malloc-default`` adds them again
 with glibc's malloc at its defaults (``HPCDL_MALLOC_TUNING=0``; hpcdl.train keeps freed memory,
-hpcdl.runtime.allocator): what the page faults of re-mapped activation buffers cost.
+hpcdl.runtime.allocator): what the page faults of re-mapped activation buffers cost. ``--one-bucket`` adds K-FAC
+again with all its factor statistics in one bucket (``bucket_cap_mb`` 25, kfac/'s earlier default, through the
+``--kfac-impl kfac_phases:one_bucket`` plugin): what starting the buckets during backward saves.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from figures import RESULTS, results, save_json, table
 from kfac_large_batch import preset_flags
 from studies import check_mnist, link_rate, run_train
+from torch import nn
 
 from hpcdl.persistence import outputs
 from hpcdl.runtime.console import RankZeroParser
@@ -50,17 +56,29 @@ SPINNING = {"OMPI_MCA_mpi_yield_when_idle": "0"}  # Open MPI's own default where
 MALLOC_DEFAULT = {"HPCDL_MALLOC_TUNING": "0"}  # glibc's malloc as it comes: large blocks mapped and unmapped each time
 
 
+ONE_BUCKET = ["--kfac-impl", "kfac_phases:one_bucket"]  # its run gets this folder on PYTHONPATH
 Plan = dict[str, tuple[list[str], dict[str, str]]]
 
 
-def runs(ranks: int, spinning: bool = False, malloc_default: bool = False) -> Plan:
-    """Label -> (flags, environment) of each run, in the order they run: a method's twins right after it."""
+def one_bucket(config: Any, model: nn.Module, current_lr: Any, scaler: Any) -> Any:
+    """``--kfac-impl kfac_phases:one_bucket``: hpcdl's K-FAC with every layer's statistics in one bucket, started
+    when backward ends (``bucket_cap_mb`` 25 MB, above mnist_cnn's 0.9 MB), a setting no hpcdl.train flag offers."""
+    from hpcdl.training.optimizers import build_preconditioner
+
+    return build_preconditioner(replace(config, kfac_impl="hpcdl"), model, current_lr, scaler, bucket_cap_mb=25.0)
+
+
+def runs(ranks: int, spinning: bool = False, malloc_default: bool = False, one: bool = False) -> Plan:
+    """Label -> (flags, environment) of each run, in the order they run: a method's twins right after it
+    (``one``: K-FAC with one bucket, K-FAC's alone)."""
     kfac = ["--optimizer", "sgd", "--kfac-preset", "large-batch", "--warmup-start-factor", "1.0",
             "--base-lr", repr(RATES["kfac"] / ranks)]
     muon = ["--optimizer", "muon", "--momentum", "0.9", "--base-lr", repr(RATES["muon"] / ranks)]
     twins = [("MPI spinning", SPINNING)] * spinning + [("glibc malloc defaults", MALLOC_DEFAULT)] * malloc_default
     plan: Plan = {"K-FAC": (kfac, {})}
     plan.update({f"K-FAC, {twin}": (kfac, env) for twin, env in twins})
+    if one:
+        plan["K-FAC, one bucket"] = ([*kfac, *ONE_BUCKET], {})
     plan.update({"K-FAC, earlier preset": ([*kfac, *earlier_preset()], {}), "Muon": (muon, {})})
     plan.update({f"Muon, {twin}": (muon, env) for twin, env in twins})
     return plan
@@ -78,7 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(OMPI_MCA_mpi_yield_when_idle=0)")
     parser.add_argument("--malloc-default", action="store_true",
                         help="also K-FAC and Muon with glibc's malloc at its defaults (HPCDL_MALLOC_TUNING=0)")
+    parser.add_argument("--one-bucket", action="store_true",
+                        help="also K-FAC with all its factor statistics in one bucket, started when backward ends")
     parser.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "hpcdl" / "mnist")
+    parser.add_argument("--rounds", type=integer(1), default=1,
+                        help="run the whole plan this many times; the traces and plot are the first round's, and "
+                             "every round's phases go to the results' 'rounds' (one machine's noise, seen)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--keep", type=Path, help="keep the runs (and their traces) in this folder")
     parser.add_argument("--out", type=Path, help="results path without suffix (default runs/bench/kfac_phases)")
@@ -95,22 +118,30 @@ def main(argv: Sequence[str] | None = None) -> int:
               "--device", "cpu", "--log-every", "1000", "--stall-timeout", "0", "--test-batch-size", "1000",
               "--profile-steps", f"{args.steps - 1}:{args.steps}",
               *(["--backend", args.backend] if args.backend else [])]
-    report, dirs = {}, []
+    rounds: list[dict[str, dict]] = []
+    dirs: list[Path] = []
     try:
-        for k, (label, (flags, env)) in enumerate(runs(args.ranks, args.spinning, args.malloc_default).items()):
-            out = scratch / f"run{k}"
-            print(f"[kfac_phases] {label}: {args.ranks} rank(s), {args.steps} steps", flush=True)
-            run = run_train([*common, *flags], out, ranks=args.ranks, vcluster=args.vcluster, timeout=args.timeout,
-                            env=env, required=f"the {label} run")
-            summary = run.summary
-            report[label] = dict(step_phases=summary["step_phases"],
-                                 seconds_per_step=summary["train_seconds"] / summary["global_steps"])
-            dirs.append(out)
+        plan = runs(args.ranks, args.spinning, args.malloc_default, args.one_bucket)
+        for r in range(args.rounds):
+            report: dict[str, dict] = {}
+            for k, (label, (flags, env)) in enumerate(plan.items()):
+                out = scratch / f"round{r}" / f"run{k}"
+                print(f"[kfac_phases] round {r + 1} of {args.rounds}, {label}: {args.ranks} rank(s), "
+                      f"{args.steps} steps", flush=True)
+                plugin = [str(Path(__file__).resolve().parent)] if ONE_BUCKET[1] in flags else []
+                run = run_train([*common, *flags], out, ranks=args.ranks, vcluster=args.vcluster,
+                                timeout=args.timeout, env=env, python_path=plugin, required=f"the {label} run")
+                summary = run.summary
+                report[label] = dict(step_phases=summary["step_phases"],
+                                     seconds_per_step=summary["train_seconds"] / summary["global_steps"])
+                dirs += [out] if r == 0 else []
+            rounds.append(report)
         save_json(stem, dict(kind="kfac_phases", ranks=args.ranks, vcluster=args.vcluster,
                              link_rate=link_rate(args.vcluster), spinning=args.spinning,
-                             malloc_default=args.malloc_default,
-                             backend=args.backend or default_backend(), steps=args.steps, runs=report))
-        plot_phases(dirs, outputs.output_file(stem, ".png"), list(report))
+                             malloc_default=args.malloc_default, one_bucket=args.one_bucket,
+                             backend=args.backend or default_backend(), steps=args.steps, runs=rounds[0],
+                             **({"rounds": rounds} if args.rounds > 1 else {})))
+        plot_phases(dirs, outputs.output_file(stem, ".png"), list(rounds[0]))
     finally:
         if args.keep is None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -175,8 +206,47 @@ def _malloc(name: str) -> str:
             f"({muon_glibc / muon:.2f}×), K-FAC's {kfac:.0f} against {kfac_glibc:.0f} ms ({kfac_glibc / kfac:.2f}×)")
 
 
+def _bucket_rows(name: str) -> list[tuple[float, float, float, float, float]]:
+    """Per round: K-FAC's wait for the gradients' allreduce with the default buckets and with one bucket, then
+    the step of each and Muon's (ms, median over steps, slowest rank)."""
+    data = results(name)
+
+    def ms(run: dict, phase: str) -> float:
+        return 1000 * run["step_phases"]["phases"][phase]["median_slowest"]
+
+    return [(ms(r["K-FAC"], "allreduce"), ms(r["K-FAC, one bucket"], "allreduce"), ms(r["K-FAC"], "step"),
+             ms(r["K-FAC, one bucket"], "step"), ms(r["Muon"], "step")) for r in data.get("rounds", [data["runs"]])]
+
+
+def _buckets(name: str) -> str:
+    """The rounds of a --one-bucket trace, each round's step difference (a pair run one after the other), and
+    the medians over the rounds."""
+    rows = [(*row, row[2] - row[3]) for row in _bucket_rows(name)]
+    medians = [statistics.median(column) for column in zip(*rows, strict=True)]
+
+    def cells(row: Sequence[float], bold: str = "") -> list[str]:
+        return [f"{bold}{x:.1f}{bold}" for x in row[:2]] + [f"{bold}{x:.0f}{bold}" for x in row[2:5]] + \
+            [f"{bold}{row[5]:+.0f}{bold}"]
+
+    shown = [[str(k), *cells(row)] for k, row in enumerate(rows, 1)] + [["median", *cells(medians, "**")]]
+    return table(["round", "K-FAC's wait for the gradients, buckets (ms)", "the same, one bucket (ms)",
+                  "K-FAC's step, buckets (ms)", "K-FAC's step, one bucket (ms)", "Muon's step (ms)",
+                  "step, buckets − one bucket (ms)"], shown)
+
+
+def _buckets_short(name: str) -> str:
+    rows = _bucket_rows(name)
+    wait, wait_one = (statistics.median(row[k] for row in rows) for k in (0, 1))
+    gained = [row[3] - row[2] for row in rows]
+    return (f"K-FAC waited {wait:.1f} ms a step for the gradients' allreduce with its statistics in buckets of the "
+            f"default cap, against {wait_one:.1f} ms with one bucket, and its step was {statistics.median(gained):.0f} "
+            f"ms shorter (shorter in {sum(g > 0 for g in gained)} of {len(rows)} rounds; medians, slowest rank)")
+
+
 FIGURES = {"phases.2x1": lambda: _table("kfac_phases_2x1"), "phases.2x1.yield": lambda: _yield("kfac_phases_2x1"),
            "phases.2x1.malloc": lambda: _malloc("kfac_phases_2x1"),
+           "phases.2x1.buckets": lambda: _buckets("kfac_phases_2x1_buckets"),
+           "phases.2x1.buckets.short": lambda: _buckets_short("kfac_phases_2x1_buckets"),
            "phases.2x2": lambda: _table("kfac_phases_2x2"),
            "phases.2x1.torch": lambda: _table("kfac_phases_2x1_torch"),
            "phases.2x2.torch": lambda: _table("kfac_phases_2x2_torch"),

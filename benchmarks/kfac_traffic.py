@@ -306,7 +306,8 @@ def step_seconds(model: AlphaBeta, layers: Layers, world: int, fraction: float, 
     counts = 0.0
     if factor_bytes != FP32 and world > 1:
         counts = math.ceil(math.log2(world)) * (model.alpha + 2 * len(layers.a_dims) * FP32 / model.bandwidth)
-    # The per-layer factors travel in buckets that Horovod (or DDP-like bucketing) runs as one ring.
+    # The per-layer factors travel in buckets, priced as one ring of all their bytes: the buckets' own latencies
+    # overlap backward (kfac.exchange starts each as soon as backward has passed its layers).
     return dict(gradients=model.ring_seconds(layers.parameters * FP32, world),
                 factors=(model.ring_seconds(factors, world) + counts) / factor_every,
                 decompositions=shared["decompositions"] / inverse_every, directions=shared["directions"])

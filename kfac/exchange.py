@@ -2,9 +2,11 @@
 
 Each layer's statistics of a step (summed over its backward passes) are packed into one flat buffer
 (BatchStatistics.pack). Consecutive layers travel together in one sum-allreduce of up to ``bucket_cap_mb``
-megabytes, so that a deterministic Horovod run, which fuses nothing, does not pay one collective per layer.
+megabytes, so that small layers do not pay one collective each (a deterministic Horovod run fuses nothing).
 A bucket starts as soon as backward has given all its layers their last pass, overlapping the rest of
 backward, and buckets start strictly in order, so every rank issues the same collectives in the same order.
+The cap is small (0.25 MB by default): a bucket that held a model's whole statistics would start only when
+backward ends, and under Horovod the last gradients would queue behind it.
 
 With ``wire`` bfloat16 the sums travel in that precision, and the counts (integers bfloat16 cannot hold
 exactly) travel apart in the statistics' own precision, in one small allreduce with the last bucket, so the

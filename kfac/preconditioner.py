@@ -104,8 +104,9 @@ class KFACPreconditioner:
             position an example) or 'reduce' (K-FAC-reduce: positions summed per example first, so A's
             statistics cost N·D² instead of N·positions·D²; docs/kfac.md).
         bucket_cap_mb: factor statistics of consecutive layers travel in one allreduce of up to this
-            many megabytes (started as soon as backward has reached all of them), so a deterministic
-            Horovod run, which fuses nothing, does not pay one collective per layer.
+            many megabytes, started as soon as backward has reached all of them. Small: above a few hundred
+            kilobytes an allreduce's time is mostly its bytes, so a larger bucket saves little latency and only
+            starts later, after more of backward (docs/kfac.md, "Distribution"); tiny layers still share one.
         tf32: on CUDA, the factor statistics' float32 products in TF32 with float32 accumulation (the GPU's
             matrix units; each factor within about 1e-3 relative, inside the estimate's own noise), and with
             method 'newton' its first steps too; the solve and the preconditioning stay IEEE float32. Off by
@@ -144,7 +145,7 @@ class KFACPreconditioner:
         cpu_eigen_limit: int = 512,
         comm_dtype: torch.dtype | None = None,
         factor_comm_dtype: torch.dtype | None = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = 0.25,
         conv_approximation: str = "expand",
         tf32: bool = False,
         statistics_dtype: torch.dtype | None = None,
