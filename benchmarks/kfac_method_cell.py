@@ -317,6 +317,7 @@ SWEEP = "kfac_preset_sweep_1host"  # single changes to the preset, one host, eac
 YIELDING = "kfac_methods_2x1_yield"  # the preset beside Muon with Open MPI yielding while it waits (seeds 0-5)
 MEMORY_KEPT = "kfac_methods_2x1_malloc"  # the same round with freed blocks of every size kept (hpcdl.runtime.allocator)
 NHWC = "kfac_methods_2x1_nhwc"  # the same round with both models in NHWC (--channels-last auto on a CPU)
+BUCKETS = "kfac_methods_2x1_buckets"  # the same round with K-FAC's statistics in buckets of 0.25 MB (kfac.exchange)
 
 
 def _sweep() -> str:
@@ -379,7 +380,10 @@ FIGURES = {"methods.cell.table": _cell_table, "methods.cell.short": _cell_short,
            "methods.2x1.malloc.short": lambda: _two_by_one_short(MEMORY_KEPT),
            "methods.2x1.nhwc.table": lambda: _two_by_one_table(NHWC),
            "methods.2x1.nhwc.seeds": lambda: _every_step_seeds(NHWC),
-           "methods.2x1.nhwc.short": lambda: _two_by_one_short(NHWC)}
+           "methods.2x1.nhwc.short": lambda: _two_by_one_short(NHWC),
+           "methods.2x1.buckets.table": lambda: _two_by_one_table(BUCKETS),
+           "methods.2x1.buckets.seeds": lambda: _every_step_seeds(BUCKETS),
+           "methods.2x1.buckets.short": lambda: _two_by_one_short(BUCKETS)}
 
 
 if __name__ == "__main__":
