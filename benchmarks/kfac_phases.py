@@ -17,7 +17,9 @@ yield, hpcdl.runtime.world): what that choice is worth where no core is spare. `
 with glibc's malloc at its defaults (``HPCDL_MALLOC_TUNING=0``; hpcdl.train keeps freed memory,
 hpcdl.runtime.allocator): what the page faults of re-mapped activation buffers cost. ``--one-bucket`` adds K-FAC
 again with all its factor statistics in one bucket (``bucket_cap_mb`` 25, kfac/'s earlier default, through the
-``--kfac-impl kfac_phases:one_bucket`` plugin): what starting the buckets during backward saves.
+``--kfac-impl kfac_phases:one_bucket`` plugin): what starting the buckets during backward saves. ``--rounds N``
+runs the whole plan N times, for effects smaller than one machine's spread between runs: every round's phases are
+kept, the traces and the plot are the first round's.
 """
 
 from __future__ import annotations
