@@ -56,9 +56,9 @@ def earlier_preset() -> list[str]:
 
 SPINNING = {"OMPI_MCA_mpi_yield_when_idle": "0"}  # Open MPI's own default where it counts no more ranks than slots
 MALLOC_DEFAULT = {"HPCDL_MALLOC_TUNING": "0"}  # glibc's malloc as it comes: large blocks mapped and unmapped each time
-
-
 ONE_BUCKET = ["--kfac-impl", "kfac_phases:one_bucket"]  # its run gets this folder on PYTHONPATH
+
+
 Plan = dict[str, tuple[list[str], dict[str, str]]]
 
 

@@ -41,6 +41,11 @@ def buckets(sizes: Sequence[int], cap: float) -> list[list[int]]:
     return result
 
 
+def layer_buckets(layers: Sequence[KFACLayer], cap_mb: float) -> list[list[int]]:
+    """The buckets of these layers' packed statistics (in the layers' precision) at a cap of ``cap_mb`` megabytes."""
+    return buckets([packed_size(layer) * layer.dtype.itemsize for layer in layers], cap_mb * 2**20)
+
+
 def packed_size(layer: KFACLayer) -> int:
     """Elements of a layer's packed statistics: the upper triangles of A and G, then their two counts."""
     return upper_size(layer.a_dim) + upper_size(layer.g_dim) + 2
@@ -61,8 +66,7 @@ class StatisticsExchange:
                              f"{type(comm).__name__} cannot (use torch.distributed's)")
         self.comm, self.layers, self.passes, self.wire = comm, list(layers), passes, wire
         self.collectives = collectives  # the preconditioner's counters, by kind
-        self.buckets = buckets([packed_size(layer) * layer.dtype.itemsize for layer in self.layers],
-                               bucket_cap_mb * 2**20)
+        self.buckets = layer_buckets(self.layers, bucket_cap_mb)
         self._bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self._gathered: dict[int, BatchStatistics] = {}  # per layer, this step's statistics so far
         self._passes: dict[int, int] = defaultdict(int)

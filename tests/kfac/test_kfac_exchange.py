@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from hpcdl.training.models import MnistCNN
 from kfac import KFACPreconditioner
 from kfac.comm import Communicator, Group, Handle
-from kfac.exchange import StatisticsExchange, buckets, packed_size
+from kfac.exchange import StatisticsExchange, buckets, layer_buckets, packed_size
 from kfac.factors import BatchStatistics
 from kfac.layers import KFACLayer, find_layers
 from tests.support.backends import HOROVOD
@@ -79,12 +79,12 @@ def test_the_default_cap_sends_the_largest_statistics_while_backward_still_runs(
     bucket without the convolutions, as soon as backward has passed it; with all four layers in one bucket (the
     earlier cap, 25 MB) it would leave only when backward ends, and under Horovod the last gradients queue behind."""
     layers = find_layers(MnistCNN(), (), "expand")  # conv1, conv2, fc1, fc2
-    sizes = [packed_size(layer) * layer.dtype.itemsize for layer in layers]
+    sizes = [packed_size(layer) for layer in layers]
     default = inspect.signature(KFACPreconditioner).parameters["bucket_cap_mb"].default
     assert sizes[2] > sum(sizes) / 2
-    split = buckets(sizes, default * 2**20)
+    split = layer_buckets(layers, default)
     assert next(b for b in split if 2 in b) == [2] and sum(split, []) == [3, 2, 1, 0]
-    assert buckets(sizes, 25 * 2**20) == [[3, 2, 1, 0]]
+    assert layer_buckets(layers, 25.0) == [[3, 2, 1, 0]]
 
 
 def test_buckets_are_consecutive_layers_from_the_last_within_the_cap() -> None:
